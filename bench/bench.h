@@ -1,0 +1,246 @@
+/* linmoe benchmark harness: warm up, repeat, take the median; print a table row per
+ * measurement and collect JSON records
+ *   {name, shape, ms, tokens_per_s, gflops, ratio_to_limit, ratio_to_peer}
+ * (CONVENTIONS.md "Benchmarks") under a top-level object {bench, threads, date, records}.
+ *
+ * Header-only (static inline) so that every bench source shares it without another
+ * translation unit. What it does not do: measure anything by itself (each bench
+ * measures its own limit, e.g. sgemm on the same threads), or pick threads.
+ */
+#ifndef LINMOE_BENCH_H
+#define LINMOE_BENCH_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "linmoe/core.h"
+
+/* Options every `linmoe bench TARGET` takes (parsed by tools/linmoe.c). */
+typedef struct {
+    int threads;           /* > 0; the CLI defaults it to the number of cores */
+    int quick;             /* fewer repeats (smoke runs) */
+    const char *json_path; /* NULL: no JSON file */
+} lm_bench_opts;
+
+/* `linmoe bench kda` (bench/bench_kda.c). Returns an exit code (0 ok, 1 failure). */
+int lm_bench_kda(const lm_bench_opts *opts);
+
+/* ---------------------------------------------------------------- timing */
+
+/* The measured callable: returns 0 on success, non-zero to abort the measurement. */
+typedef int (*lm_bench_fn)(void *ctx);
+
+typedef struct {
+    double median_ms, min_ms, max_ms;
+    int n;      /* timed repeats */
+    int failed; /* the callable returned non-zero */
+} lm_bench_timing;
+
+static inline int lm_bench_cmp_double_(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Median of a[0..n) (sorts a in place); NAN when n == 0. */
+static inline double lm_bench_median(double *a, int n) {
+    if (n <= 0) return NAN;
+    qsort(a, (size_t)n, sizeof(double), lm_bench_cmp_double_);
+    return (n % 2) ? a[n / 2] : 0.5 * (a[n / 2 - 1] + a[n / 2]);
+}
+
+/* Run fn `warmup` times untimed, then `repeat` (>= 1) times timed, one call each. */
+static inline lm_bench_timing lm_bench_time(lm_bench_fn fn, void *ctx, int warmup, int repeat) {
+    lm_bench_timing t = {NAN, NAN, NAN, 0, 0};
+    if (repeat < 1) repeat = 1;
+    for (int i = 0; i < warmup; i++)
+        if (fn(ctx) != 0) {
+            t.failed = 1;
+            return t;
+        }
+    double *ms = (double *)malloc((size_t)repeat * sizeof(double));
+    if (!ms) {
+        t.failed = 1;
+        return t;
+    }
+    for (int i = 0; i < repeat; i++) {
+        double t0 = lm_time_sec();
+        int rc = fn(ctx);
+        double t1 = lm_time_sec();
+        if (rc != 0) {
+            t.failed = 1;
+            free(ms);
+            return t;
+        }
+        ms[i] = (t1 - t0) * 1e3;
+    }
+    t.n = repeat;
+    t.median_ms = lm_bench_median(ms, repeat); /* sorts */
+    t.min_ms = ms[0];
+    t.max_ms = ms[repeat - 1];
+    free(ms);
+    return t;
+}
+
+/* ---------------------------------------------------------------- records */
+
+typedef struct {
+    char name[96];
+    int ndim;
+    int64_t shape[LM_MAX_DIMS];
+    double ms;             /* median wall time of one call */
+    double tokens_per_s;   /* NAN: not applicable (written as null) */
+    double gflops;         /* 1e9 FLOP/s by the pinned FLOP count */
+    double ratio_to_limit; /* gflops / limit gflops */
+    double ratio_to_peer;  /* NAN: no peer measured in this run (null) */
+} lm_bench_record;
+
+static inline void lm_bench_record_init(lm_bench_record *r, const char *name, int ndim,
+                                        const int64_t *shape) {
+    memset(r, 0, sizeof(*r));
+    snprintf(r->name, sizeof(r->name), "%s", name);
+    r->ndim = ndim < 0 ? 0 : (ndim > LM_MAX_DIMS ? LM_MAX_DIMS : ndim);
+    for (int i = 0; i < r->ndim; i++) r->shape[i] = shape[i];
+    r->ms = r->tokens_per_s = r->gflops = r->ratio_to_limit = r->ratio_to_peer = NAN;
+}
+
+/* ---------------------------------------------------------------- table */
+
+static inline void lm_bench_table_header(FILE *f) {
+    fprintf(f, "%-34s %-20s %10s %13s %9s %8s\n", "name", "shape", "ms", "tokens/s", "GFLOP/s",
+            "limit");
+    fprintf(f, "%-34s %-20s %10s %13s %9s %8s\n", "----", "-----", "--", "--------", "-------",
+            "-----");
+}
+
+static inline void lm_bench_fmt_shape(char *buf, size_t size, int ndim, const int64_t *shape) {
+    size_t used = 0;
+    int n = snprintf(buf, size, "[");
+    used = n > 0 ? (size_t)n : 0;
+    for (int i = 0; i < ndim && used < size; i++) {
+        n = snprintf(buf + used, size - used, "%s%lld", i ? "," : "", (long long)shape[i]);
+        if (n < 0) break;
+        used += (size_t)n;
+    }
+    if (used < size) snprintf(buf + used, size - used, "]");
+}
+
+static inline void lm_bench_table_row(FILE *f, const lm_bench_record *r) {
+    char shp[64], tps[32];
+    lm_bench_fmt_shape(shp, sizeof(shp), r->ndim, r->shape);
+    if (isnan(r->tokens_per_s))
+        snprintf(tps, sizeof(tps), "-");
+    else
+        snprintf(tps, sizeof(tps), "%.0f", r->tokens_per_s);
+    fprintf(f, "%-34s %-20s %10.3f %13s %9.2f %8.3f\n", r->name, shp, r->ms, tps, r->gflops,
+            r->ratio_to_limit);
+    fflush(f);
+}
+
+/* ---------------------------------------------------------------- JSON */
+
+typedef struct {
+    cJSON *root;    /* {bench, threads, date, records: [...]} */
+    cJSON *records; /* owned by root */
+} lm_bench_json;
+
+/* ISO-8601 UTC time of now, e.g. "2025-01-31T12:00:00Z". */
+static inline void lm_bench_date(char *buf, size_t size) {
+    time_t now = time(NULL);
+    struct tm tmv;
+    if (gmtime_r(&now, &tmv) == NULL || strftime(buf, size, "%Y-%m-%dT%H:%M:%SZ", &tmv) == 0)
+        snprintf(buf, size, "unknown");
+}
+
+/* Returns 0 on success, -1 when out of memory. */
+static inline int lm_bench_json_init(lm_bench_json *j, const char *bench, int threads) {
+    char date[64];
+    lm_bench_date(date, sizeof(date));
+    j->root = cJSON_CreateObject();
+    j->records = NULL;
+    if (!j->root) return -1;
+    if (!cJSON_AddStringToObject(j->root, "bench", bench) ||
+        !cJSON_AddNumberToObject(j->root, "threads", threads) ||
+        !cJSON_AddStringToObject(j->root, "date", date) ||
+        !(j->records = cJSON_AddArrayToObject(j->root, "records"))) {
+        cJSON_Delete(j->root);
+        j->root = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+static inline cJSON *lm_bench_json_number_or_null_(cJSON *obj, const char *key, double v) {
+    if (isnan(v) || isinf(v)) return cJSON_AddNullToObject(obj, key);
+    return cJSON_AddNumberToObject(obj, key, v);
+}
+
+/* Returns 0 on success, -1 when out of memory. */
+static inline int lm_bench_json_add(lm_bench_json *j, const lm_bench_record *r) {
+    cJSON *o = cJSON_CreateObject();
+    if (!o) return -1;
+    int ok = cJSON_AddStringToObject(o, "name", r->name) != NULL;
+    cJSON *shape = ok ? cJSON_AddArrayToObject(o, "shape") : NULL;
+    ok = ok && shape != NULL;
+    for (int i = 0; ok && i < r->ndim; i++) {
+        cJSON *d = cJSON_CreateNumber((double)r->shape[i]);
+        ok = d != NULL && cJSON_AddItemToArray(shape, d);
+        if (!ok) cJSON_Delete(d); /* NULL-safe */
+    }
+    ok = ok && lm_bench_json_number_or_null_(o, "ms", r->ms) &&
+         lm_bench_json_number_or_null_(o, "tokens_per_s", r->tokens_per_s) &&
+         lm_bench_json_number_or_null_(o, "gflops", r->gflops) &&
+         lm_bench_json_number_or_null_(o, "ratio_to_limit", r->ratio_to_limit) &&
+         lm_bench_json_number_or_null_(o, "ratio_to_peer", r->ratio_to_peer);
+    if (!ok || !cJSON_AddItemToArray(j->records, o)) {
+        cJSON_Delete(o);
+        return -1;
+    }
+    return 0;
+}
+
+/* Write the JSON to `path` via "<path>.tmp.<pid>" + rename, so a failed run never
+ * leaves a half-written file. Returns 0 on success, -1 (with a message on stderr). */
+static inline int lm_bench_json_save(const lm_bench_json *j, const char *path) {
+    char *text = cJSON_Print(j->root);
+    if (!text) {
+        fprintf(stderr, "%s: out of memory printing JSON\n", path);
+        return -1;
+    }
+    size_t plen = strlen(path) + 32;
+    char *tmp = (char *)malloc(plen);
+    if (!tmp) {
+        free(text);
+        fprintf(stderr, "%s: out of memory\n", path);
+        return -1;
+    }
+    snprintf(tmp, plen, "%s.tmp.%ld", path, (long)getpid());
+    FILE *f = fopen(tmp, "wb");
+    int ok = f != NULL;
+    if (ok) {
+        size_t n = strlen(text);
+        ok = fwrite(text, 1, n, f) == n && fputc('\n', f) != EOF;
+        ok = (fclose(f) == 0) && ok;
+    }
+    ok = ok && rename(tmp, path) == 0;
+    if (!ok) {
+        perror(path);
+        remove(tmp);
+    }
+    free(tmp);
+    free(text);
+    return ok ? 0 : -1;
+}
+
+static inline void lm_bench_json_free(lm_bench_json *j) {
+    cJSON_Delete(j->root);
+    j->root = j->records = NULL;
+}
+
+#endif

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs the Debian/Ubuntu packages that linmoe's build and tests need.
+# Idempotent: when everything is already installed it prints nothing and changes
+# nothing. Runs apt-get directly as root, through sudo otherwise (non-interactive
+# sudo when there is no terminal, e.g. in CI).
+set -euo pipefail
+
+pkgs=(build-essential cmake pkg-config libopenblas-dev libcjson-dev libpcre2-dev libcmocka-dev)
+
+if ! command -v dpkg-query >/dev/null 2>&1; then
+    echo "install-deps: dpkg-query not found; this script supports Debian/Ubuntu." >&2
+    echo "install-deps: install these (or your distribution's equivalents) yourself: ${pkgs[*]}" >&2
+    exit 1
+fi
+
+missing=()
+for p in "${pkgs[@]}"; do
+    status=$(dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null || true)
+    [[ "$status" == ii* ]] || missing+=("$p")
+done
+[[ ${#missing[@]} -eq 0 ]] && exit 0
+
+sudo_cmd=()
+if [[ $(id -u) -ne 0 ]]; then
+    if ! command -v sudo >/dev/null 2>&1; then
+        echo "install-deps: missing packages: ${missing[*]}" >&2
+        echo "install-deps: not root and sudo is not available; install them as root." >&2
+        exit 1
+    fi
+    if [[ -t 0 ]]; then sudo_cmd=(sudo); else sudo_cmd=(sudo -n); fi
+fi
+
+echo "install-deps: installing ${missing[*]}" >&2
+apt_env=(env DEBIAN_FRONTEND=noninteractive)
+${sudo_cmd[@]+"${sudo_cmd[@]}"} "${apt_env[@]}" apt-get update -qq
+${sudo_cmd[@]+"${sudo_cmd[@]}"} "${apt_env[@]}" apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}"

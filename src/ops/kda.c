@@ -1,0 +1,187 @@
+/* KDA/GDN op: configuration defaults, validation of every input before any math,
+ * the recurrent (token-by-token) forward that is also the decode step, and the
+ * forward-only dispatcher. The chunked kernels are in cpu/kda_chunk.c. */
+#include "linmoe/kda.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "ops/cpu/kda_cpu.h"
+
+void lm_kda_config_default(lm_kda_config *c, int B, int T, int H, int HV, int K, int V) {
+    memset(c, 0, sizeof(*c));
+    c->kind = LM_KDA;
+    c->B = B, c->T = T, c->H = H, c->HV = HV, c->K = K, c->V = V;
+    c->N = B;
+    c->gate = LM_GATE_NONE;
+    c->scale = K > 0 ? (float)(1.0 / sqrt((double)K)) : 1.0f;
+    c->chunk_size = 64;
+    c->diag = LM_DIAG_AUTO;
+}
+
+static lm_status check_finite(const float *x, int64_t n, const char *name, lm_error *err) {
+    if (!x) return LM_OK;
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(x[i]))
+            return lm_errorf(err, LM_ERR_INVALID, "kda: input '%s' has a non-finite value (%g) at element %lld",
+                             name, (double)x[i], (long long)i);
+    return LM_OK;
+}
+
+lm_status lm_kda_validate(lm_kda_config *c, const lm_kda_inputs *in, lm_error *err) {
+    if (!c || !in) return lm_errorf(err, LM_ERR_INVALID, "kda: config and inputs are required");
+    const char *dn[] = {"B", "T", "H", "HV", "K", "V"};
+    int dv[] = {c->B, c->T, c->H, c->HV, c->K, c->V};
+    for (int i = 0; i < 6; i++)
+        if (dv[i] < 1)
+            return lm_errorf(err, LM_ERR_INVALID, "kda: dimension %s = %d must be >= 1", dn[i], dv[i]);
+    if (c->K > 1024 || c->V > 1024)
+        return lm_errorf(err, LM_ERR_INVALID, "kda: head dims K = %d, V = %d exceed the supported 1024", c->K, c->V);
+    if (c->HV % c->H != 0)
+        return lm_errorf(err, LM_ERR_INVALID, "kda: HV = %d value heads is not a multiple of H = %d q/k heads",
+                         c->HV, c->H);
+    if ((int64_t)c->B * c->T * c->HV * (c->K > c->V ? c->K : c->V) > ((int64_t)1 << 40))
+        return lm_errorf(err, LM_ERR_INVALID, "kda: problem too large (B*T*HV*D > 2^40)");
+    if (c->kind != LM_KDA && c->kind != LM_GDN)
+        return lm_errorf(err, LM_ERR_INVALID, "kda: unknown kind %d", (int)c->kind);
+    if (c->chunk_size != 16 && c->chunk_size != 32 && c->chunk_size != 64)
+        return lm_errorf(err, LM_ERR_INVALID, "kda: chunk_size = %d (must be 16, 32 or 64)", c->chunk_size);
+    if (c->gate != LM_GATE_NONE && c->gate != LM_GATE_SOFTPLUS && c->gate != LM_GATE_BOUNDED)
+        return lm_errorf(err, LM_ERR_INVALID, "kda: unknown gate mode %d", (int)c->gate);
+    if (c->diag != LM_DIAG_AUTO && c->diag != LM_DIAG_SHARED && c->diag != LM_DIAG_SAFE)
+        return lm_errorf(err, LM_ERR_INVALID, "kda: unknown diag path %d", (int)c->diag);
+    if (!isfinite(c->scale))
+        return lm_errorf(err, LM_ERR_INVALID, "kda: scale = %g is not finite", (double)c->scale);
+    if (c->has_lower_bound && !(c->lower_bound >= -5.0f && c->lower_bound < 0.0f))
+        return lm_errorf(err, LM_ERR_INVALID, "kda: lower_bound = %g is outside [-5, 0)", (double)c->lower_bound);
+    if (c->gate == LM_GATE_BOUNDED && !c->has_lower_bound)
+        return lm_errorf(err, LM_ERR_INVALID, "kda: gate 'bounded' requires lower_bound");
+    if (c->diag == LM_DIAG_SHARED && !(c->gate == LM_GATE_BOUNDED || (c->gate == LM_GATE_NONE && c->has_lower_bound)))
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "kda: diag 'shared' needs a bounded log-decay (gate 'bounded', or gate 'none' with "
+                         "lower_bound); gate is '%s'", c->gate == LM_GATE_SOFTPLUS ? "softplus" : "none");
+    if (!in->q || !in->k || !in->v || !in->g || !in->beta)
+        return lm_errorf(err, LM_ERR_INVALID, "kda: inputs q, k, v, g and beta are required");
+
+    /* sequences */
+    if (c->cu_seqlens) {
+        if (c->B != 1)
+            return lm_errorf(err, LM_ERR_INVALID, "kda: cu_seqlens needs B == 1 (packed), got B = %d", c->B);
+        if (c->n_cu_seqlens < 2)
+            return lm_errorf(err, LM_ERR_INVALID, "kda: cu_seqlens has %d entries (need >= 2)", c->n_cu_seqlens);
+        if (c->cu_seqlens[0] != 0)
+            return lm_errorf(err, LM_ERR_INVALID, "kda: cu_seqlens[0] = %lld (must be 0)",
+                             (long long)c->cu_seqlens[0]);
+        for (int i = 1; i < c->n_cu_seqlens; i++)
+            if (c->cu_seqlens[i] < c->cu_seqlens[i - 1])
+                return lm_errorf(err, LM_ERR_INVALID, "kda: cu_seqlens decreases at index %d (%lld < %lld)", i,
+                                 (long long)c->cu_seqlens[i], (long long)c->cu_seqlens[i - 1]);
+        if (c->cu_seqlens[c->n_cu_seqlens - 1] != c->T)
+            return lm_errorf(err, LM_ERR_INVALID, "kda: cu_seqlens ends at %lld, not at T = %d",
+                             (long long)c->cu_seqlens[c->n_cu_seqlens - 1], c->T);
+        c->N = c->n_cu_seqlens - 1;
+    } else {
+        c->N = c->B;
+    }
+
+    const int64_t BT = (int64_t)c->B * c->T;
+    const int64_t ng = c->kind == LM_KDA ? BT * c->HV * c->K : BT * c->HV;
+    LM_TRY(check_finite(in->q, BT * c->H * c->K, "q", err));
+    LM_TRY(check_finite(in->k, BT * c->H * c->K, "k", err));
+    LM_TRY(check_finite(in->v, BT * c->HV * c->V, "v", err));
+    LM_TRY(check_finite(in->g, ng, "g", err));
+    LM_TRY(check_finite(in->beta, BT * c->HV, "beta", err));
+    LM_TRY(check_finite(in->A_log, c->HV, "A_log", err));
+    LM_TRY(check_finite(in->dt_bias, c->kind == LM_KDA ? (int64_t)c->HV * c->K : c->HV, "dt_bias", err));
+    if (!c->trusted_state)
+        LM_TRY(check_finite(in->initial_state, (int64_t)c->N * c->HV * c->K * c->V, "initial_state", err));
+    if (c->gate == LM_GATE_NONE) {
+        for (int64_t i = 0; i < ng; i++) {
+            if (in->g[i] > 0.0f)
+                return lm_errorf(err, LM_ERR_INVALID,
+                                 "kda: gate 'none' takes g as the log-decay, which must be <= 0; g[%lld] = %g",
+                                 (long long)i, (double)in->g[i]);
+            if (c->has_lower_bound && in->g[i] < c->lower_bound)
+                return lm_errorf(err, LM_ERR_INVALID,
+                                 "kda: gate 'none' with lower_bound = %g promises g >= lower_bound for the "
+                                 "shared-matmul path, but g[%lld] = %g (drop lower_bound to use the safe path)",
+                                 (double)c->lower_bound, (long long)i, (double)in->g[i]);
+        }
+    }
+    return LM_OK;
+}
+
+lm_status lm_kda_recurrent_forward(lm_kda_config *c, const lm_kda_inputs *in, lm_kda_outputs *out,
+                                   lm_error *err) {
+    LM_TRY(lm_kda_validate(c, in, err));
+    if (!out || !out->o) return lm_errorf(err, LM_ERR_INVALID, "kda: output 'o' is required");
+    lm_kda_prep p;
+    LM_TRY(lm_kda_prep_forward(c, in, &p));
+    const int K = c->K, V = c->V, H = c->H, HV = c->HV, grp = HV / H;
+    const int ntask = c->N * HV;
+#pragma omp parallel
+    {
+        float *local = out->final_state ? NULL : LM_MALLOC(sizeof(float) * (size_t)K * V);
+        float *pv = LM_MALLOC(sizeof(float) * (size_t)V * 2);
+        float *u = pv + V;
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < ntask; task++) {
+            int n = task / HV, hv = task % HV, h = hv / grp;
+            float *S = out->final_state ? out->final_state + (size_t)task * K * V : local;
+            const float *S0 = in->initial_state ? in->initial_state + (size_t)task * K * V : NULL;
+            if (!S0)
+                memset(S, 0, sizeof(float) * (size_t)K * V);
+            else if (S0 != S)
+                memcpy(S, S0, sizeof(float) * (size_t)K * V);
+            for (int64_t t = p.bos[n]; t < p.bos[n] + p.len[n]; t++) {
+                const float *q = p.qs + (t * H + h) * K, *k = p.kn + (t * H + h) * K;
+                const float *g = p.gk + (t * HV + hv) * K, *v = in->v + (t * HV + hv) * V;
+                const float b = p.beta[t * HV + hv];
+                float *o = out->o + (t * HV + hv) * V;
+                /* pass 1: decay rows, p = S^T k */
+                for (int j = 0; j < V; j++) pv[j] = 0.0f;
+                for (int d = 0; d < K; d++) {
+                    float e = lm_fexp(g[d]), kd = k[d];
+                    float *row = S + (size_t)d * V;
+                    for (int j = 0; j < V; j++) {
+                        row[j] *= e;
+                        pv[j] += kd * row[j];
+                    }
+                }
+                for (int j = 0; j < V; j++) u[j] = b * (v[j] - pv[j]);
+                /* pass 2: rank-1 update, o = S^T q */
+                for (int j = 0; j < V; j++) o[j] = 0.0f;
+                for (int d = 0; d < K; d++) {
+                    float kd = k[d], qd = q[d];
+                    float *row = S + (size_t)d * V;
+                    for (int j = 0; j < V; j++) {
+                        row[j] += kd * u[j];
+                        o[j] += qd * row[j];
+                    }
+                }
+            }
+        }
+        free(pv);
+        free(local);
+    }
+    lm_kda_prep_free(&p);
+    return LM_OK;
+}
+
+/* Crossover between the recurrent and chunked forward, from `linmoe bench kda`
+ * (docs/perf-notes.md): the chunked path wins once a sequence spans a few chunks. */
+#define LM_KDA_RECURRENT_MAX_LEN 32
+
+lm_status lm_kda_forward(lm_kda_config *c, const lm_kda_inputs *in, lm_kda_outputs *out,
+                         lm_error *err) {
+    int64_t maxlen = c->T;
+    if (c->cu_seqlens && c->n_cu_seqlens >= 2) {
+        maxlen = 0;
+        for (int i = 1; i < c->n_cu_seqlens; i++) {
+            int64_t l = c->cu_seqlens[i] - c->cu_seqlens[i - 1];
+            maxlen = l > maxlen ? l : maxlen;
+        }
+    }
+    if (maxlen <= LM_KDA_RECURRENT_MAX_LEN) return lm_kda_recurrent_forward(c, in, out, err);
+    return lm_kda_chunk_forward(c, in, out, err);
+}

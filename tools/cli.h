@@ -1,0 +1,23 @@
+/* linmoe CLI internals: the entry points that tools/linmoe.c dispatches to once the
+ * flags are parsed. Not a public API (nothing outside tools/ and bench/ uses it).
+ *
+ * Exit codes shared by every subcommand:
+ *   0  success
+ *   1  bad input (a file, tensor, attribute or value is wrong) or an I/O failure
+ *   2  usage error (unknown subcommand or flag, missing flag value)
+ */
+#ifndef LINMOE_TOOLS_CLI_H
+#define LINMOE_TOOLS_CLI_H
+
+#include "linmoe/kda.h"
+
+#define LM_EXIT_OK 0
+#define LM_EXIT_BAD_INPUT 1
+#define LM_EXIT_USAGE 2
+
+/* `linmoe op kda|gdn --in IN --out OUT` on the CPU (tools/op_kda.c). Reads IN,
+ * validates it, runs the op (and its backward when IN holds `do` or `dht`), writes
+ * OUT atomically. Messages go to stderr, prefixed with `prog`. Returns an exit code. */
+int lm_cli_op_kda(const char *prog, lm_kda_kind kind, const char *in_path, const char *out_path);
+
+#endif

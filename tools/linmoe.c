@@ -1,0 +1,291 @@
+/* linmoe — the command-line front end (DESIGN.md "The CLI").
+ *
+ * Thin: parses flags and calls the library (op runner in tools/op_kda.c, benchmarks
+ * in bench/). No math here. Subcommands so far: op, bench, version, help; the others
+ * listed in DESIGN.md arrive with their issues.
+ *
+ * Exit codes: 0 success, 1 bad input / failure, 2 usage error (tools/cli.h).
+ */
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+#include "cli.h"
+#include "linmoe/core.h"
+
+#define LINMOE_VERSION "0.1.0"
+
+static const char *g_prog = "linmoe";
+
+/* ---------------------------------------------------------------- help texts */
+
+static void usage_main(FILE *f) {
+    fprintf(f,
+            "usage: %s <subcommand> [options]\n"
+            "\n"
+            "subcommands:\n"
+            "  op       run one op on tensors from a safetensors file (kda, gdn)\n"
+            "  bench    benchmark kernels against the sgemm limit (kda)\n"
+            "  version  print the version\n"
+            "  help     print this help, or `help SUBCOMMAND` for one subcommand\n"
+            "\n"
+            "Every subcommand takes --help. train, eval, generate, tokenize, plot,\n"
+            "balance-sim and info arrive with their issues.\n",
+            g_prog);
+}
+
+static void usage_op(FILE *f) {
+    fprintf(f,
+            "usage: %s op kda|gdn --in IN.safetensors --out OUT.safetensors [--device cpu|cuda]\n"
+            "\n"
+            "Runs KDA (per-channel gate) or GDN (per-head gate) on the tensors in IN and writes\n"
+            "the results to OUT (F32, written to a temporary name and renamed: an existing OUT\n"
+            "is left intact when the run fails).\n"
+            "\n"
+            "IN tensors (F32, F64 or BF16; shapes row-major):\n"
+            "  q [B,T,H,K]  k [B,T,H,K]  v [B,T,HV,V]  beta [B,T,HV]          required\n"
+            "  g            KDA: [B,T,HV,K]   GDN: [B,T,HV]                    required\n"
+            "  A_log [HV]   dt_bias  KDA: [HV*K]  GDN: [HV]                    optional (gates)\n"
+            "  initial_state [N,HV,K,V]   cu_seqlens [N+1] (I64 or I32, B == 1) optional\n"
+            "  do [B,T,HV,V]   dht [N,HV,K,V]     upstream gradients; either one runs backward\n"
+            "IN __metadata__ (strings):\n"
+            "  gate = none|softplus|bounded (none)    lower_bound (in [-5, 0))\n"
+            "  scale (K^-0.5)    chunk_size = 16|32|64 (64)    diag = auto|shared|safe (auto)\n"
+            "  use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel = true|false (false)\n"
+            "OUT tensors: o [B,T,HV,V], final_state [N,HV,K,V]; with do/dht also the gradients\n"
+            "  of sum(o*do) + sum(final_state*dht): dq dk dv dg dbeta, dh0 (with initial_state),\n"
+            "  dA_log and ddt_bias (with those inputs).\n"
+            "\n"
+            "options:\n"
+            "  --in FILE      input safetensors file (required)\n"
+            "  --out FILE     output safetensors file (required)\n"
+            "  --device D     cpu (default) or cuda (not built yet)\n"
+            "  --help         this help\n"
+            "\n"
+            "exit status: 0 success, 1 bad input, 2 usage error\n",
+            g_prog);
+}
+
+static void usage_bench(FILE *f) {
+    fprintf(f,
+            "usage: %s bench kda [--json FILE] [--threads N] [--quick] [--device cpu|cuda]\n"
+            "\n"
+            "Measures the limit (OpenBLAS sgemm 2048x2048x2048 on the same threads) and then\n"
+            "the KDA recurrent forward, chunked forward and chunked forward+backward for the\n"
+            "bounded and the softplus gate at (B,T,H,D) = (1,4096,4,128) and (4,2048,4,64).\n"
+            "Prints a table (median of the repeats after one warmup) and the speed ratios.\n"
+            "\n"
+            "options:\n"
+            "  --json FILE    also write the records as JSON to FILE\n"
+            "  --threads N    threads for linmoe and OpenBLAS (default: number of cores)\n"
+            "  --quick        fewer repeats (smoke test; numbers are noisier)\n"
+            "  --device D     cpu (default) or cuda (not built yet)\n"
+            "  --help         this help\n",
+            g_prog);
+}
+
+static void usage_version(FILE *f) {
+    fprintf(f, "usage: %s version\n\nPrints the linmoe version.\n", g_prog);
+}
+
+/* ---------------------------------------------------------------- flag helpers */
+
+static int is_help(const char *a) {
+    return strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0;
+}
+
+/* Matches `--name VALUE` or `--name=VALUE` at argv[*i]. Returns 1 and sets *val
+ * (advancing *i past a separate value), 0 when argv[*i] is not this flag, and -1
+ * (after printing an error) when the value is missing. */
+static int flag_value(int argc, char **argv, int *i, const char *name, const char **val) {
+    const char *a = argv[*i];
+    size_t n = strlen(name);
+    if (strncmp(a, name, n) != 0) return 0;
+    if (a[n] == '=') {
+        *val = a + n + 1;
+        if (**val == '\0') goto missing;
+        return 1;
+    }
+    if (a[n] != '\0') return 0;
+    if (*i + 1 >= argc) goto missing;
+    *val = argv[++*i];
+    return 1;
+missing:
+    fprintf(stderr, "%s: option %s needs a value\n", g_prog, name);
+    return -1;
+}
+
+static int unknown_flag(const char *sub, const char *a) {
+    if (a[0] == '-')
+        fprintf(stderr, "%s %s: unknown option '%s' (see `%s %s --help`)\n", g_prog, sub, a, g_prog,
+                sub);
+    else
+        fprintf(stderr, "%s %s: unexpected argument '%s' (see `%s %s --help`)\n", g_prog, sub, a,
+                g_prog, sub);
+    return LM_EXIT_USAGE;
+}
+
+/* Returns 0 for cpu, LM_EXIT_USAGE for an unknown device, LM_EXIT_BAD_INPUT for cuda. */
+static int check_device(const char *sub, const char *dev) {
+    if (strcmp(dev, "cpu") == 0) return 0;
+    if (strcmp(dev, "cuda") == 0) {
+        fprintf(stderr, "%s %s: --device cuda: CUDA backend not built yet (arrives with the CUDA issue)\n",
+                g_prog, sub);
+        return LM_EXIT_BAD_INPUT;
+    }
+    fprintf(stderr, "%s %s: unknown device '%s' (expected cpu or cuda)\n", g_prog, sub, dev);
+    return LM_EXIT_USAGE;
+}
+
+/* ---------------------------------------------------------------- subcommands */
+
+static int cmd_op(int argc, char **argv) {
+    /* argv[0] == "op" */
+    if (argc < 2) {
+        fprintf(stderr, "%s op: missing op name (kda or gdn)\n", g_prog);
+        usage_op(stderr);
+        return LM_EXIT_USAGE;
+    }
+    for (int i = 1; i < argc; i++)
+        if (is_help(argv[i])) {
+            usage_op(stdout);
+            return LM_EXIT_OK;
+        }
+    const char *name = argv[1];
+    lm_kda_kind kind;
+    if (strcmp(name, "kda") == 0) {
+        kind = LM_KDA;
+    } else if (strcmp(name, "gdn") == 0) {
+        kind = LM_GDN;
+    } else {
+        fprintf(stderr, "%s op: unknown op '%s' (available: kda, gdn)\n", g_prog, name);
+        return LM_EXIT_USAGE;
+    }
+    const char *in = NULL, *out = NULL, *device = "cpu";
+    for (int i = 2; i < argc; i++) {
+        int r;
+        if ((r = flag_value(argc, argv, &i, "--in", &in)) != 0 ||
+            (r = flag_value(argc, argv, &i, "--out", &out)) != 0 ||
+            (r = flag_value(argc, argv, &i, "--device", &device)) != 0) {
+            if (r < 0) return LM_EXIT_USAGE;
+            continue;
+        }
+        return unknown_flag("op", argv[i]);
+    }
+    int rc = check_device("op", device);
+    if (rc != 0) return rc;
+    if (!in || !out) {
+        fprintf(stderr, "%s op %s: missing %s (see `%s op --help`)\n", g_prog, name,
+                !in ? "--in FILE" : "--out FILE", g_prog);
+        return LM_EXIT_USAGE;
+    }
+    char prog[64];
+    snprintf(prog, sizeof(prog), "%s op %s", g_prog, name);
+    return lm_cli_op_kda(prog, kind, in, out);
+}
+
+static int parse_threads(const char *s, int *out) {
+    char *end = NULL;
+    long v = strtol(s, &end, 10);
+    if (end == s || *end != '\0' || v < 1 || v > 4096) {
+        fprintf(stderr, "%s bench: --threads '%s' is not an integer in [1, 4096]\n", g_prog, s);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static int cmd_bench(int argc, char **argv) {
+    /* argv[0] == "bench" */
+    for (int i = 1; i < argc; i++)
+        if (is_help(argv[i])) {
+            usage_bench(stdout);
+            return LM_EXIT_OK;
+        }
+    if (argc < 2) {
+        fprintf(stderr, "%s bench: missing target (available: kda)\n", g_prog);
+        usage_bench(stderr);
+        return LM_EXIT_USAGE;
+    }
+    const char *target = argv[1];
+    if (strcmp(target, "kda") != 0) {
+        fprintf(stderr, "%s bench: unknown target '%s' (available: kda)\n", g_prog, target);
+        return LM_EXIT_USAGE;
+    }
+    lm_bench_opts o = {0, 0, NULL};
+    const char *device = "cpu", *threads = NULL;
+    for (int i = 2; i < argc; i++) {
+        int r;
+        if (strcmp(argv[i], "--quick") == 0) {
+            o.quick = 1;
+            continue;
+        }
+        if ((r = flag_value(argc, argv, &i, "--json", &o.json_path)) != 0 ||
+            (r = flag_value(argc, argv, &i, "--threads", &threads)) != 0 ||
+            (r = flag_value(argc, argv, &i, "--device", &device)) != 0) {
+            if (r < 0) return LM_EXIT_USAGE;
+            continue;
+        }
+        return unknown_flag("bench", argv[i]);
+    }
+    int rc = check_device("bench", device);
+    if (rc != 0) return rc;
+    if (threads) {
+        if (parse_threads(threads, &o.threads) != 0) return LM_EXIT_USAGE;
+    } else {
+        o.threads = omp_get_num_procs();
+        if (o.threads < 1) o.threads = 1;
+    }
+    return lm_bench_kda(&o);
+}
+
+static int cmd_version(int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        if (is_help(argv[i])) {
+            usage_version(stdout);
+            return LM_EXIT_OK;
+        }
+        return unknown_flag("version", argv[i]);
+    }
+    printf("linmoe %s\n", LINMOE_VERSION);
+    return LM_EXIT_OK;
+}
+
+static int cmd_help(int argc, char **argv) {
+    if (argc < 2 || is_help(argv[1])) {
+        usage_main(stdout);
+        return LM_EXIT_OK;
+    }
+    if (argc > 2) return unknown_flag("help", argv[2]);
+    const char *s = argv[1];
+    if (strcmp(s, "op") == 0) usage_op(stdout);
+    else if (strcmp(s, "bench") == 0) usage_bench(stdout);
+    else if (strcmp(s, "version") == 0) usage_version(stdout);
+    else if (strcmp(s, "help") == 0) usage_main(stdout);
+    else {
+        fprintf(stderr, "%s help: unknown subcommand '%s' (see `%s --help`)\n", g_prog, s, g_prog);
+        return LM_EXIT_USAGE;
+    }
+    return LM_EXIT_OK;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage_main(stderr);
+        return LM_EXIT_USAGE;
+    }
+    const char *sub = argv[1];
+    if (is_help(sub)) return cmd_help(1, argv + 1);
+    if (strcmp(sub, "--version") == 0) return cmd_version(1, argv + 1);
+    if (strcmp(sub, "help") == 0) return cmd_help(argc - 1, argv + 1);
+    if (strcmp(sub, "version") == 0) return cmd_version(argc - 1, argv + 1);
+    if (strcmp(sub, "op") == 0) return cmd_op(argc - 1, argv + 1);
+    if (strcmp(sub, "bench") == 0) return cmd_bench(argc - 1, argv + 1);
+    if (sub[0] == '-')
+        fprintf(stderr, "%s: unknown option '%s' (see `%s --help`)\n", g_prog, sub, g_prog);
+    else
+        fprintf(stderr, "%s: unknown subcommand '%s' (see `%s --help`)\n", g_prog, sub, g_prog);
+    return LM_EXIT_USAGE;
+}
