@@ -238,6 +238,33 @@ static inline int lm_bench_json_save(const lm_bench_json *j, const char *path) {
     return ok ? 0 : -1;
 }
 
+/* Before a long run: can `path` be created (its directory exists and is writable)?
+ * Returns 0, or -1 with a message on stderr. */
+static inline int lm_bench_json_check_path(const char *path) {
+    size_t n = strlen(path);
+    char *dir = (char *)malloc(n + 2);
+    if (!dir) return -1;
+    memcpy(dir, path, n + 1);
+    char *slash = strrchr(dir, '/');
+    if (!slash) snprintf(dir, n + 2, ".");
+    else if (slash == dir) dir[1] = '\0';
+    else *slash = '\0';
+    int ok = 1;
+    if (n == 0) {
+        fprintf(stderr, "linmoe bench: --json needs a file name\n");
+        ok = 0;
+    } else if (path[n - 1] == '/') {
+        fprintf(stderr, "linmoe bench: --json '%s' names a directory, not a file\n", path);
+        ok = 0;
+    } else if (access(dir, W_OK | X_OK) != 0) {
+        fprintf(stderr, "linmoe bench: --json '%s': directory '%s' does not exist or is not writable\n",
+                path, dir);
+        ok = 0;
+    }
+    free(dir);
+    return ok ? 0 : -1;
+}
+
 static inline void lm_bench_json_free(lm_bench_json *j) {
     cJSON_Delete(j->root);
     j->root = j->records = NULL;

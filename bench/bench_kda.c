@@ -247,6 +247,7 @@ int lm_bench_kda(const lm_bench_opts *opts) {
     lm_blas_set_threads(threads);
 
     lm_bench_json js = {NULL, NULL};
+    if (opts->json_path && lm_bench_json_check_path(opts->json_path) != 0) return 1;
     if (opts->json_path && lm_bench_json_init(&js, "kda", threads) != 0) {
         fprintf(stderr, "linmoe bench kda: out of memory\n");
         return 1;

@@ -7,7 +7,7 @@
 #include <malloc.h>
 #include <time.h>
 static double cpu(void){struct timespec t; clock_gettime(getenv("WALL")?CLOCK_MONOTONIC:CLOCK_PROCESS_CPUTIME_ID,&t); return t.tv_sec+1e-9*t.tv_nsec;}
-static double rn(void) { double u = (rand() + 1.0) / (RAND_MAX + 2.0), v = (rand() + 1.0) / (RAND_MAX + 2.0); return sqrt(-2 * log(u)) * cos(6.283185307 * v); }
+static unsigned long long st = 88172645463325252ULL; static double rn(void) { double a = 0; for (int i = 0; i < 4; i++) { st ^= st << 13; st ^= st >> 7; st ^= st << 17; a += (st >> 11) * (1.0 / 9007199254740992.0); } return (a - 2.0) * 1.732; }
 static float *mk(long n, double s, double m) { float *x = malloc(n * 4); for (long i = 0; i < n; i++) x[i] = (float)(m + s * rn()); return x; }
 int main(int argc, char **argv) {
     int B = argc > 1 ? atoi(argv[1]) : 1, T = argc > 2 ? atoi(argv[2]) : 4096, H = argc > 3 ? atoi(argv[3]) : 4, D = argc > 4 ? atoi(argv[4]) : 128, gate = argc > 5 ? atoi(argv[5]) : 2;
@@ -26,10 +26,10 @@ int main(int argc, char **argv) {
     lm_kda_outputs out = {o, s}; lm_error err;
     double C = 64, F = 6.0 * D * D + C * (6.0 * D + 4.0 * D), Fb = 16.0 * D * D + C * (12.0 * D + 10.0 * D) + 4 * C * C;
     double tok = (double)B * T * H;
-    for (int pass = 0; pass < 3; pass++) {
+    for (int pass = getenv("ONLYBWD") ? 2 : getenv("ONLYREC") ? 1 : 0; pass < (getenv("ONLYFWD") ? 1 : getenv("ONLYREC") ? 2 : 3); pass++) {
         double t0 = cpu();
         if (pass == 0) { lm_kda_chunk_forward(&c, &in, &out, &err); t0 = cpu(); int rep = getenv("REP") ? atoi(getenv("REP")) : 1; for (int r = 0; r < rep; r++) lm_kda_chunk_forward(&c, &in, &out, &err); }
-        else if (pass == 1) lm_kda_recurrent_forward(&c, &in, &out, &err);
+        else if (pass == 1) { int rep = getenv("REP") ? atoi(getenv("REP")) : 1; for (int r = 0; r < rep; r++) lm_kda_recurrent_forward(&c, &in, &out, &err); }
         else {
             float *dO = mk(nq, 1, 0), *dq = malloc(nq * 4), *dk = malloc(nq * 4), *dv = malloc(nq * 4), *dg = malloc(nq * 4), *db = malloc(nb * 4);
             float *dA = malloc(H * 4), *ddt = malloc(H * D * 4);
@@ -39,7 +39,7 @@ int main(int argc, char **argv) {
             lm_kda_chunk_forward(&c, &in, &out, &err);
             lm_kda_chunk_backward(&c, &in, &gr, &err);
         }
-        double t = (cpu() - t0) / (pass == 0 && getenv("REP") ? atoi(getenv("REP")) : 1);
+        double t = (cpu() - t0) / (pass <= 1 && getenv("REP") ? atoi(getenv("REP")) : 1);
         double fl = pass == 0 ? F : pass == 1 ? 7.0 * D * D : F + Fb;
         printf("%s: %.1f ms  %.1f GFLOP/s  ratio %.3f  tok/s %.0f\n", pass == 0 ? "chunk fwd" : pass == 1 ? "recurrent" : "fwd+bwd", t * 1e3, tok * fl / t / 1e9, tok * fl / t / 1e9 / sg, tok / t);
     }

@@ -93,18 +93,22 @@ static void *xcalloc(int64_t n, size_t sz) {
 /* Round an fp64 buffer to fp32 in place (the values both sides see) and return the
  * fp32 copy. */
 static float *round_f32(double *x, int64_t n) {
-    if (!x) return NULL;
+    if (!x)
+        return NULL;
     float *y = lm_to_f32(x, n);
-    for (int64_t i = 0; i < n; i++) x[i] = (double)y[i];
+    for (int64_t i = 0; i < n; i++)
+        x[i] = (double)y[i];
     return y;
 }
 
 static void l2norm_rows(double *x, int64_t rows, int K) {
     for (int64_t r = 0; r < rows; r++) {
         double s = 0;
-        for (int d = 0; d < K; d++) s += x[r * K + d] * x[r * K + d];
+        for (int d = 0; d < K; d++)
+            s += x[r * K + d] * x[r * K + d];
         s = sqrt(s + 1e-6);
-        for (int d = 0; d < K; d++) x[r * K + d] /= s;
+        for (int d = 0; d < K; d++)
+            x[r * K + d] /= s;
     }
 }
 
@@ -121,7 +125,8 @@ static void kcase_init(const grid_case *gc, kcase *kc) {
     c->use_qk_l2norm_in_kernel = gc->l2;
     c->use_beta_sigmoid_in_kernel = gc->sig;
     c->chunk_size = gc->chunk;
-    if (gc->scale != 0.0f) c->scale = gc->scale;
+    if (gc->scale != 0.0f)
+        c->scale = gc->scale;
     c->cu_seqlens = gc->cu;
     c->n_cu_seqlens = gc->cu ? gc->ncu : 0;
     c->N = gc->cu ? gc->ncu - 1 : gc->B;
@@ -160,23 +165,31 @@ static void kcase_init(const grid_case *gc, kcase *kc) {
     }
     lm_fill_normal(kc->beta64, kc->nb, s + 4, 0.0, 1.0);
     if (!gc->sig)
-        for (int64_t i = 0; i < kc->nb; i++) kc->beta64[i] = sigm(kc->beta64[i]);
+        for (int64_t i = 0; i < kc->nb; i++)
+            kc->beta64[i] = sigm(kc->beta64[i]);
     double *u = xcalloc(kc->ng, sizeof(double));
     lm_fill_normal(kc->g64, kc->ng, s + 5, 0.0, 1.0);
     lm_fill_uniform(u, kc->ng, s + 6, 0.0, 1.0);
     for (int64_t i = 0; i < kc->ng; i++) {
         double x = kc->g64[i], gv = 0;
         switch (gc->gd) {
-        case G_LOGSIG: gv = u[i] < gc->mask_p ? 0.0 : logsig(x) / gc->gnorm; break;
+        case G_LOGSIG:
+            gv = u[i] < gc->mask_p ? 0.0 : logsig(x) / gc->gnorm;
+            break;
         case G_MASK1000:
-            gv = u[i] < gc->mask_p ? -1000.0 : (u[i] < gc->mask_p + 0.05 ? 0.0 : logsig(x) / gc->gnorm);
+            gv = u[i] < gc->mask_p ? -1000.0
+                                   : (u[i] < gc->mask_p + 0.05 ? 0.0 : logsig(x) / gc->gnorm);
             break;
         case G_CLAMP_BOUND:
             gv = gc->gnorm * logsig(x);
-            if (gv < gc->lb) gv = gc->lb;
-            if (u[i] > 0.95) gv = 0.0;
+            if (gv < gc->lb)
+                gv = gc->lb;
+            if (u[i] > 0.95)
+                gv = 0.0;
             break;
-        case G_ZERO: gv = 0.0; break;
+        case G_ZERO:
+            gv = 0.0;
+            break;
         case G_RAW:
             gv = u[i] < gc->mask_p ? 1000.0 : (u[i] > 0.95 ? -1000.0 : x * gc->gnorm);
             break;
@@ -213,10 +226,12 @@ static void kcase_init(const grid_case *gc, kcase *kc) {
 
 static void kcase_free(kcase *kc) {
     float *f[] = {kc->q, kc->k, kc->v, kc->g, kc->beta, kc->A, kc->bias, kc->h0, kc->dO, kc->dht};
-    double *d[] = {kc->q64, kc->k64, kc->v64, kc->g64, kc->beta64,
+    double *d[] = {kc->q64, kc->k64,    kc->v64,  kc->g64,  kc->beta64,
                    kc->A64, kc->bias64, kc->h064, kc->dO64, kc->dht64};
-    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) free(f[i]);
-    for (size_t i = 0; i < sizeof d / sizeof d[0]; i++) free(d[i]);
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
+        free(f[i]);
+    for (size_t i = 0; i < sizeof d / sizeof d[0]; i++)
+        free(d[i]);
 }
 
 static lm_kda_inputs kcase_inputs(const kcase *kc) {
@@ -269,7 +284,8 @@ static void ref_compute(const kcase *kc, int bwd, refres *r) {
 
 static void refres_free(refres *r) {
     double *p[] = {r->o, r->ht, r->dq, r->dk, r->dv, r->dg, r->dbeta, r->dh0, r->dA, r->dbias};
-    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++)
+        free(p[i]);
 }
 
 /* fp32 op outputs. */
@@ -292,7 +308,8 @@ static void opres_alloc(const kcase *kc, opres *r) {
 
 static void opres_free(opres *r) {
     float *p[] = {r->o, r->ht, r->dq, r->dk, r->dv, r->dg, r->dbeta, r->dh0, r->dA, r->dbias};
-    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++)
+        free(p[i]);
 }
 
 enum { FWD_CHUNK = 0, FWD_RECURRENT = 1, FWD_AUTO = 2 };
@@ -302,11 +319,15 @@ static lm_status op_forward(const kcase *kc, int path, float *o, float *ht, lm_e
     lm_kda_inputs in = kcase_inputs(kc);
     lm_kda_outputs out = {o, ht};
     lm_poison_f32(o, kc->nv);
-    if (ht) lm_poison_f32(ht, kc->ns);
+    if (ht)
+        lm_poison_f32(ht, kc->ns);
     switch (path) {
-    case FWD_RECURRENT: return lm_kda_recurrent_forward(&c, &in, &out, err);
-    case FWD_AUTO: return lm_kda_forward(&c, &in, &out, err);
-    default: return lm_kda_chunk_forward(&c, &in, &out, err);
+    case FWD_RECURRENT:
+        return lm_kda_recurrent_forward(&c, &in, &out, err);
+    case FWD_AUTO:
+        return lm_kda_forward(&c, &in, &out, err);
+    default:
+        return lm_kda_chunk_forward(&c, &in, &out, err);
     }
 }
 
@@ -335,8 +356,8 @@ static lm_status op_backward(const kcase *kc, opres *r, lm_error *err) {
     return lm_kda_chunk_backward(&c, &in, &gr, err);
 }
 
-static int check(const char *cname, const char *what, const float *out, const double *ref, int64_t n,
-                 double tol) {
+static int check(const char *cname, const char *what, const float *out, const double *ref,
+                 int64_t n, double tol) {
     char nm[256];
     snprintf(nm, sizeof nm, "%s: %s", cname, what);
     return lm_check_f32(nm, out, ref, n, tol);
@@ -346,17 +367,22 @@ static int check(const char *cname, const char *what, const float *out, const do
  * dh0 = dht). */
 static int check_empty_segments(const kcase *kc, const opres *r, int bwd) {
     const lm_kda_config *c = &kc->c;
-    if (!c->cu_seqlens) return 1;
+    if (!c->cu_seqlens)
+        return 1;
     const int64_t per = (int64_t)c->HV * c->K * c->V;
     int ok = 1;
     for (int n = 0; n < c->N; n++) {
-        if (c->cu_seqlens[n + 1] != c->cu_seqlens[n]) continue;
+        if (c->cu_seqlens[n + 1] != c->cu_seqlens[n])
+            continue;
         for (int64_t i = n * per; i < (n + 1) * per; i++) {
             float h0 = kc->h0 ? kc->h0[i] : 0.0f;
-            if (memcmp(&r->ht[i], &h0, sizeof(float)) != 0) ok = 0;
-            if (bwd && kc->h0 && memcmp(&r->dh0[i], &kc->dht[i], sizeof(float)) != 0) ok = 0;
+            if (memcmp(&r->ht[i], &h0, sizeof(float)) != 0)
+                ok = 0;
+            if (bwd && kc->h0 && memcmp(&r->dh0[i], &kc->dht[i], sizeof(float)) != 0)
+                ok = 0;
         }
-        if (!ok) printf("empty segment %d: final_state != initial_state or dh0 != dht\n", n);
+        if (!ok)
+            printf("empty segment %d: final_state != initial_state or dh0 != dht\n", n);
     }
     return ok;
 }
@@ -374,7 +400,8 @@ static void run_grid_case(void **state) {
     lm_kda_inputs in = kcase_inputs(&kc);
     lm_kda_config cv = kc.c;
     lm_status st = lm_kda_validate(&cv, &in, &err);
-    if (st != LM_OK) printf("%s: validate: %s\n", gc->name, err.msg);
+    if (st != LM_OK)
+        printf("%s: validate: %s\n", gc->name, err.msg);
     assert_int_equal(st, LM_OK);
     assert_int_equal(cv.N, kc.c.N);
 
@@ -388,7 +415,8 @@ static void run_grid_case(void **state) {
     double t1 = lm_time_sec();
     st = op_forward(&kc, FWD_CHUNK, r.o, r.ht, &err);
     double t_fwd = lm_time_sec() - t1;
-    if (st != LM_OK) printf("%s: chunk_forward: %s\n", gc->name, err.msg);
+    if (st != LM_OK)
+        printf("%s: chunk_forward: %s\n", gc->name, err.msg);
     assert_int_equal(st, LM_OK);
     ok &= check(gc->name, "chunk o", r.o, rf.o, kc.nv, TOL_FWD_F32);
     ok &= check(gc->name, "chunk final_state", r.ht, rf.ht, kc.ns, TOL_FWD_F32);
@@ -397,7 +425,8 @@ static void run_grid_case(void **state) {
     t1 = lm_time_sec();
     st = op_forward(&kc, FWD_RECURRENT, r.o, r.ht, &err);
     double t_rec = lm_time_sec() - t1;
-    if (st != LM_OK) printf("%s: recurrent_forward: %s\n", gc->name, err.msg);
+    if (st != LM_OK)
+        printf("%s: recurrent_forward: %s\n", gc->name, err.msg);
     assert_int_equal(st, LM_OK);
     ok &= check(gc->name, "recurrent o", r.o, rf.o, kc.nv, TOL_FWD_F32);
     ok &= check(gc->name, "recurrent final_state", r.ht, rf.ht, kc.ns, TOL_FWD_F32);
@@ -405,7 +434,8 @@ static void run_grid_case(void **state) {
 
     /* the forward-only entry (picks recurrent or chunked by shape) */
     st = op_forward(&kc, FWD_AUTO, r.o, r.ht, &err);
-    if (st != LM_OK) printf("%s: lm_kda_forward: %s\n", gc->name, err.msg);
+    if (st != LM_OK)
+        printf("%s: lm_kda_forward: %s\n", gc->name, err.msg);
     assert_int_equal(st, LM_OK);
     ok &= check(gc->name, "lm_kda_forward o", r.o, rf.o, kc.nv, TOL_FWD_F32);
     ok &= check(gc->name, "lm_kda_forward final_state", r.ht, rf.ht, kc.ns, TOL_FWD_F32);
@@ -413,23 +443,27 @@ static void run_grid_case(void **state) {
     t1 = lm_time_sec();
     st = op_backward(&kc, &r, &err);
     double t_bwd = lm_time_sec() - t1;
-    if (st != LM_OK) printf("%s: chunk_backward: %s\n", gc->name, err.msg);
+    if (st != LM_OK)
+        printf("%s: chunk_backward: %s\n", gc->name, err.msg);
     assert_int_equal(st, LM_OK);
     ok &= check(gc->name, "dq", r.dq, rf.dq, kc.nq, TOL_BWD_F32);
     ok &= check(gc->name, "dk", r.dk, rf.dk, kc.nq, TOL_BWD_F32);
     ok &= check(gc->name, "dv", r.dv, rf.dv, kc.nv, TOL_BWD_F32);
     ok &= check(gc->name, "dg", r.dg, rf.dg, kc.ng, TOL_BWD_F32);
     ok &= check(gc->name, "dbeta", r.dbeta, rf.dbeta, kc.nb, TOL_BWD_F32);
-    if (kc.h0) ok &= check(gc->name, "dh0", r.dh0, rf.dh0, kc.ns, TOL_BWD_F32);
-    if (kc.A) ok &= check(gc->name, "dA_log", r.dA, rf.dA, kc.nA, TOL_BWD_F32);
-    if (kc.bias) ok &= check(gc->name, "ddt_bias", r.dbias, rf.dbias, kc.nbias, TOL_BWD_F32);
+    if (kc.h0)
+        ok &= check(gc->name, "dh0", r.dh0, rf.dh0, kc.ns, TOL_BWD_F32);
+    if (kc.A)
+        ok &= check(gc->name, "dA_log", r.dA, rf.dA, kc.nA, TOL_BWD_F32);
+    if (kc.bias)
+        ok &= check(gc->name, "ddt_bias", r.dbias, rf.dbias, kc.nbias, TOL_BWD_F32);
     if (gc->cu) {
         /* re-run the forward so ht is the chunked one, then check the bwd side */
         assert_int_equal(op_forward(&kc, FWD_CHUNK, r.o, r.ht, &err), LM_OK);
         ok &= check_empty_segments(&kc, &r, 1);
     }
-    printf("%s: ref %.2fs, chunk fwd %.3fs, recurrent %.3fs, chunk bwd %.3fs\n", gc->name, t_ref, t_fwd,
-           t_rec, t_bwd);
+    printf("%s: ref %.2fs, chunk fwd %.3fs, recurrent %.3fs, chunk bwd %.3fs\n", gc->name, t_ref,
+           t_fwd, t_rec, t_bwd);
     opres_free(&r);
     refres_free(&rf);
     kcase_free(&kc);
@@ -454,6 +488,7 @@ static const int64_t CU_500[] = {0, 1, 16, 16, 316, 500};    /* 1, 15, 0, 300, 1
 /* B, T, H and HV are cut from fla's (keeping T, D and the GVA ratios) so that the
  * fp64 reference backward (about 0.3 s per 1500 tokens x one 128x128 head on one
  * core) keeps the whole file well inside its time budget. */
+/* clang-format off */
 static grid_case GRID[] = {
     /* name                                   kind gate A  b  lb  lbv  diag  l2 sig  B  T    H  HV  D   cu  ncu ch  scale gd            gnorm mask unif h0 heavy seed */
     {"kda T63 D64 none",                      KDA, GN,  0, 0, 0, 0,  AUTO,   1, 0, 1, 63,   1, 1, 64,  NULL, 0, 64, 0,    G_LOGSIG,     1,  0,   1, 1, 0, 1},
@@ -489,17 +524,22 @@ static grid_case GRID[] = {
     {"gdn T160 D64 bounded bias gva2 c32",    GDN, GBD, 0, 1, 1, -2, AUTO,   1, 1, 2, 160,  2, 4, 64,  NULL, 0, 32, 0,    G_RAW,        1,  0.1, 0, 1, 0, 40},
     {"gdn varlen T63 D60 none c16",           GDN, GN,  0, 0, 0, 0,  SAFE,   1, 0, 1, 63,   2, 2, 60,  CU_63, 6, 16, 0.1f, G_MASK1000,  1,  0.3, 0, 1, 0, 41},
 };
+/* clang-format on */
 
 /* ------------------------------------------------------------------ decode */
 
 /* Gather token t of every batch row of a [B,T,...,inner] tensor into [B,1,...]. */
-static void gather_steps(const float *src, float *dst, int B, int T, int t0, int nt, int64_t inner) {
+static void gather_steps(const float *src, float *dst, int B, int T, int t0, int nt,
+                         int64_t inner) {
     for (int b = 0; b < B; b++)
-        memcpy(dst + (int64_t)b * nt * inner, src + ((int64_t)b * T + t0) * inner, sizeof(float) * nt * inner);
+        memcpy(dst + (int64_t)b * nt * inner, src + ((int64_t)b * T + t0) * inner,
+               sizeof(float) * nt * inner);
 }
-static void scatter_steps(const float *src, float *dst, int B, int T, int t0, int nt, int64_t inner) {
+static void scatter_steps(const float *src, float *dst, int B, int T, int t0, int nt,
+                          int64_t inner) {
     for (int b = 0; b < B; b++)
-        memcpy(dst + ((int64_t)b * T + t0) * inner, src + (int64_t)b * nt * inner, sizeof(float) * nt * inner);
+        memcpy(dst + ((int64_t)b * T + t0) * inner, src + (int64_t)b * nt * inner,
+               sizeof(float) * nt * inner);
 }
 
 static int decode_case(const grid_case *gc, int step) {
@@ -513,7 +553,8 @@ static int decode_case(const grid_case *gc, int step) {
     assert_int_equal(op_forward(&kc, FWD_CHUNK, o_pre, ht_pre, &err), LM_OK);
     /* decode: `step` tokens per call, state in place */
     float *state = xcalloc(kc.ns, sizeof(float));
-    if (kc.h0) memcpy(state, kc.h0, sizeof(float) * kc.ns);
+    if (kc.h0)
+        memcpy(state, kc.h0, sizeof(float) * kc.ns);
     float *o_dec = xcalloc(kc.nv, sizeof(float));
     lm_poison_f32(o_dec, kc.nv);
     float *sq = xcalloc((int64_t)B * step * H * K, sizeof(float));
@@ -542,7 +583,8 @@ static int decode_case(const grid_case *gc, int step) {
         lm_kda_outputs out = {so, state};
         lm_poison_f32(so, (int64_t)B * nt * HV * V);
         lm_status st = lm_kda_recurrent_forward(&cs, &in, &out, &err);
-        if (st != LM_OK) printf("decode step t=%d: %s\n", t0, err.msg);
+        if (st != LM_OK)
+            printf("decode step t=%d: %s\n", t0, err.msg);
         assert_int_equal(st, LM_OK);
         scatter_steps(so, o_dec, B, T, t0, nt, (int64_t)HV * V);
     }
@@ -579,12 +621,84 @@ static int decode_case(const grid_case *gc, int step) {
 static void test_decode(void **state) {
     (void)state;
     static const grid_case cases[] = {
-        {"decode kda softplus gva2", KDA, GSP, 1, 1, 0, 0, AUTO, 1, 1, 2, 100, 2, 4, 64, NULL, 0, 64, 0,
-         G_RAW, 1, 0.1, 0, 1, 0, 51},
-        {"decode gdn bounded", GDN, GBD, 1, 1, 1, -5, AUTO, 1, 1, 1, 130, 2, 2, 128, NULL, 0, 64, 0, G_RAW, 1,
-         0.3, 1, 1, 0, 52},
-        {"decode kda none no-h0", KDA, GN, 0, 0, 0, 0, AUTO, 0, 0, 1, 70, 1, 1, 100, NULL, 0, 32, 0,
-         G_MASK1000, 1, 0.3, 0, 0, 0, 53},
+        {"decode kda softplus gva2",
+         KDA,
+         GSP,
+         1,
+         1,
+         0,
+         0,
+         AUTO,
+         1,
+         1,
+         2,
+         100,
+         2,
+         4,
+         64,
+         NULL,
+         0,
+         64,
+         0,
+         G_RAW,
+         1,
+         0.1,
+         0,
+         1,
+         0,
+         51},
+        {"decode gdn bounded",
+         GDN,
+         GBD,
+         1,
+         1,
+         1,
+         -5,
+         AUTO,
+         1,
+         1,
+         1,
+         130,
+         2,
+         2,
+         128,
+         NULL,
+         0,
+         64,
+         0,
+         G_RAW,
+         1,
+         0.3,
+         1,
+         1,
+         0,
+         52},
+        {"decode kda none no-h0",
+         KDA,
+         GN,
+         0,
+         0,
+         0,
+         0,
+         AUTO,
+         0,
+         0,
+         1,
+         70,
+         1,
+         1,
+         100,
+         NULL,
+         0,
+         32,
+         0,
+         G_MASK1000,
+         1,
+         0.3,
+         0,
+         0,
+         0,
+         53},
     };
     int ok = 1;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -603,17 +717,20 @@ static double rel_diff_prefix(const float *a, const float *b, int64_t n) {
         num += d * d;
         den += (double)b[i] * b[i];
     }
-    if (num == 0) return 0;
+    if (num == 0)
+        return 0;
     return den > 0 ? sqrt(num / den) : INFINITY;
 }
 
 /* Positions >= t of batch row b of a [B,T,inner] tensor get fresh random values. */
-static void perturb_from(float *x, int B, int T, int64_t inner, int t, uint64_t seed, double lo, double hi) {
+static void perturb_from(float *x, int B, int T, int64_t inner, int t, uint64_t seed, double lo,
+                         double hi) {
     int64_t n = (int64_t)(T - t) * inner;
     double *r = xcalloc(n, sizeof(double));
     for (int b = 0; b < B; b++) {
         lm_fill_uniform(r, n, seed + b, lo, hi);
-        for (int64_t i = 0; i < n; i++) x[((int64_t)b * T + t) * inner + i] = (float)r[i];
+        for (int64_t i = 0; i < n; i++)
+            x[((int64_t)b * T + t) * inner + i] = (float)r[i];
     }
     free(r);
 }
@@ -631,7 +748,8 @@ static int causality_case(const grid_case *gc, int t) {
     perturb_from(kp.k, B, T, (int64_t)H * K, t, 902, 0.0, qk_hi);
     perturb_from(kp.v, B, T, (int64_t)HV * V, t, 903, -1.0, 1.0);
     if (c->gate == LM_GATE_NONE)
-        perturb_from(kp.g, B, T, (int64_t)HV * GK, t, 904, c->has_lower_bound ? c->lower_bound : -3.0, 0.0);
+        perturb_from(kp.g, B, T, (int64_t)HV * GK, t, 904,
+                     c->has_lower_bound ? c->lower_bound : -3.0, 0.0);
     else
         perturb_from(kp.g, B, T, (int64_t)HV * GK, t, 904, -3.0, 3.0);
     perturb_from(kp.beta, B, T, HV, t, 905, 0.05, 0.95);
@@ -646,10 +764,12 @@ static int causality_case(const grid_case *gc, int t) {
         for (int b = 0; b < B; b++) {
             int64_t off = (int64_t)b * T * HV * V;
             double d0 = rel_diff_prefix(o1 + off, o0 + off, (int64_t)t * HV * V);
-            double d1 = rel_diff_prefix(o1 + off + (int64_t)t * HV * V, o0 + off + (int64_t)t * HV * V,
-                                        (int64_t)(T - t) * HV * V);
-            if (d0 > before) before = d0;
-            if (b == 0 || d1 < after) after = d1;
+            double d1 = rel_diff_prefix(o1 + off + (int64_t)t * HV * V,
+                                        o0 + off + (int64_t)t * HV * V, (int64_t)(T - t) * HV * V);
+            if (d0 > before)
+                before = d0;
+            if (b == 0 || d1 < after)
+                after = d1;
         }
         printf("%s %s t=%d: o before t rel diff %.3e (tol %.0e), after t %.3e\n", gc->name,
                rec ? "recurrent" : "chunk", t, before, TOL_CAUSAL, after);
@@ -663,27 +783,33 @@ static int causality_case(const grid_case *gc, int t) {
     opres_alloc(&kc, &r1);
     assert_int_equal(op_backward(&kc, &r0, &err), LM_OK);
     for (int b = 0; b < B; b++)
-        for (int64_t i = 0; i < (int64_t)t * HV * V; i++) kc.dO[((int64_t)b * T) * HV * V + i] += 0.5f;
+        for (int64_t i = 0; i < (int64_t)t * HV * V; i++)
+            kc.dO[((int64_t)b * T) * HV * V + i] += 0.5f;
     assert_int_equal(op_backward(&kc, &r1, &err), LM_OK);
     struct {
         const char *nm;
         float *a, *b;
         int64_t inner;
-    } gs[] = {{"dq", r1.dq, r0.dq, (int64_t)H * K}, {"dk", r1.dk, r0.dk, (int64_t)H * K},
-              {"dv", r1.dv, r0.dv, (int64_t)HV * V}, {"dg", r1.dg, r0.dg, (int64_t)HV * GK},
+    } gs[] = {{"dq", r1.dq, r0.dq, (int64_t)H * K},
+              {"dk", r1.dk, r0.dk, (int64_t)H * K},
+              {"dv", r1.dv, r0.dv, (int64_t)HV * V},
+              {"dg", r1.dg, r0.dg, (int64_t)HV * GK},
               {"dbeta", r1.dbeta, r0.dbeta, HV}};
     for (size_t j = 0; j < sizeof gs / sizeof gs[0]; j++) {
         double worst = 0, changed = 0;
         for (int b = 0; b < B; b++) {
             int64_t off = (int64_t)b * T * gs[j].inner;
             double d = rel_diff_prefix(gs[j].a + off + (int64_t)t * gs[j].inner,
-                                       gs[j].b + off + (int64_t)t * gs[j].inner, (int64_t)(T - t) * gs[j].inner);
+                                       gs[j].b + off + (int64_t)t * gs[j].inner,
+                                       (int64_t)(T - t) * gs[j].inner);
             double e = rel_diff_prefix(gs[j].a + off, gs[j].b + off, (int64_t)t * gs[j].inner);
-            if (d > worst) worst = d;
-            if (e > changed) changed = e;
+            if (d > worst)
+                worst = d;
+            if (e > changed)
+                changed = e;
         }
-        printf("%s bwd t=%d: %s at >= t rel diff %.3e (tol %.0e), before t %.3e\n", gc->name, t, gs[j].nm,
-               worst, TOL_CAUSAL, changed);
+        printf("%s bwd t=%d: %s at >= t rel diff %.3e (tol %.0e), before t %.3e\n", gc->name, t,
+               gs[j].nm, worst, TOL_CAUSAL, changed);
         ok &= worst <= TOL_CAUSAL;
         ok &= changed > 1e-3;
     }
@@ -701,17 +827,90 @@ static int causality_case(const grid_case *gc, int t) {
 static void test_causality(void **state) {
     (void)state;
     static const grid_case cases[] = {
-        {"causal kda softplus", KDA, GSP, 1, 1, 0, 0, AUTO, 1, 1, 2, 200, 1, 2, 64, NULL, 0, 64, 0, G_RAW, 1,
-         0.1, 1, 1, 0, 61},
-        {"causal kda none at bound SHARED c16", KDA, GN, 0, 0, 1, -5, SHARED, 0, 0, 1, 150, 1, 1, 64, NULL, 0,
-         16, 0, G_CLAMP_BOUND, 6, 0, 1, 1, 0, 62},
-        {"causal gdn bounded c32", GDN, GBD, 1, 1, 1, -5, AUTO, 1, 1, 1, 150, 2, 2, 60, NULL, 0, 32, 0, G_RAW,
-         1, 0.2, 1, 1, 0, 63},
+        {"causal kda softplus",
+         KDA,
+         GSP,
+         1,
+         1,
+         0,
+         0,
+         AUTO,
+         1,
+         1,
+         2,
+         200,
+         1,
+         2,
+         64,
+         NULL,
+         0,
+         64,
+         0,
+         G_RAW,
+         1,
+         0.1,
+         1,
+         1,
+         0,
+         61},
+        {"causal kda none at bound SHARED c16",
+         KDA,
+         GN,
+         0,
+         0,
+         1,
+         -5,
+         SHARED,
+         0,
+         0,
+         1,
+         150,
+         1,
+         1,
+         64,
+         NULL,
+         0,
+         16,
+         0,
+         G_CLAMP_BOUND,
+         6,
+         0,
+         1,
+         1,
+         0,
+         62},
+        {"causal gdn bounded c32",
+         GDN,
+         GBD,
+         1,
+         1,
+         1,
+         -5,
+         AUTO,
+         1,
+         1,
+         1,
+         150,
+         2,
+         2,
+         60,
+         NULL,
+         0,
+         32,
+         0,
+         G_RAW,
+         1,
+         0.2,
+         1,
+         1,
+         0,
+         63},
     };
     static const int ts[] = {1, 40, 64, 71};
     int ok = 1;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) ok &= causality_case(&cases[i], ts[j]);
+        for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++)
+            ok &= causality_case(&cases[i], ts[j]);
     assert_true(ok);
 }
 
@@ -719,8 +918,32 @@ static void test_causality(void **state) {
  * others (o, final state, gradients). */
 static void test_varlen_independence(void **state) {
     (void)state;
-    static const grid_case gc = {"varlen independence", KDA, GSP, 1, 1, 0, 0, AUTO, 1, 1, 1, 1000, 1, 2,
-                                 64, CU_1000, 6, 64, 0, G_RAW, 1, 0.1, 1, 1, 0, 71};
+    static const grid_case gc = {"varlen independence",
+                                 KDA,
+                                 GSP,
+                                 1,
+                                 1,
+                                 0,
+                                 0,
+                                 AUTO,
+                                 1,
+                                 1,
+                                 1,
+                                 1000,
+                                 1,
+                                 2,
+                                 64,
+                                 CU_1000,
+                                 6,
+                                 64,
+                                 0,
+                                 G_RAW,
+                                 1,
+                                 0.1,
+                                 1,
+                                 1,
+                                 0,
+                                 71};
     kcase kc, kp;
     kcase_init(&gc, &kc);
     kcase_init(&gc, &kp);
@@ -728,10 +951,13 @@ static void test_varlen_independence(void **state) {
     const int HV = c->HV, K = c->K, V = c->V;
     const int64_t bos = CU_1000[3], eos = CU_1000[4];
     for (int64_t t = bos; t < eos; t++) {
-        for (int64_t i = 0; i < (int64_t)c->H * K; i++) kp.q[t * c->H * K + i] += 0.3f, kp.k[t * c->H * K + i] -= 0.2f;
-        for (int64_t i = 0; i < (int64_t)HV * V; i++) kp.v[t * HV * V + i] *= -1.0f;
+        for (int64_t i = 0; i < (int64_t)c->H * K; i++)
+            kp.q[t * c->H * K + i] += 0.3f, kp.k[t * c->H * K + i] -= 0.2f;
+        for (int64_t i = 0; i < (int64_t)HV * V; i++)
+            kp.v[t * HV * V + i] *= -1.0f;
     }
-    for (int64_t i = 0; i < (int64_t)HV * K * V; i++) kp.h0[3 * (int64_t)HV * K * V + i] += 1.0f;
+    for (int64_t i = 0; i < (int64_t)HV * K * V; i++)
+        kp.h0[3 * (int64_t)HV * K * V + i] += 1.0f;
     lm_error err = {0};
     opres r0, r1;
     opres_alloc(&kc, &r0);
@@ -753,9 +979,11 @@ static void test_varlen_independence(void **state) {
     assert_int_equal(op_backward(&kc, &r0, &err), LM_OK);
     assert_int_equal(op_backward(&kp, &r1, &err), LM_OK);
     for (int n = 0; n < c->N; n++) {
-        if (n == 3) continue;
+        if (n == 3)
+            continue;
         int64_t b0 = CU_1000[n], b1 = CU_1000[n + 1];
-        double d = rel_diff_prefix(r1.dq + b0 * c->H * K, r0.dq + b0 * c->H * K, (b1 - b0) * c->H * K);
+        double d =
+            rel_diff_prefix(r1.dq + b0 * c->H * K, r0.dq + b0 * c->H * K, (b1 - b0) * c->H * K);
         d += rel_diff_prefix(r1.dg + b0 * HV * K, r0.dg + b0 * HV * K, (b1 - b0) * HV * K);
         d += rel_diff_prefix(r1.dh0 + (int64_t)n * HV * K * V, r0.dh0 + (int64_t)n * HV * K * V,
                              (int64_t)HV * K * V);
@@ -777,26 +1005,30 @@ static int names_field(const char *msg, const char *field) {
     for (const char *p = strstr(msg, field); p; p = strstr(p + 1, field)) {
         int pre = p == msg ? 0 : (isalnum((unsigned char)p[-1]) || p[-1] == '_');
         int post = isalnum((unsigned char)p[n]) || p[n] == '_';
-        if (!pre && !post) return 1;
+        if (!pre && !post)
+            return 1;
     }
     return 0;
 }
 
-static int expect_invalid(const char *what, lm_kda_config c, const lm_kda_inputs *in, const char *f1,
-                          const char *f2) {
+static int expect_invalid(const char *what, lm_kda_config c, const lm_kda_inputs *in,
+                          const char *f1, const char *f2) {
     lm_error err = {0};
     lm_kda_config cv = c;
     lm_status st = lm_kda_validate(&cv, in, &err);
     int named = names_field(err.msg, f1) || (f2 && names_field(err.msg, f2));
-    printf("invalid %-40s validate -> %d \"%s\"%s\n", what, (int)st, err.msg, named ? "" : "  <-- field not named");
+    printf("invalid %-40s validate -> %d \"%s\"%s\n", what, (int)st, err.msg,
+           named ? "" : "  <-- field not named");
     int ok = st != LM_OK && named;
     /* the entry points validate too */
     lm_error e2 = {0};
     lm_kda_config cf = c;
-    float *o = xcalloc((int64_t)c.B * c.T * (c.HV > 0 ? c.HV : 1) * (c.V > 0 ? c.V : 1), sizeof(float));
+    float *o =
+        xcalloc((int64_t)c.B * c.T * (c.HV > 0 ? c.HV : 1) * (c.V > 0 ? c.V : 1), sizeof(float));
     lm_kda_outputs out = {o, NULL};
     lm_status st2 = lm_kda_chunk_forward(&cf, in, &out, &e2);
-    if (st2 == LM_OK) printf("invalid %s: lm_kda_chunk_forward returned OK\n", what);
+    if (st2 == LM_OK)
+        printf("invalid %s: lm_kda_chunk_forward returned OK\n", what);
     ok &= st2 != LM_OK;
     free(o);
     return ok;
@@ -804,8 +1036,9 @@ static int expect_invalid(const char *what, lm_kda_config c, const lm_kda_inputs
 
 static void test_invalid(void **state) {
     (void)state;
-    static const grid_case gc = {"invalid base", KDA, GN, 0, 0, 0, 0, AUTO, 1, 1, 1, 40, 2, 4, 16, NULL, 0,
-                                 64, 0, G_LOGSIG, 1, 0, 1, 1, 0, 81};
+    static const grid_case gc = {
+        "invalid base", KDA, GN, 0, 0,        0, 0, AUTO, 1, 1, 1, 40, 2, 4, 16,
+        NULL,           0,   64, 0, G_LOGSIG, 1, 0, 1,    1, 0, 81};
     kcase kc;
     kcase_init(&gc, &kc);
     lm_kda_inputs in = kcase_inputs(&kc);

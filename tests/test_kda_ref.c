@@ -107,15 +107,21 @@ static void fd_setup(const fd_case *fc, fd_data *d) {
             /* logsigmoid(x) = -softplus(-x) <= 0 */
             double x = d->g[i];
             d->g[i] = -(x < -20 ? -x : log1p(exp(-x)));
-            if (m[i] < fc->mask_p) d->g[i] = -1000.0;
-            else if (m[i] < 2 * fc->mask_p) d->g[i] = 0.0;
+            if (m[i] < fc->mask_p)
+                d->g[i] = -1000.0;
+            else if (m[i] < 2 * fc->mask_p)
+                d->g[i] = 0.0;
         }
         free(m);
     }
-    if (d->A) lm_fill_normal(d->A, d->nA, s + 8, 0.0, 0.5);
-    if (d->bias) lm_fill_normal(d->bias, d->nbias, s + 9, 0.0, 0.5);
-    if (d->h0) lm_fill_normal(d->h0, d->ns, s + 10, 0.0, 1.0);
-    if (d->dht) lm_fill_normal(d->dht, d->ns, s + 11, 0.0, 1.0);
+    if (d->A)
+        lm_fill_normal(d->A, d->nA, s + 8, 0.0, 0.5);
+    if (d->bias)
+        lm_fill_normal(d->bias, d->nbias, s + 9, 0.0, 0.5);
+    if (d->h0)
+        lm_fill_normal(d->h0, d->ns, s + 10, 0.0, 1.0);
+    if (d->dht)
+        lm_fill_normal(d->dht, d->ns, s + 11, 0.0, 1.0);
 }
 
 static void fd_free(fd_data *d) {
@@ -151,9 +157,11 @@ static double fd_loss(const fd_data *d, double *o, double *ht) {
     io.ht = ht;
     kda_ref_run(&d->c, &io);
     double L = 0;
-    for (int64_t i = 0; i < d->nv; i++) L += o[i] * d->dO[i];
+    for (int64_t i = 0; i < d->nv; i++)
+        L += o[i] * d->dO[i];
     if (d->dht)
-        for (int64_t i = 0; i < d->ns; i++) L += ht[i] * d->dht[i];
+        for (int64_t i = 0; i < d->ns; i++)
+            L += ht[i] * d->dht[i];
     return L;
 }
 
@@ -181,7 +189,8 @@ static void run_fd_case(void **state) {
     double *dv = calloc((size_t)d.nv, sizeof(double)), *dg = calloc((size_t)d.ng, sizeof(double));
     double *db = calloc((size_t)d.nb, sizeof(double));
     double *dh0 = calloc((size_t)(d.ns ? d.ns : 1), sizeof(double));
-    double *dA = calloc((size_t)d.nA, sizeof(double)), *dbias = calloc((size_t)d.nbias, sizeof(double));
+    double *dA = calloc((size_t)d.nA, sizeof(double)),
+           *dbias = calloc((size_t)d.nbias, sizeof(double));
     kda_ref_io io = fd_io(&d);
     io.o = o;
     io.ht = ht;
@@ -206,26 +215,32 @@ static void run_fd_case(void **state) {
     assert_memory_equal(ht, ht2, sizeof(double) * d.ns);
 
     int64_t nmax = d.nq;
-    if (d.nv > nmax) nmax = d.nv;
-    if (d.ng > nmax) nmax = d.ng;
-    if (d.ns > nmax) nmax = d.ns;
+    if (d.nv > nmax)
+        nmax = d.nv;
+    if (d.ng > nmax)
+        nmax = d.ng;
+    if (d.ns > nmax)
+        nmax = d.ns;
     double *fd = calloc((size_t)nmax, sizeof(double));
     int ok = 1;
     char nm[128];
-#define FD_CHECK(label, arr, n, an)                                           \
-    do {                                                                      \
-        fd_grad(&d, arr, n, fd, o2, ht2);                                     \
-        snprintf(nm, sizeof nm, "%s: %s vs FD", fc->name, label);             \
-        ok &= lm_check_f64(nm, an, fd, n, TOL_FD);                            \
+#define FD_CHECK(label, arr, n, an)                                                                \
+    do {                                                                                           \
+        fd_grad(&d, arr, n, fd, o2, ht2);                                                          \
+        snprintf(nm, sizeof nm, "%s: %s vs FD", fc->name, label);                                  \
+        ok &= lm_check_f64(nm, an, fd, n, TOL_FD);                                                 \
     } while (0)
     FD_CHECK("dq", d.q, d.nq, dq);
     FD_CHECK("dk", d.k, d.nq, dk);
     FD_CHECK("dv", d.v, d.nv, dv);
     FD_CHECK("dg", d.g, d.ng, dg);
     FD_CHECK("dbeta", d.beta, d.nb, db);
-    if (d.h0) FD_CHECK("dh0", d.h0, d.ns, dh0);
-    if (d.A) FD_CHECK("dA_log", d.A, d.nA, dA);
-    if (d.bias) FD_CHECK("ddt_bias", d.bias, d.nbias, dbias);
+    if (d.h0)
+        FD_CHECK("dh0", d.h0, d.ns, dh0);
+    if (d.A)
+        FD_CHECK("dA_log", d.A, d.nA, dA);
+    if (d.bias)
+        FD_CHECK("ddt_bias", d.bias, d.nbias, dbias);
 #undef FD_CHECK
     /* Without h0, dh0 is the gradient w.r.t. a zero initial state: check it by
      * perturbing an explicit zero h0. */
@@ -238,14 +253,16 @@ static void run_fd_case(void **state) {
 
     /* Gradients must not be trivially zero (a test that cannot fail is a defect). */
     double sq = 0;
-    for (int64_t i = 0; i < d.nq; i++) sq += dq[i] * dq[i] + dk[i] * dk[i];
+    for (int64_t i = 0; i < d.nq; i++)
+        sq += dq[i] * dq[i] + dk[i] * dk[i];
     assert_true(sq > 1e-6);
 
     /* Empty sequences: ht = h0 and dh0 = dht exactly. */
     if (fc->cu) {
         const int64_t KV = (int64_t)fc->K * fc->V;
         for (int n = 0; n + 1 < fc->ncu; n++) {
-            if (fc->cu[n + 1] != fc->cu[n]) continue;
+            if (fc->cu[n + 1] != fc->cu[n])
+                continue;
             for (int64_t i = 0; i < (int64_t)fc->HV * KV; i++) {
                 int64_t j = (int64_t)n * fc->HV * KV + i;
                 assert_true(ht[j] == (d.h0 ? d.h0[j] : 0.0));
@@ -271,8 +288,8 @@ static void run_fd_case(void **state) {
     assert_true(ok);
 }
 
-static const int64_t CU_A[] = {0, 0, 1, 5, 5, 9};     /* empty, 1, 4, empty, 4 */
-static const int64_t CU_B[] = {0, 3, 3, 4, 8, 8};     /* 3, empty, 1, 4, empty */
+static const int64_t CU_A[] = {0, 0, 1, 5, 5, 9};      /* empty, 1, 4, empty, 4 */
+static const int64_t CU_B[] = {0, 3, 3, 4, 8, 8};      /* 3, empty, 1, 4, empty */
 static const int64_t CU_LONG[] = {0, 70, 70, 71, 140}; /* crosses the 64-token checkpoint */
 
 #define KDA LM_KDA
@@ -281,6 +298,7 @@ static const int64_t CU_LONG[] = {0, 70, 70, 71, 140}; /* crosses the 64-token c
 #define GS LM_GATE_SOFTPLUS
 #define GBD LM_GATE_BOUNDED
 
+/* clang-format off */
 static fd_case FD_CASES[] = {
     /* name                 kind gate A bias l2 sig B  T  H HV K V  cu ncu h0 dht lb   scale mask seed */
     {"kda none",             KDA, GN,  0, 0, 0, 0, 2, 6, 1, 2, 3, 2, NULL, 0, 1, 1, 0, 0.6f, 0.15, 1},
@@ -310,6 +328,7 @@ static fd_case FD_CASES[] = {
     {"gdn varlen bounded",   GDN, GBD, 0, 1, 1, 0, 1, 8, 2, 4, 4, 2, CU_B, 6, 1, 1, -5, 0.5f, 0, 30},
     {"gdn varlen none long", GDN, GN,  0, 0, 0, 1, 1, 140, 1, 2, 2, 2, CU_LONG, 5, 1, 1, 0, 0.7f, 0.05, 31},
 };
+/* clang-format on */
 
 /* ------------------------------------------------------------------ closed form */
 
@@ -318,11 +337,12 @@ static fd_case FD_CASES[] = {
  * explicit exp(G_r - G_i) per pair; Tm = (I + Akk)^{-1} by forward substitution;
  * W, U, Vn = U - W S0; O = s (Q . e^G) S0 + Aqk Vn; S' = e^{G_last} S0 + (K . e^{G_last - G})^T Vn.
  * gk = K for KDA, 1 for GDN (broadcast over channels). */
-static void closed_form_chunk(int C, int K, int V, int gk, double s, const double *q, const double *k,
-                              const double *v, const double *g, const double *beta, const double *S0,
-                              double *O, double *S1) {
+static void closed_form_chunk(int C, int K, int V, int gk, double s, const double *q,
+                              const double *k, const double *v, const double *g, const double *beta,
+                              const double *S0, double *O, double *S1) {
     double *G = calloc((size_t)C * K, sizeof(double));
-    double *Akk = calloc((size_t)C * C, sizeof(double)), *Aqk = calloc((size_t)C * C, sizeof(double));
+    double *Akk = calloc((size_t)C * C, sizeof(double)),
+           *Aqk = calloc((size_t)C * C, sizeof(double));
     double *Tm = calloc((size_t)C * C, sizeof(double));
     double *W = calloc((size_t)C * K, sizeof(double)), *U = calloc((size_t)C * V, sizeof(double));
     double *Vn = calloc((size_t)C * V, sizeof(double));
@@ -341,47 +361,55 @@ static void closed_form_chunk(int C, int K, int V, int gk, double s, const doubl
                 akk += k[r * K + d] * k[i * K + d] * e;
                 aqk += q[r * K + d] * k[i * K + d] * e;
             }
-            if (i < r) Akk[r * C + i] = beta[r] * akk;
+            if (i < r)
+                Akk[r * C + i] = beta[r] * akk;
             Aqk[r * C + i] = s * aqk;
         }
     /* (I + A) T = I, A strictly lower: row r of T = e_r - sum_{i<r} A[r,i] T[i,:] */
     for (int r = 0; r < C; r++) {
         for (int j = 0; j < C; j++) {
             double acc = r == j ? 1.0 : 0.0;
-            for (int i = 0; i < r; i++) acc -= Akk[r * C + i] * Tm[i * C + j];
+            for (int i = 0; i < r; i++)
+                acc -= Akk[r * C + i] * Tm[i * C + j];
             Tm[r * C + j] = acc;
         }
     }
     for (int r = 0; r < C; r++) {
         for (int d = 0; d < K; d++) {
             double acc = 0;
-            for (int i = 0; i < C; i++) acc += Tm[r * C + i] * beta[i] * k[i * K + d] * exp(G[i * K + d]);
+            for (int i = 0; i < C; i++)
+                acc += Tm[r * C + i] * beta[i] * k[i * K + d] * exp(G[i * K + d]);
             W[r * K + d] = acc;
         }
         for (int j = 0; j < V; j++) {
             double acc = 0;
-            for (int i = 0; i < C; i++) acc += Tm[r * C + i] * beta[i] * v[i * V + j];
+            for (int i = 0; i < C; i++)
+                acc += Tm[r * C + i] * beta[i] * v[i * V + j];
             U[r * V + j] = acc;
         }
     }
     for (int r = 0; r < C; r++)
         for (int j = 0; j < V; j++) {
             double acc = U[r * V + j];
-            for (int d = 0; d < K; d++) acc -= W[r * K + d] * S0[d * V + j];
+            for (int d = 0; d < K; d++)
+                acc -= W[r * K + d] * S0[d * V + j];
             Vn[r * V + j] = acc;
         }
     for (int r = 0; r < C; r++)
         for (int j = 0; j < V; j++) {
             double acc = 0;
-            for (int d = 0; d < K; d++) acc += s * q[r * K + d] * exp(G[r * K + d]) * S0[d * V + j];
-            for (int i = 0; i <= r; i++) acc += Aqk[r * C + i] * Vn[i * V + j];
+            for (int d = 0; d < K; d++)
+                acc += s * q[r * K + d] * exp(G[r * K + d]) * S0[d * V + j];
+            for (int i = 0; i <= r; i++)
+                acc += Aqk[r * C + i] * Vn[i * V + j];
             O[r * V + j] = acc;
         }
     for (int d = 0; d < K; d++)
         for (int j = 0; j < V; j++) {
             double Gl = G[(C - 1) * K + d];
             double acc = exp(Gl) * S0[d * V + j];
-            for (int i = 0; i < C; i++) acc += k[i * K + d] * exp(Gl - G[i * K + d]) * Vn[i * V + j];
+            for (int i = 0; i < C; i++)
+                acc += k[i * K + d] * exp(Gl - G[i * K + d]) * Vn[i * V + j];
             S1[d * V + j] = acc;
         }
     free(G);
@@ -405,8 +433,10 @@ static void test_closed_form(void **state) {
         /* fla-style: unit-norm keys */
         for (int r = 0; r < C; r++) {
             double n2 = 0;
-            for (int d = 0; d < K; d++) n2 += k[r * K + d] * k[r * K + d];
-            for (int d = 0; d < K; d++) k[r * K + d] /= sqrt(n2);
+            for (int d = 0; d < K; d++)
+                n2 += k[r * K + d] * k[r * K + d];
+            for (int d = 0; d < K; d++)
+                k[r * K + d] /= sqrt(n2);
         }
         lm_fill_normal(v, C * V, 103 + kind, 0.0, 1.0);
         lm_fill_uniform(beta, C, 104 + kind, 0.0, 1.0);
@@ -440,10 +470,10 @@ static void test_closed_form(void **state) {
         kda_ref_run(&c, &io);
         /* Both are fp64 evaluations of the same quantity by different algorithms:
          * they agree to rounding (the inverse's condition number is modest here). */
-        assert_true(lm_check_f64(kind == LM_KDA ? "kda closed-form o" : "gdn closed-form o", Or, Oc, C * V,
-                                 1e-12));
-        assert_true(lm_check_f64(kind == LM_KDA ? "kda closed-form ht" : "gdn closed-form ht", S1r, S1c,
-                                 K * V, 1e-12));
+        assert_true(lm_check_f64(kind == LM_KDA ? "kda closed-form o" : "gdn closed-form o", Or, Oc,
+                                 C * V, 1e-12));
+        assert_true(lm_check_f64(kind == LM_KDA ? "kda closed-form ht" : "gdn closed-form ht", S1r,
+                                 S1c, K * V, 1e-12));
         /* and the compare is not vacuous: a perturbed g changes the closed form */
         g[5 * gk] -= 0.1;
         closed_form_chunk(C, K, V, gk, s, q, k, v, g, beta, S0, Oc, S1c);

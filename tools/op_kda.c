@@ -365,8 +365,8 @@ static int run(op_ctx *x, const char *out_path) {
     }
     int rc;
     int64_t N = 0;
-    /* dims are filled after the shape check; the kind and the defaults first, so the
-     * metadata can override them. */
+    /* The metadata is parsed into x->c before the dims are known (so a bad attribute
+     * is reported first); the defaults that depend on the dims are filled below. */
     lm_kda_kind kind = x->c.kind;
     if ((rc = read_metadata(x)) != 0) return rc;
     if ((rc = check_shapes(x, &N)) != 0) return rc;
@@ -407,9 +407,7 @@ static int run(op_ctx *x, const char *out_path) {
     lm_kda_inputs in = {x->f[T_Q], x->f[T_K], x->f[T_V], x->f[T_G], x->f[T_BETA],
                         x->f[T_A_LOG], x->f[T_DT_BIAS], x->f[T_H0]};
     if (lm_kda_validate(&x->c, &in, &err) != LM_OK) return fail(x, "%s", err.msg);
-    if ((int64_t)x->c.N != N)
-        return fail(x, "internal: lm_kda_validate found N = %d sequences, the shapes say %lld", x->c.N,
-                    (long long)N);
+    LM_CHECK((int64_t)x->c.N == N); /* validate derives N the same way the shapes did */
 
     const int64_t o_shape[4] = {B, T, HV, V};
     const int64_t s_shape[4] = {N, HV, K, V};

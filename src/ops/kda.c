@@ -111,6 +111,39 @@ lm_status lm_kda_validate(lm_kda_config *c, const lm_kda_inputs *in, lm_error *e
     return LM_OK;
 }
 
+/* One block of JB value columns of the recurrent pass A over all K rows of the
+ * state: x = e (S + kp up), optionally stored back, and p += k x, o' += q x with
+ * the accumulators held in registers (JB is 32 at the main call site). */
+static inline __attribute__((always_inline)) void
+rec_pass_a(const int JB, int K, int V, float *restrict S, const float *restrict e,
+           const float *restrict k, const float *restrict q, const float *restrict kp,
+           const float *restrict up, int store, float *restrict pv, float *restrict ov) {
+    float ap[32], ao[32];
+    for (int j = 0; j < JB; j++) ap[j] = ao[j] = 0.0f;
+    for (int d = 0; d < K; d++) {
+        const float ed = e[d], kd = k[d], qd = q[d], kpd = kp ? kp[d] : 0.0f;
+        float *restrict row = S + (size_t)d * V;
+        if (store) {
+            for (int j = 0; j < JB; j++) {
+                float x = ed * (row[j] + kpd * up[j]);
+                row[j] = x;
+                ap[j] += kd * x;
+                ao[j] += qd * x;
+            }
+        } else {
+            for (int j = 0; j < JB; j++) {
+                float x = ed * (row[j] + kpd * up[j]);
+                ap[j] += kd * x;
+                ao[j] += qd * x;
+            }
+        }
+    }
+    for (int j = 0; j < JB; j++) {
+        pv[j] = ap[j];
+        ov[j] = ao[j];
+    }
+}
+
 lm_status lm_kda_recurrent_forward(lm_kda_config *c, const lm_kda_inputs *in, lm_kda_outputs *out,
                                    lm_error *err) {
     LM_TRY(lm_kda_validate(c, in, err));
@@ -122,42 +155,59 @@ lm_status lm_kda_recurrent_forward(lm_kda_config *c, const lm_kda_inputs *in, lm
 #pragma omp parallel
     {
         float *local = out->final_state ? NULL : LM_MALLOC(sizeof(float) * (size_t)K * V);
-        float *pv = LM_MALLOC(sizeof(float) * (size_t)V * 2);
-        float *u = pv + V;
+        /* The state is carried in "pending" form between tokens: S holds the decayed
+         * state without the last rank-1 update k u^T, which is folded into the next
+         * token's single pass. Each token then reads and writes the state once; the
+         * last token of a sequence reads it twice and writes it once. */
+        float *pv = LM_MALLOC(sizeof(float) * (size_t)(V * 4 + K));
+        float *u = pv + V, *ov = pv + 2 * V, *up = pv + 3 * V, *eb = pv + 4 * V;
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < ntask; task++) {
             int n = task / HV, hv = task % HV, h = hv / grp;
-            float *S = out->final_state ? out->final_state + (size_t)task * K * V : local;
+            float *restrict S = out->final_state ? out->final_state + (size_t)task * K * V : local;
             const float *S0 = in->initial_state ? in->initial_state + (size_t)task * K * V : NULL;
             if (!S0)
                 memset(S, 0, sizeof(float) * (size_t)K * V);
             else if (S0 != S)
                 memcpy(S, S0, sizeof(float) * (size_t)K * V);
-            for (int64_t t = p.bos[n]; t < p.bos[n] + p.len[n]; t++) {
+            const float *kp = NULL; /* pending update k_prev u_prev^T (NULL: none) */
+            memset(up, 0, sizeof(float) * (size_t)V);
+            const int64_t t_end = p.bos[n] + p.len[n];
+            for (int64_t t = p.bos[n]; t < t_end; t++) {
                 const float *q = p.qs + (t * H + h) * K, *k = p.kn + (t * H + h) * K;
                 const float *g = p.gk + (t * HV + hv) * K, *v = in->v + (t * HV + hv) * V;
                 const float b = p.beta[t * HV + hv];
-                float *o = out->o + (t * HV + hv) * V;
-                /* pass 1: decay rows, p = S^T k */
-                for (int j = 0; j < V; j++) pv[j] = 0.0f;
+                const int last = t == t_end - 1;
+                float *restrict o = out->o + (t * HV + hv) * V;
+                /* pass A: x = e^g (S + k_prev u_prev^T) row by row; p = x^T k, o' = x^T q.
+                 * Blocks of 32 value columns keep p and o' in registers across rows. */
+                double kq = 0;
                 for (int d = 0; d < K; d++) {
-                    float e = lm_fexp(g[d]), kd = k[d];
-                    float *row = S + (size_t)d * V;
-                    for (int j = 0; j < V; j++) {
-                        row[j] *= e;
-                        pv[j] += kd * row[j];
-                    }
+                    eb[d] = lm_fexp(g[d]);
+                    kq += (double)k[d] * q[d];
                 }
-                for (int j = 0; j < V; j++) u[j] = b * (v[j] - pv[j]);
-                /* pass 2: rank-1 update, o = S^T q */
-                for (int j = 0; j < V; j++) o[j] = 0.0f;
-                for (int d = 0; d < K; d++) {
-                    float kd = k[d], qd = q[d];
-                    float *row = S + (size_t)d * V;
-                    for (int j = 0; j < V; j++) {
-                        row[j] += kd * u[j];
-                        o[j] += qd * row[j];
+                for (int j0 = 0; j0 < V; j0 += 32) {
+                    if (V - j0 >= 32)
+                        rec_pass_a(32, K, V, S + j0, eb, k, q, kp, up + j0, !last, pv + j0, ov + j0);
+                    else
+                        rec_pass_a(V - j0, K, V, S + j0, eb, k, q, kp, up + j0, !last, pv + j0, ov + j0);
+                }
+                /* u = beta (v - p);  o = o' + u (k . q) */
+                for (int j = 0; j < V; j++) {
+                    u[j] = b * (v[j] - pv[j]);
+                    o[j] = ov[j] + u[j] * (float)kq;
+                }
+                if (last) {
+                    /* pass B: S = e^g (S + k_prev u_prev^T) + k u^T, written once */
+                    for (int d = 0; d < K; d++) {
+                        const float e = eb[d], kd = k[d], kpd = kp ? kp[d] : 0.0f;
+                        float *restrict row = S + (size_t)d * V;
+#pragma omp simd
+                        for (int j = 0; j < V; j++) row[j] = e * (row[j] + kpd * up[j]) + kd * u[j];
                     }
+                } else {
+                    memcpy(up, u, sizeof(float) * (size_t)V);
+                    kp = k;
                 }
             }
         }

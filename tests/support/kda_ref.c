@@ -62,7 +62,8 @@ static void *ref_calloc(size_t n, size_t sz) {
 }
 
 static double ref_sigmoid(double x) {
-    if (x >= 0) return 1.0 / (1.0 + exp(-x));
+    if (x >= 0)
+        return 1.0 / (1.0 + exp(-x));
     double e = exp(x);
     return e / (1.0 + e);
 }
@@ -71,12 +72,12 @@ static double ref_softplus(double z) { return z > 20.0 ? z : log1p(exp(z)); }
 
 /* Per-token preprocessed values of one (sequence, value head). */
 typedef struct {
-    int L, K, V, GK;      /* GK = K (KDA) or 1 (GDN): channels of the gate */
-    double *qn, *kn;      /* [L,K] normalised (or raw) q, k, before scale */
-    double *rq, *rk;      /* [L]   norms (1 when l2norm is off) */
-    double *b;            /* [L]   activated beta */
-    double *g;            /* [L,GK] log-decay */
-    double *eg;           /* [L,GK] exp(g) */
+    int L, K, V, GK; /* GK = K (KDA) or 1 (GDN): channels of the gate */
+    double *qn, *kn; /* [L,K] normalised (or raw) q, k, before scale */
+    double *rq, *rk; /* [L]   norms (1 when l2norm is off) */
+    double *b;       /* [L]   activated beta */
+    double *g;       /* [L,GK] log-decay */
+    double *eg;      /* [L,GK] exp(g) */
 } ref_seq;
 
 /* Gate value for raw input x of channel index `ci` (into dt_bias) of head hv. */
@@ -84,22 +85,26 @@ static double ref_gate(const lm_kda_config *c, const kda_ref_io *io, int hv, int
     double a = io->A_log ? exp(io->A_log[hv]) : 1.0;
     double bias = io->dt_bias ? io->dt_bias[ci] : 0.0;
     switch (c->gate) {
-    case LM_GATE_NONE: return x;
-    case LM_GATE_SOFTPLUS: return -a * ref_softplus(x + bias);
-    case LM_GATE_BOUNDED: return (double)c->lower_bound * ref_sigmoid(a * (x + bias));
+    case LM_GATE_NONE:
+        return x;
+    case LM_GATE_SOFTPLUS:
+        return -a * ref_softplus(x + bias);
+    case LM_GATE_BOUNDED:
+        return (double)c->lower_bound * ref_sigmoid(a * (x + bias));
     }
     LM_CHECK(0);
     return 0;
 }
 
 /* Backward of the gate for one element: returns dx; adds to *dA and *dbias. */
-static double ref_gate_bwd(const lm_kda_config *c, const kda_ref_io *io, int hv, int64_t ci, double x,
-                           double dg, double *dA, double *dbias) {
+static double ref_gate_bwd(const lm_kda_config *c, const kda_ref_io *io, int hv, int64_t ci,
+                           double x, double dg, double *dA, double *dbias) {
     double a = io->A_log ? exp(io->A_log[hv]) : 1.0;
     double bias = io->dt_bias ? io->dt_bias[ci] : 0.0;
     double dx = 0;
     switch (c->gate) {
-    case LM_GATE_NONE: return dg;
+    case LM_GATE_NONE:
+        return dg;
     case LM_GATE_SOFTPLUS: {
         double z = x + bias;
         double sp = ref_softplus(z);
@@ -124,9 +129,9 @@ static double ref_gate_bwd(const lm_kda_config *c, const kda_ref_io *io, int hv,
 }
 
 typedef struct {
-    int b;         /* batch index */
-    int64_t bos;   /* first token (within batch row b) */
-    int L;         /* length */
+    int b;       /* batch index */
+    int64_t bos; /* first token (within batch row b) */
+    int L;       /* length */
 } ref_span;
 
 static ref_span ref_span_of(const lm_kda_config *c, int n) {
@@ -143,7 +148,8 @@ static ref_span ref_span_of(const lm_kda_config *c, int n) {
     return s;
 }
 
-static void ref_prep(const lm_kda_config *c, const kda_ref_io *io, ref_span sp, int hv, ref_seq *s) {
+static void ref_prep(const lm_kda_config *c, const kda_ref_io *io, ref_span sp, int hv,
+                     ref_seq *s) {
     const int K = c->K, H = c->H, HV = c->HV;
     const int h = hv / (HV / H);
     const int GK = c->kind == LM_KDA ? K : 1;
@@ -180,31 +186,37 @@ static void ref_prep(const lm_kda_config *c, const kda_ref_io *io, ref_span sp, 
 
 /* One forward step on S (in place). Optionally records Sd (state after decay),
  * u and r = v - Sd^T k. Writes o (V) when non-NULL. */
-static void ref_step(const ref_seq *s, int t, double scale, const double *v, double *S, double *Sd_out,
-                     double *u_out, double *r_out, double *o, double *tmp_u) {
+static void ref_step(const ref_seq *s, int t, double scale, const double *v, double *S,
+                     double *Sd_out, double *u_out, double *r_out, double *o, double *tmp_u) {
     const int K = s->K, V = s->V, GK = s->GK;
     const double *kn = s->kn + (int64_t)t * K;
     const double *qn = s->qn + (int64_t)t * K;
     const double *eg = s->eg + (int64_t)t * GK;
     for (int d = 0; d < K; d++) {
         double e = eg[GK == 1 ? 0 : d];
-        for (int j = 0; j < V; j++) S[(int64_t)d * V + j] *= e;
+        for (int j = 0; j < V; j++)
+            S[(int64_t)d * V + j] *= e;
     }
-    if (Sd_out) memcpy(Sd_out, S, sizeof(double) * K * V);
+    if (Sd_out)
+        memcpy(Sd_out, S, sizeof(double) * K * V);
     double *u = u_out ? u_out : tmp_u;
     for (int j = 0; j < V; j++) {
         double p = 0;
-        for (int d = 0; d < K; d++) p += S[(int64_t)d * V + j] * kn[d];
+        for (int d = 0; d < K; d++)
+            p += S[(int64_t)d * V + j] * kn[d];
         double r = v[j] - p;
-        if (r_out) r_out[j] = r;
+        if (r_out)
+            r_out[j] = r;
         u[j] = s->b[t] * r;
     }
     for (int d = 0; d < K; d++)
-        for (int j = 0; j < V; j++) S[(int64_t)d * V + j] += kn[d] * u[j];
+        for (int j = 0; j < V; j++)
+            S[(int64_t)d * V + j] += kn[d] * u[j];
     if (o) {
         for (int j = 0; j < V; j++) {
             double acc = 0;
-            for (int d = 0; d < K; d++) acc += S[(int64_t)d * V + j] * qn[d];
+            for (int d = 0; d < K; d++)
+                acc += S[(int64_t)d * V + j] * qn[d];
             o[j] = scale * acc;
         }
     }
@@ -261,14 +273,17 @@ static void ref_task(const lm_kda_config *c, const kda_ref_io *io, int n, int h,
             memset(S, 0, sizeof(double) * KV);
         /* forward */
         for (int t = 0; t < L; t++) {
-            if (t % REF_CKPT == 0) memcpy(ckpt + (int64_t)(t / REF_CKPT) * KV, S, sizeof(double) * KV);
+            if (t % REF_CKPT == 0)
+                memcpy(ckpt + (int64_t)(t / REF_CKPT) * KV, S, sizeof(double) * KV);
             int64_t bt = (int64_t)sp.b * c->T + sp.bos + t;
             const double *v = io->v + (bt * HV + hv) * V;
             double *o = io->o ? io->o + (bt * HV + hv) * V : NULL;
             ref_step(&s, t, scale, v, S, NULL, NULL, NULL, o, tmp_u);
         }
-        if (io->ht) memcpy(io->ht + sidx, S, sizeof(double) * KV);
-        if (!bwd) continue;
+        if (io->ht)
+            memcpy(io->ht + sidx, S, sizeof(double) * KV);
+        if (!bwd)
+            continue;
 
         /* backward */
         if (io->dht)
@@ -282,8 +297,8 @@ static void ref_task(const lm_kda_config *c, const kda_ref_io *io, int n, int h,
             for (int t = t0; t < t1; t++) {
                 int64_t bt = (int64_t)sp.b * c->T + sp.bos + t;
                 const double *v = io->v + (bt * HV + hv) * V;
-                ref_step(&s, t, scale, v, S, segSd + (int64_t)(t - t0) * KV, segU + (int64_t)(t - t0) * V,
-                         segR + (int64_t)(t - t0) * V, NULL, tmp_u);
+                ref_step(&s, t, scale, v, S, segSd + (int64_t)(t - t0) * KV,
+                         segU + (int64_t)(t - t0) * V, segR + (int64_t)(t - t0) * V, NULL, tmp_u);
             }
             for (int t = t1 - 1; t >= t0; t--) {
                 int64_t bt = (int64_t)sp.b * c->T + sp.bos + t;
@@ -296,7 +311,8 @@ static void ref_task(const lm_kda_config *c, const kda_ref_io *io, int n, int h,
                 const double bt_ = s.b[t];
                 /* dS += qs do^T; dqs = S_t do with S_t = Sd + kn u^T */
                 double udo = 0;
-                for (int j = 0; j < V; j++) udo += u[j] * dO[j];
+                for (int j = 0; j < V; j++)
+                    udo += u[j] * dO[j];
                 for (int d = 0; d < K; d++) {
                     double qs = scale * qn[d];
                     double acc = 0;
@@ -307,7 +323,8 @@ static void ref_task(const lm_kda_config *c, const kda_ref_io *io, int n, int h,
                     dqs[d] = acc + kn[d] * udo;
                 }
                 /* du = dS^T kn; dkn = dS u */
-                for (int j = 0; j < V; j++) du[j] = 0;
+                for (int j = 0; j < V; j++)
+                    du[j] = 0;
                 for (int d = 0; d < K; d++) {
                     double acc = 0;
                     for (int j = 0; j < V; j++) {
@@ -318,10 +335,12 @@ static void ref_task(const lm_kda_config *c, const kda_ref_io *io, int n, int h,
                 }
                 /* dv, dbeta (activated), dp = -b du */
                 double db = 0;
-                for (int j = 0; j < V; j++) db += r[j] * du[j];
+                for (int j = 0; j < V; j++)
+                    db += r[j] * du[j];
                 if (io->dv) {
                     double *dv = io->dv + (bt * HV + hv) * V;
-                    for (int j = 0; j < V; j++) dv[j] = bt_ * du[j];
+                    for (int j = 0; j < V; j++)
+                        dv[j] = bt_ * du[j];
                 }
                 if (io->dbeta) {
                     double braw = io->beta[bt * HV + hv];
@@ -333,7 +352,8 @@ static void ref_task(const lm_kda_config *c, const kda_ref_io *io, int n, int h,
                     io->dbeta[bt * HV + hv] = db * f;
                 }
                 /* dSd = dS + kn dp^T; dkn += Sd dp; dg = sum_v dSd .* Sd; dS = D dSd */
-                for (int d = 0; d < GK; d++) dgv[d] = 0;
+                for (int d = 0; d < GK; d++)
+                    dgv[d] = 0;
                 for (int d = 0; d < K; d++) {
                     double acc = 0, gacc = 0;
                     for (int j = 0; j < V; j++) {
@@ -346,15 +366,17 @@ static void ref_task(const lm_kda_config *c, const kda_ref_io *io, int n, int h,
                     dkn[d] += acc;
                     dgv[GK == 1 ? 0 : d] += gacc;
                     double e = s.eg[(int64_t)t * GK + (GK == 1 ? 0 : d)];
-                    for (int j = 0; j < V; j++) dS[(int64_t)d * V + j] *= e;
+                    for (int j = 0; j < V; j++)
+                        dS[(int64_t)d * V + j] *= e;
                 }
                 /* gate backward to the raw input */
                 for (int d = 0; d < GK; d++) {
                     int64_t gi = (bt * HV + hv) * GK + d;
                     double dA_local = 0, dbias_local = 0;
-                    double dx = ref_gate_bwd(c, io, hv, (int64_t)hv * GK + d, io->g[gi], dgv[d], &dA_local,
-                                             &dbias_local);
-                    if (io->dg) io->dg[gi] = dx;
+                    double dx = ref_gate_bwd(c, io, hv, (int64_t)hv * GK + d, io->g[gi], dgv[d],
+                                             &dA_local, &dbias_local);
+                    if (io->dg)
+                        io->dg[gi] = dx;
                     dA[hv] += dA_local;
                     dbias[(int64_t)hv * GK + d] += dbias_local;
                 }
@@ -364,7 +386,8 @@ static void ref_task(const lm_kda_config *c, const kda_ref_io *io, int n, int h,
                 }
             }
         }
-        if (io->dh0) memcpy(io->dh0 + sidx, dS, sizeof(double) * KV);
+        if (io->dh0)
+            memcpy(io->dh0 + sidx, dS, sizeof(double) * KV);
     }
 
     /* l2norm backward and the write of dq, dk (this task owns head h of sequence n) */
@@ -373,17 +396,21 @@ static void ref_task(const lm_kda_config *c, const kda_ref_io *io, int n, int h,
             int64_t bt = (int64_t)sp.b * c->T + sp.bos + t;
             for (int which = 0; which < 2; which++) {
                 double *dst = which == 0 ? io->dq : io->dk;
-                if (!dst) continue;
+                if (!dst)
+                    continue;
                 dst += (bt * H + h) * K;
                 const double *xn = (which == 0 ? s.qn : s.kn) + (int64_t)t * K;
                 const double *dxn = (which == 0 ? dqn_acc : dkn_acc) + (int64_t)t * K;
                 if (c->use_qk_l2norm_in_kernel) {
                     double r = which == 0 ? s.rq[t] : s.rk[t];
                     double dot = 0;
-                    for (int d = 0; d < K; d++) dot += xn[d] * dxn[d];
-                    for (int d = 0; d < K; d++) dst[d] = (dxn[d] - xn[d] * dot) / r;
+                    for (int d = 0; d < K; d++)
+                        dot += xn[d] * dxn[d];
+                    for (int d = 0; d < K; d++)
+                        dst[d] = (dxn[d] - xn[d] * dot) / r;
                 } else {
-                    for (int d = 0; d < K; d++) dst[d] = dxn[d];
+                    for (int d = 0; d < K; d++)
+                        dst[d] = dxn[d];
                 }
             }
         }
@@ -423,33 +450,42 @@ void kda_ref_run(const lm_kda_config *c, const kda_ref_io *io) {
     /* Every token belongs to a sequence, but zero all gradient outputs first so that
      * nothing is left undefined (and dq/dk of a head group are written once). */
     if (bwd) {
-        if (io->dq) memset(io->dq, 0, sizeof(double) * BT * H * K);
-        if (io->dk) memset(io->dk, 0, sizeof(double) * BT * H * K);
-        if (io->dv) memset(io->dv, 0, sizeof(double) * BT * HV * c->V);
-        if (io->dg) memset(io->dg, 0, sizeof(double) * BT * HV * GK);
-        if (io->dbeta) memset(io->dbeta, 0, sizeof(double) * BT * HV);
+        if (io->dq)
+            memset(io->dq, 0, sizeof(double) * BT * H * K);
+        if (io->dk)
+            memset(io->dk, 0, sizeof(double) * BT * H * K);
+        if (io->dv)
+            memset(io->dv, 0, sizeof(double) * BT * HV * c->V);
+        if (io->dg)
+            memset(io->dg, 0, sizeof(double) * BT * HV * GK);
+        if (io->dbeta)
+            memset(io->dbeta, 0, sizeof(double) * BT * HV);
     }
-    if (io->o) memset(io->o, 0, sizeof(double) * BT * HV * c->V);
+    if (io->o)
+        memset(io->o, 0, sizeof(double) * BT * HV * c->V);
 
     const int ntask = N * H;
     double *dA = ref_calloc((size_t)(ntask ? ntask : 1) * HV, sizeof(double));
     double *dbias = ref_calloc((size_t)(ntask ? ntask : 1) * HV * GK, sizeof(double));
 #pragma omp parallel for schedule(dynamic, 1)
     for (int task = 0; task < ntask; task++)
-        ref_task(c, io, task / H, task % H, dA + (int64_t)task * HV, dbias + (int64_t)task * HV * GK);
+        ref_task(c, io, task / H, task % H, dA + (int64_t)task * HV,
+                 dbias + (int64_t)task * HV * GK);
 
     /* deterministic reduction of the per-task parameter gradients */
     if (bwd && io->dA_log) {
         for (int hv = 0; hv < HV; hv++) {
             double acc = 0;
-            for (int task = 0; task < ntask; task++) acc += dA[(int64_t)task * HV + hv];
+            for (int task = 0; task < ntask; task++)
+                acc += dA[(int64_t)task * HV + hv];
             io->dA_log[hv] = io->A_log ? acc : 0.0;
         }
     }
     if (bwd && io->ddt_bias) {
         for (int64_t i = 0; i < (int64_t)HV * GK; i++) {
             double acc = 0;
-            for (int task = 0; task < ntask; task++) acc += dbias[(int64_t)task * HV * GK + i];
+            for (int task = 0; task < ntask; task++)
+                acc += dbias[(int64_t)task * HV * GK + i];
             io->ddt_bias[i] = acc;
         }
     }

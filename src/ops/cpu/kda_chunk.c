@@ -166,6 +166,7 @@ static void tile_fwd_safe_diag(ws_t *w, int r0, int L) {
             if (i <= r) {
                 const double *gi = w->G + (size_t)(r0 + i) * K;
                 const float *ki = w->Kc + (size_t)(r0 + i) * K;
+#pragma omp simd reduction(+ : sq, sk)
                 for (int d = 0; d < K; d++) {
                     float e = ki[d] * lm_fexp((float)(gr[d] - gi[d]));
                     sq += qr[d] * e;
@@ -213,22 +214,28 @@ static void chunk_intra(ws_t *w, int c, int shared) {
     const int K = w->K, V = w->V, C = w->C;
     for (int r = 1; r < c; r++)
         for (int d = 0; d < K; d++) w->G[(size_t)r * K + d] += w->G[(size_t)(r - 1) * K + d];
-    const double *Gl = w->G + (size_t)(c - 1) * K;
+    const double *restrict Gl = w->G + (size_t)(c - 1) * K;
     for (int d = 0; d < K; d++) w->gam[d] = lm_fexp((float)Gl[d]);
     for (int r = 0; r < c; r++) {
-        const double *g = w->G + (size_t)r * K;
         size_t o = (size_t)r * K;
-        float b = w->beta[r];
+        const double *restrict g = w->G + o;
+        const float *restrict q = w->Q + o, *restrict k = w->Kc + o;
+        float *restrict eG = w->eG + o, *restrict eGd = w->eGd + o, *restrict Qg = w->Qg + o;
+        float *restrict Kg = w->Kg + o, *restrict Kd = w->Kd + o, *restrict Bk = w->Bk + o;
+        const float b = w->beta[r];
+#pragma omp simd
         for (int d = 0; d < K; d++) {
             float e = lm_fexp((float)g[d]), ed = lm_fexp((float)(Gl[d] - g[d]));
-            w->eG[o + d] = e;
-            w->eGd[o + d] = ed;
-            w->Qg[o + d] = w->Q[o + d] * e;
-            w->Kg[o + d] = w->Kc[o + d] * e;
-            w->Kd[o + d] = w->Kc[o + d] * ed;
-            w->Bk[o + d] = b * w->Kg[o + d];
+            eG[d] = e;
+            eGd[d] = ed;
+            Qg[d] = q[d] * e;
+            Kg[d] = k[d] * e;
+            Kd[d] = k[d] * ed;
+            Bk[d] = b * k[d] * e;
         }
-        for (int v = 0; v < V; v++) w->Bv[(size_t)r * V + v] = b * w->Vc[(size_t)r * V + v];
+        float *restrict Bv = w->Bv + (size_t)r * V;
+        const float *restrict vv = w->Vc + (size_t)r * V;
+        for (int v = 0; v < V; v++) Bv[v] = b * vv[v];
     }
     for (int r = 0; r < c; r++) {
         memset(w->Aqk + (size_t)r * C, 0, sizeof(float) * C);
@@ -375,6 +382,7 @@ static void tile_bwd_safe_diag(ws_t *w, int r0, int L) {
             const double *gi = w->G + (size_t)(r0 + i) * K;
             const float *ki = w->Kc + (size_t)(r0 + i) * K;
             float *dki = w->dKc + (size_t)(r0 + i) * K;
+#pragma omp simd
             for (int d = 0; d < K; d++) {
                 float e = lm_fexp((float)(gr[d] - gi[d]));
                 dqr[d] += aq * ki[d] * e;
@@ -468,6 +476,7 @@ static void chunk_backward(ws_t *w, int c, int shared, const float *S0, float *d
     for (int r = 0; r < c; r++) {
         size_t o = (size_t)r * K;
         float bt = w->beta[r];
+#pragma omp simd
         for (int d = 0; d < K; d++) {
             float dkg = bt * w->dBk[o + d]; /* Bk = beta Kg */
             float q = w->Q[o + d], k = w->Kc[o + d];

@@ -7,18 +7,20 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "linmoe/kda.h"
 
-/* exp(x) in fp32, branch-free so loops over it vectorise: Cody-Waite reduction by
- * ln2 and a degree-6 polynomial on [-ln2/2, ln2/2] (max rel. error ~2 ulp);
- * returns +inf above 88.72 and 0 below -87.33 (no subnormals), NaN for NaN. */
+/* exp(x) in fp32, written so that loops over it vectorise (no branches, no
+ * calls): Cody-Waite reduction by ln2 and a degree-6 polynomial on
+ * [-ln2/2, ln2/2] (max rel. error ~2 ulp); returns +inf above 88.72 and 0 below
+ * -87.33 (no subnormals). Inputs must not be NaN (the op validates its inputs). */
 static inline float lm_fexp(float x) {
     const float log2e = 1.44269504088896341f;
     const float ln2_hi = 0.693145751953125f, ln2_lo = 1.42860682030941723e-6f;
-    float xc = x < -87.33f ? -87.33f : (x > 88.7f ? 88.7f : x);
-    float t = xc * log2e;
-    float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float xc = x < -87.33f ? -87.33f : x;
+    xc = xc > 88.7f ? 88.7f : xc;
+    float n = (xc * log2e + 12582912.0f) - 12582912.0f; /* round to nearest */
     float r = (xc - n * ln2_hi) - n * ln2_lo;
     float p = 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
@@ -27,12 +29,13 @@ static inline float lm_fexp(float x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    union { float f; int32_t i; } s;
-    s.i = ((int32_t)n + 127) << 23;
-    float y = p * s.f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &bits, sizeof s);
+    float y = p * s;
     y = x < -87.33f ? 0.0f : y;
     y = x > 88.72f ? INFINITY : y;
-    return x != x ? x : y;
+    return y;
 }
 
 /* Diagonal tile of the intra-chunk products, shared-matmul form (reference/kda.md

@@ -119,13 +119,13 @@ lm_status lm_kda_prep_forward(const lm_kda_config *c, const lm_kda_inputs *in, l
         } else {
             const float *x = in->g + row * K;
             const float *bias = in->dt_bias ? in->dt_bias + (int64_t)hv * K : NULL;
-            for (int d = 0; d < K; d++) {
-                if (gm == LM_GATE_NONE) {
-                    gk[d] = x[d];
-                } else {
-                    float z = x[d] + (bias ? bias[d] : 0.0f);
-                    gk[d] = gm == LM_GATE_SOFTPLUS ? -a * softplusf_(z) : lb * sigmoidf_(a * z);
-                }
+            if (gm == LM_GATE_NONE) {
+                memcpy(gk, x, sizeof(float) * (size_t)K);
+            } else if (gm == LM_GATE_SOFTPLUS) {
+                for (int d = 0; d < K; d++) gk[d] = -a * softplusf_(x[d] + (bias ? bias[d] : 0.0f));
+            } else {
+#pragma omp simd
+                for (int d = 0; d < K; d++) gk[d] = lb * sigmoidf_(a * (x[d] + (bias ? bias[d] : 0.0f)));
             }
         }
     }
