@@ -22,6 +22,7 @@ int main(int argc, char **argv) {
     long nq = (long)B * T * H * D, nb = (long)B * T * H, ns = (long)B * H * D * D;
     float *q = mk(nq, 1, 0), *k = mk(nq, 1, 0), *v = mk(nq, 1, 0), *g = mk(nq, 1, 0), *beta = mk(nb, 1, 0), *Al = mk(H, 0, 0), *dtb = mk(H * D, 0.5, -4);
     lm_kda_inputs in = {q, k, v, g, beta, Al, dtb, NULL};
+    if (getenv("H0")) in.initial_state = mk(ns, 1, 0);
     float *o = malloc(nq * 4), *s = malloc(ns * 4);
     lm_kda_outputs out = {o, s}; lm_error err;
     double C = 64, F = 6.0 * D * D + C * (6.0 * D + 4.0 * D), Fb = 16.0 * D * D + C * (12.0 * D + 10.0 * D) + 4 * C * C;

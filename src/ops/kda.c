@@ -115,24 +115,27 @@ lm_status lm_kda_validate(lm_kda_config *c, const lm_kda_inputs *in, lm_error *e
  * state: x = e (S + kp up), optionally stored back, and p += k x, o' += q x with
  * the accumulators held in registers (JB is 32 at the main call site). */
 static inline __attribute__((always_inline)) void
-rec_pass_a(const int JB, int K, int V, float *restrict S, const float *restrict e,
+rec_pass_a(const int JB, int K, int V, const float *src, float *dst, const float *restrict e,
            const float *restrict k, const float *restrict q, const float *restrict kp,
            const float *restrict up, int store, float *restrict pv, float *restrict ov) {
     float ap[32], ao[32];
     for (int j = 0; j < JB; j++) ap[j] = ao[j] = 0.0f;
     for (int d = 0; d < K; d++) {
         const float ed = e[d], kd = k[d], qd = q[d], kpd = kp ? kp[d] : 0.0f;
-        float *restrict row = S + (size_t)d * V;
+        const float *srow = src + (size_t)d * V;
+        float *drow = dst + (size_t)d * V;
         if (store) {
+#pragma omp simd
             for (int j = 0; j < JB; j++) {
-                float x = ed * (row[j] + kpd * up[j]);
-                row[j] = x;
+                float x = ed * (srow[j] + kpd * up[j]);
+                drow[j] = x;
                 ap[j] += kd * x;
                 ao[j] += qd * x;
             }
         } else {
+#pragma omp simd
             for (int j = 0; j < JB; j++) {
-                float x = ed * (row[j] + kpd * up[j]);
+                float x = ed * (srow[j] + kpd * up[j]);
                 ap[j] += kd * x;
                 ao[j] += qd * x;
             }
@@ -164,12 +167,15 @@ lm_status lm_kda_recurrent_forward(lm_kda_config *c, const lm_kda_inputs *in, lm
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < ntask; task++) {
             int n = task / HV, hv = task % HV, h = hv / grp;
-            float *restrict S = out->final_state ? out->final_state + (size_t)task * K * V : local;
-            const float *S0 = in->initial_state ? in->initial_state + (size_t)task * K * V : NULL;
-            if (!S0)
+            /* The state is read from `src` (the initial state, never copied) until the
+             * first write, then lives in `S` (final_state itself, or a local buffer):
+             * a decode step reads the state once from memory and writes it once. */
+            float *S = out->final_state ? out->final_state + (size_t)task * K * V : local;
+            const float *src = in->initial_state ? in->initial_state + (size_t)task * K * V : NULL;
+            if (!src) {
                 memset(S, 0, sizeof(float) * (size_t)K * V);
-            else if (S0 != S)
-                memcpy(S, S0, sizeof(float) * (size_t)K * V);
+                src = S;
+            }
             const float *kp = NULL; /* pending update k_prev u_prev^T (NULL: none) */
             memset(up, 0, sizeof(float) * (size_t)V);
             const int64_t t_end = p.bos[n] + p.len[n];
@@ -188,10 +194,13 @@ lm_status lm_kda_recurrent_forward(lm_kda_config *c, const lm_kda_inputs *in, lm
                 }
                 for (int j0 = 0; j0 < V; j0 += 32) {
                     if (V - j0 >= 32)
-                        rec_pass_a(32, K, V, S + j0, eb, k, q, kp, up + j0, !last, pv + j0, ov + j0);
+                        rec_pass_a(32, K, V, src + j0, S + j0, eb, k, q, kp, up + j0, !last, pv + j0,
+                                   ov + j0);
                     else
-                        rec_pass_a(V - j0, K, V, S + j0, eb, k, q, kp, up + j0, !last, pv + j0, ov + j0);
+                        rec_pass_a(V - j0, K, V, src + j0, S + j0, eb, k, q, kp, up + j0, !last,
+                                   pv + j0, ov + j0);
                 }
+                if (!last) src = S;
                 /* u = beta (v - p);  o = o' + u (k . q) */
                 for (int j = 0; j < V; j++) {
                     u[j] = b * (v[j] - pv[j]);
@@ -201,15 +210,17 @@ lm_status lm_kda_recurrent_forward(lm_kda_config *c, const lm_kda_inputs *in, lm
                     /* pass B: S = e^g (S + k_prev u_prev^T) + k u^T, written once */
                     for (int d = 0; d < K; d++) {
                         const float e = eb[d], kd = k[d], kpd = kp ? kp[d] : 0.0f;
-                        float *restrict row = S + (size_t)d * V;
+                        const float *srow = src + (size_t)d * V;
+                        float *drow = S + (size_t)d * V;
 #pragma omp simd
-                        for (int j = 0; j < V; j++) row[j] = e * (row[j] + kpd * up[j]) + kd * u[j];
+                        for (int j = 0; j < V; j++) drow[j] = e * (srow[j] + kpd * up[j]) + kd * u[j];
                     }
                 } else {
                     memcpy(up, u, sizeof(float) * (size_t)V);
                     kp = k;
                 }
             }
+            if (p.len[n] == 0 && src != S) memcpy(S, src, sizeof(float) * (size_t)K * V);
         }
         free(pv);
         free(local);
@@ -218,9 +229,13 @@ lm_status lm_kda_recurrent_forward(lm_kda_config *c, const lm_kda_inputs *in, lm
     return LM_OK;
 }
 
-/* Crossover between the recurrent and chunked forward, from `linmoe bench kda`
- * (docs/perf-notes.md): the chunked path wins once a sequence spans a few chunks. */
-#define LM_KDA_RECURRENT_MAX_LEN 32
+/* Crossover between the recurrent and the chunked forward, from `linmoe bench kda`
+ * and dev/perf_kda.c (docs/perf-notes.md): on the 2-core AVX-512 machine the chunked
+ * path is faster at every length measured, T = 1 (decode, 0.7 vs 0.8 ms at B=16, H=4,
+ * D=128 with an initial state) to T = 4096 (1.4x), because its state lives in a
+ * per-thread buffer and its tiles run as small matmuls. The recurrent path stays the
+ * reference-shaped decode step; forward-only callers get the chunked one. */
+#define LM_KDA_RECURRENT_MAX_LEN 0
 
 lm_status lm_kda_forward(lm_kda_config *c, const lm_kda_inputs *in, lm_kda_outputs *out,
                          lm_error *err) {
