@@ -31,6 +31,8 @@ typedef struct {
 
 /* `linmoe bench kda` (bench/bench_kda.c). Returns an exit code (0 ok, 1 failure). */
 int lm_bench_kda(const lm_bench_opts *opts);
+/* `linmoe bench moe` (bench/bench_moe.c). Returns an exit code (0 ok, 1 failure). */
+int lm_bench_moe(const lm_bench_opts *opts);
 
 /* ---------------------------------------------------------------- timing */
 
@@ -141,6 +143,52 @@ static inline void lm_bench_table_row(FILE *f, const lm_bench_record *r) {
     fprintf(f, "%-34s %-20s %10.3f %13s %9.2f %8.3f\n", r->name, shp, r->ms, tps, r->gflops,
             r->ratio_to_limit);
     fflush(f);
+}
+
+/* ---------------------------------------------------------------- the sgemm limit */
+
+typedef struct {
+    int n;
+    float *A, *B, *C;
+} lm_bench_sgemm_ctx_;
+
+static inline int lm_bench_sgemm_run_(void *ctx) {
+    lm_bench_sgemm_ctx_ *s = (lm_bench_sgemm_ctx_ *)ctx;
+    lm_sgemm(0, 0, s->n, s->n, s->n, 1.0f, s->A, s->n, s->B, s->n, 0.0f, s->C, s->n);
+    return 0;
+}
+
+/* The limit: OpenBLAS sgemm n x n x n (n = 2048) on `threads` BLAS threads, median
+ * of `repeat` after one warmup. Fills `rec` ("sgemm_2048", ratio 1) and returns the
+ * GFLOP/s, or a negative value when out of memory. Then sleeps 0.3 s so that
+ * OpenBLAS's worker threads stop spinning before the next measurement. */
+static inline double lm_bench_sgemm_limit(int threads, int repeat, lm_bench_record *rec) {
+    lm_bench_sgemm_ctx_ s = {2048, NULL, NULL, NULL};
+    const size_t nn = (size_t)s.n * s.n;
+    s.A = (float *)malloc(nn * sizeof(float));
+    s.B = (float *)malloc(nn * sizeof(float));
+    s.C = (float *)malloc(nn * sizeof(float));
+    double gflops = -1;
+    if (s.A && s.B && s.C) {
+        lm_rng r;
+        lm_rng_init(&r, 12345);
+        for (size_t i = 0; i < nn; i++) s.A[i] = (float)lm_rng_normal(&r);
+        for (size_t i = 0; i < nn; i++) s.B[i] = (float)lm_rng_normal(&r);
+        lm_blas_set_threads(threads);
+        lm_bench_timing t = lm_bench_time(lm_bench_sgemm_run_, &s, 1, repeat);
+        gflops = 2.0 * s.n * (double)s.n * s.n / (t.median_ms * 1e-3) / 1e9;
+        int64_t shape[3] = {s.n, s.n, s.n};
+        lm_bench_record_init(rec, "sgemm_2048", 3, shape);
+        rec->ms = t.median_ms;
+        rec->gflops = gflops;
+        rec->ratio_to_limit = 1.0;
+    }
+    free(s.A);
+    free(s.B);
+    free(s.C);
+    struct timespec nap = {0, 300000000L};
+    nanosleep(&nap, NULL);
+    return gflops;
 }
 
 /* ---------------------------------------------------------------- JSON */

@@ -895,9 +895,9 @@ static void test_usage_errors(void **state) {
     assert_says(msg, "--in needs a value");
     rc = lm_run_cli(msg, sizeof msg, "op");
     assert_clean_failure(rc, msg, 2);
-    rc = lm_run_cli(msg, sizeof msg, "bench moe");
+    rc = lm_run_cli(msg, sizeof msg, "bench attn");
     assert_clean_failure(rc, msg, 2);
-    assert_says(msg, "unknown target 'moe'");
+    assert_says(msg, "unknown target 'attn'");
     rc = lm_run_cli(msg, sizeof msg, "bench kda --threads zero");
     assert_clean_failure(rc, msg, 2);
     assert_says(msg, "--threads 'zero'");

@@ -17,6 +17,14 @@
 
 #define LINMOE_VERSION "0.1.0"
 
+/* `linmoe op moe_router|moe` (tools/op_moe.c); exit codes as in cli.h. */
+int lm_cli_op_moe_router(const char *prog, const char *in_path, const char *out_path);
+int lm_cli_op_moe(const char *prog, const char *in_path, const char *out_path);
+
+/* `linmoe balance-sim` (tools/balance_sim.c); exit codes as in cli.h. */
+int lm_cli_balance_sim(int argc, char **argv);
+void lm_cli_balance_sim_usage(FILE *f);
+
 static const char *g_prog = "linmoe";
 
 /* ---------------------------------------------------------------- help texts */
@@ -26,19 +34,21 @@ static void usage_main(FILE *f) {
             "usage: %s <subcommand> [options]\n"
             "\n"
             "subcommands:\n"
-            "  op       run one op on tensors from a safetensors file (kda, gdn)\n"
-            "  bench    benchmark kernels against the sgemm limit (kda)\n"
+            "  op       run one op on tensors from a safetensors file (kda, gdn, moe_router, moe)\n"
+            "  bench    benchmark kernels against the sgemm limit (kda, moe)\n"
+            "  balance-sim  simulate expert load balancing on a synthetic skewed router\n"
             "  version  print the version\n"
             "  help     print this help, or `help SUBCOMMAND` for one subcommand\n"
             "\n"
-            "Every subcommand takes --help. train, eval, generate, tokenize, plot,\n"
-            "balance-sim and info arrive with their issues.\n",
+            "Every subcommand takes --help. train, eval, generate, tokenize, plot\n"
+            "and info arrive with their issues.\n",
             g_prog);
 }
 
 static void usage_op(FILE *f) {
     fprintf(f,
-            "usage: %s op kda|gdn --in IN.safetensors --out OUT.safetensors [--device cpu|cuda]\n"
+            "usage: %s op kda|gdn|moe_router|moe --in IN.safetensors --out OUT.safetensors\n"
+            "          [--device cpu|cuda]\n"
             "\n"
             "Runs KDA (per-channel gate) or GDN (per-head gate) on the tensors in IN and writes\n"
             "the results to OUT (F32, written to a temporary name and renamed: an existing OUT\n"
@@ -64,17 +74,33 @@ static void usage_op(FILE *f) {
             "  --device D     cpu (default) or cuda (not built yet)\n"
             "  --help         this help\n"
             "\n"
+            "%s op moe_router: IN logits [T,E]; e_score_correction_bias [E] (optional, 0);\n"
+            "  dtopk_weight [T,k] (optional: runs the backward). OUT topk_idx [T,k] I64,\n"
+            "  topk_weight [T,k], keep [T,k] U8 (training), dlogits [T,E] (with dtopk_weight).\n"
+            "%s op moe: the MoE layer. IN x [T,d], gate.weight [E,d], experts.gate_proj and\n"
+            "  experts.up_proj [E,f,d], experts.down_proj [E,d,f], shared_experts.gate_proj and\n"
+            "  .up_proj [n_shared*f,d], shared_experts.down_proj [d,n_shared*f] (optional, all\n"
+            "  three), e_score_correction_bias [E] (optional), do [T,d] (optional: backward).\n"
+            "  OUT out [T,d], topk_idx, topk_weight, keep (training); with do: dx and d<name>\n"
+            "  for every weight given. Sizes come from the shapes.\n"
+            "Both: __metadata__ num_experts_per_tok (required for moe), scoring_func =\n"
+            "  sigmoid|softmax (sigmoid), norm_topk_prob (true), routed_scaling_factor (1.0),\n"
+            "  n_group, topk_group (group-limited routing; off), training = true|false (false),\n"
+            "  capacity_factor (0 = dropless; training only), drop_policy = probs|position.\n"
+            "\n"
             "exit status: 0 success, 1 bad input, 2 usage error\n",
-            g_prog);
+            g_prog, g_prog, g_prog);
 }
 
 static void usage_bench(FILE *f) {
     fprintf(f,
-            "usage: %s bench kda [--json FILE] [--threads N] [--quick] [--device cpu|cuda]\n"
+            "usage: %s bench kda|moe [--json FILE] [--threads N] [--quick] [--device cpu|cuda]\n"
             "\n"
             "Measures the limit (OpenBLAS sgemm 2048x2048x2048 on the same threads) and then\n"
             "the KDA recurrent forward, chunked forward and chunked forward+backward for the\n"
             "bounded and the softplus gate at (B,T,H,D) = (1,4096,4,128) and (4,2048,4,64).\n"
+            "moe: the MoE layer forward and forward+backward at (T,d,E,k,f,shared) =\n"
+            "(4096,512,64,8,256,1) and (4096,256,16,2,256,1), active-FLOP GFLOP/s.\n"
             "Prints a table (median of the repeats after one warmup) and the speed ratios.\n"
             "\n"
             "options:\n"
@@ -144,7 +170,7 @@ static int check_device(const char *sub, const char *dev) {
 static int cmd_op(int argc, char **argv) {
     /* argv[0] == "op" */
     if (argc < 2) {
-        fprintf(stderr, "%s op: missing op name (kda or gdn)\n", g_prog);
+        fprintf(stderr, "%s op: missing op name (kda, gdn, moe_router or moe)\n", g_prog);
         usage_op(stderr);
         return LM_EXIT_USAGE;
     }
@@ -154,13 +180,15 @@ static int cmd_op(int argc, char **argv) {
             return LM_EXIT_OK;
         }
     const char *name = argv[1];
-    lm_kda_kind kind;
-    if (strcmp(name, "kda") == 0) {
+    lm_kda_kind kind = LM_KDA;
+    const int moe = strcmp(name, "moe_router") == 0 ? 1 : strcmp(name, "moe") == 0 ? 2 : 0;
+    if (moe || strcmp(name, "kda") == 0) {
         kind = LM_KDA;
     } else if (strcmp(name, "gdn") == 0) {
         kind = LM_GDN;
     } else {
-        fprintf(stderr, "%s op: unknown op '%s' (available: kda, gdn)\n", g_prog, name);
+        fprintf(stderr, "%s op: unknown op '%s' (available: kda, gdn, moe_router, moe)\n", g_prog,
+                name);
         return LM_EXIT_USAGE;
     }
     const char *in = NULL, *out = NULL, *device = "cpu";
@@ -183,6 +211,7 @@ static int cmd_op(int argc, char **argv) {
     }
     char prog[64];
     snprintf(prog, sizeof(prog), "%s op %s", g_prog, name);
+    if (moe) return moe == 1 ? lm_cli_op_moe_router(prog, in, out) : lm_cli_op_moe(prog, in, out);
     return lm_cli_op_kda(prog, kind, in, out);
 }
 
@@ -205,13 +234,13 @@ static int cmd_bench(int argc, char **argv) {
             return LM_EXIT_OK;
         }
     if (argc < 2) {
-        fprintf(stderr, "%s bench: missing target (available: kda)\n", g_prog);
+        fprintf(stderr, "%s bench: missing target (available: kda, moe)\n", g_prog);
         usage_bench(stderr);
         return LM_EXIT_USAGE;
     }
     const char *target = argv[1];
-    if (strcmp(target, "kda") != 0) {
-        fprintf(stderr, "%s bench: unknown target '%s' (available: kda)\n", g_prog, target);
+    if (strcmp(target, "kda") != 0 && strcmp(target, "moe") != 0) {
+        fprintf(stderr, "%s bench: unknown target '%s' (available: kda, moe)\n", g_prog, target);
         return LM_EXIT_USAGE;
     }
     lm_bench_opts o = {0, 0, NULL};
@@ -238,7 +267,7 @@ static int cmd_bench(int argc, char **argv) {
         o.threads = omp_get_num_procs();
         if (o.threads < 1) o.threads = 1;
     }
-    return lm_bench_kda(&o);
+    return strcmp(target, "moe") == 0 ? lm_bench_moe(&o) : lm_bench_kda(&o);
 }
 
 static int cmd_version(int argc, char **argv) {
@@ -263,6 +292,7 @@ static int cmd_help(int argc, char **argv) {
     if (strcmp(s, "op") == 0) usage_op(stdout);
     else if (strcmp(s, "bench") == 0) usage_bench(stdout);
     else if (strcmp(s, "version") == 0) usage_version(stdout);
+    else if (strcmp(s, "balance-sim") == 0) lm_cli_balance_sim_usage(stdout);
     else if (strcmp(s, "help") == 0) usage_main(stdout);
     else {
         fprintf(stderr, "%s help: unknown subcommand '%s' (see `%s --help`)\n", g_prog, s, g_prog);
@@ -283,6 +313,7 @@ int main(int argc, char **argv) {
     if (strcmp(sub, "version") == 0) return cmd_version(argc - 1, argv + 1);
     if (strcmp(sub, "op") == 0) return cmd_op(argc - 1, argv + 1);
     if (strcmp(sub, "bench") == 0) return cmd_bench(argc - 1, argv + 1);
+    if (strcmp(sub, "balance-sim") == 0) return lm_cli_balance_sim(argc - 1, argv + 1);
     if (sub[0] == '-')
         fprintf(stderr, "%s: unknown option '%s' (see `%s --help`)\n", g_prog, sub, g_prog);
     else
