@@ -18,6 +18,7 @@ test: all
 
 bench: all
 	$(BUILD)/linmoe bench kda --json $(BUILD)/bench-kda.json
+	$(BUILD)/linmoe bench moe --json $(BUILD)/bench-moe.json
 
 clean:
 	rm -rf build build-san
