@@ -35,6 +35,14 @@ struct lm_route_priv {
     size_t qb_cap;
     void *cap; /* capacity scratch */
     size_t cap_cap;
+    void *aux; /* aux-loss value scratch: P, counts [2E] */
+    size_t aux_cap;
+    void *cnt; /* forward demand / kept counts [2E] */
+    size_t cnt_cap;
+    void *coef; /* backward aux-loss coefficients [n_seq, E] */
+    size_t coef_cap;
+    void *ds; /* backward per-thread score gradients [threads, E] */
+    size_t ds_cap;
 };
 
 /* ---------------------------------------------------------------- config */
@@ -216,6 +224,10 @@ void lm_route_free(lm_route *r) {
         free(r->priv->sel);
         free(r->priv->qb);
         free(r->priv->cap);
+        free(r->priv->aux);
+        free(r->priv->cnt);
+        free(r->priv->coef);
+        free(r->priv->ds);
         free(r->priv);
     }
     memset(r, 0, sizeof(*r));
@@ -781,8 +793,9 @@ static void apply_capacity(const lm_router_config *c, lm_route *r, const int64_t
  * sequence of priv->cu, mean over the non-empty sequences. */
 static double aux_loss_value(const lm_router_config *c, const lm_route *r) {
     const int E = r->E, k = r->k;
-    const struct lm_route_priv *pv = r->priv;
-    double *P = LM_CALLOC((size_t)E * 2, sizeof(double)), *cnt = P + E;
+    struct lm_route_priv *pv = r->priv;
+    double *P = grow(&pv->aux, &pv->aux_cap, sizeof(double) * (size_t)E * 2), *cnt = P + E;
+    memset(P, 0, sizeof(double) * (size_t)E * 2);
     double total = 0.0;
     int nne = 0;
     for (int n = 0; n + 1 < pv->n_cu; n++) {
@@ -812,7 +825,6 @@ static double aux_loss_value(const lm_router_config *c, const lm_route *r) {
         total += (double)c->aux_loss_alpha * l;
         nne++;
     }
-    free(P);
     return nne ? total / nne : 0.0;
 }
 
@@ -930,7 +942,9 @@ lm_status lm_router_forward(const lm_router_config *c, lm_router_state *st, cons
     }
 
     /* pre-capacity demand */
-    int64_t *counts = LM_CALLOC((size_t)E * 2, sizeof(int64_t)), *kept = counts + E;
+    int64_t *counts = grow(&out->priv->cnt, &out->priv->cnt_cap, sizeof(int64_t) * (size_t)E * 2);
+    int64_t *kept = counts + E;
+    memset(counts, 0, sizeof(int64_t) * (size_t)E * 2);
     for (int64_t a = 0; a < (int64_t)T * k; a++)
         counts[out->topk_idx[a]]++;
     for (int e = 0; e < E; e++)
@@ -963,7 +977,6 @@ lm_status lm_router_forward(const lm_router_config *c, lm_router_state *st, cons
             st->qb_count++;
         }
     }
-    free(counts);
     return LM_OK;
 }
 
@@ -996,11 +1009,12 @@ lm_status lm_router_backward(const lm_router_config *c, const lm_route *r,
                                  (long long)(i / k), (int)(i % k), (double)dtopk_weight[i]);
 
     /* aux-loss coefficients d(aux)/d(s'_ti) = alpha * f_i / (T_n * n_nonempty), per sequence */
-    const struct lm_route_priv *pv = r->priv;
+    struct lm_route_priv *pv = r->priv; /* scratch only; the route's results are not changed */
     const int nseq = pv->n_cu - 1;
     double *coef = NULL;
     if (c->balance == LM_BAL_AUX_LOSS && c->aux_loss_alpha > 0.0f) {
-        coef = LM_CALLOC((size_t)nseq * E, sizeof(double));
+        coef = grow(&pv->coef, &pv->coef_cap, sizeof(double) * (size_t)(nseq > 0 ? nseq : 1) * E);
+        memset(coef, 0, sizeof(double) * (size_t)(nseq > 0 ? nseq : 1) * E);
         int nne = 0;
         for (int n = 0; n < nseq; n++)
             nne += pv->cu[n + 1] > pv->cu[n];
@@ -1018,7 +1032,7 @@ lm_status lm_router_backward(const lm_router_config *c, const lm_route *r,
     }
 
     const int nt = omp_get_max_threads();
-    double *dsall = LM_MALLOC(sizeof(double) * (size_t)E * nt);
+    double *dsall = grow(&pv->ds, &pv->ds_cap, sizeof(double) * (size_t)E * nt);
     const int par = (int64_t)T * E >= ROUTER_PAR_MIN;
     const double scale = c->routed_scaling_factor;
     const int norm = c->norm_topk_prob && k > 1;
@@ -1092,7 +1106,5 @@ lm_status lm_router_backward(const lm_router_config *c, const lm_route *r,
             }
         }
     }
-    free(dsall);
-    free(coef);
     return LM_OK;
 }
