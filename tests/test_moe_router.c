@@ -1198,6 +1198,33 @@ static void test_quantile_contract(void **state) {
 }
 
 /* §8.3 row 10: k = 1, E = 4, T = 64, cf = 1.25, all tokens prefer expert 0. */
+/* A capacity that is not an integer rounds up: T=14, k=2, E=4, cf=0.5 gives
+ * T*k/E*cf = 3.5, so C = 4 (a floor would give 3). */
+static void test_capacity_rounds_up(void **state) {
+    (void)state;
+    const int T = 14, E = 4, k = 2;
+    double *x = xcalloc((size_t)T * E, sizeof(double));
+    lm_fill_normal(x, (int64_t)T * E, 31, 0.0, 1.0);
+    float *lg = lm_to_f32(x, (int64_t)T * E);
+    lm_router_config c;
+    lm_router_config_default(&c, E, k);
+    c.capacity_factor = 0.5f;
+    lm_error err = {0};
+    lm_router_state st;
+    assert_int_equal(lm_router_state_init(&st, E, &err), LM_OK);
+    lm_route r = {0};
+    assert_int_equal(lm_router_forward(&c, &st, lg, T, NULL, 0, 1, &r, &err), LM_OK);
+    assert_int_equal(r.capacity, 4);
+    int kept[4] = {0, 0, 0, 0};
+    for (int a = 0; a < T * k; a++)
+        if (r.keep[a]) kept[r.topk_idx[a]]++;
+    for (int e = 0; e < E; e++) assert_true(kept[e] <= 4);
+    lm_route_free(&r);
+    lm_router_state_free(&st);
+    free(lg);
+    free(x);
+}
+
 static void test_capacity_accounting(void **state) {
     (void)state;
     const int T = 64, E = 4, k = 1;
@@ -1567,6 +1594,7 @@ int main(void) {
         cmocka_unit_test(test_two_ranks),
         cmocka_unit_test(test_quantile_contract),
         cmocka_unit_test(test_capacity_accounting),
+        cmocka_unit_test(test_capacity_rounds_up),
         cmocka_unit_test(test_aux_loss_by_hand),
         cmocka_unit_test(test_metrics),
         cmocka_unit_test(test_sign_flips),
