@@ -20,6 +20,10 @@
 /* `linmoe op moe_router|moe` (tools/op_moe.c); exit codes as in cli.h. */
 int lm_cli_op_moe_router(const char *prog, const char *in_path, const char *out_path);
 int lm_cli_op_moe(const char *prog, const char *in_path, const char *out_path);
+/* `linmoe op attnres` (tools/op_attnres.c); exit codes as in cli.h. */
+int lm_cli_op_attnres(const char *prog, const char *in_path, const char *out_path);
+/* `linmoe op attention` (tools/op_attention.c); exit codes as in cli.h. */
+int lm_cli_op_attention(const char *prog, const char *in_path, const char *out_path);
 
 /* `linmoe balance-sim` (tools/balance_sim.c); exit codes as in cli.h. */
 int lm_cli_balance_sim(int argc, char **argv);
@@ -87,6 +91,14 @@ static void usage_op(FILE *f) {
             "  sigmoid|softmax (sigmoid), norm_topk_prob (true), routed_scaling_factor (1.0),\n"
             "  n_group, topk_group (group-limited routing; off), training = true|false (false),\n"
             "  capacity_factor (0 = dropless; training only), drop_policy = probs|position.\n"
+            "op attnres: AttnRes aggregation. IN query [D], rms_weight [D] (optional: ones),\n"
+            "  residual_0 .. residual_{L-1} [N,D], do [N,D] (optional: backward); __metadata__\n"
+            "  eps (1e-6), scale (1). OUT o [N,D]; with do: dquery, drms_weight, dresidual_i.\n"
+            "op attention: causal GQA softmax attention. IN q [B,T,Hq,D], k, v [B,T,Hkv,D],\n"
+            "  cu_seqlens [N+1] (optional, B == 1), do [B,T,Hq,D] (optional: backward);\n"
+            "  __metadata__ scale (D^-0.5), causal (true), position = rope|nope (nope),\n"
+            "  rope_theta (10000; with rope). RoPE is half-split (rotate_half), per document.\n"
+            "  OUT o [B,T,Hq,D], lse [B,T,Hq]; with do: dq, dk, dv.\n"
             "\n"
             "exit status: 0 success, 1 bad input, 2 usage error\n",
             g_prog, g_prog, g_prog);
@@ -182,13 +194,15 @@ static int cmd_op(int argc, char **argv) {
     const char *name = argv[1];
     lm_kda_kind kind = LM_KDA;
     const int moe = strcmp(name, "moe_router") == 0 ? 1 : strcmp(name, "moe") == 0 ? 2 : 0;
-    if (moe || strcmp(name, "kda") == 0) {
+    if (moe || strcmp(name, "kda") == 0 || strcmp(name, "attnres") == 0 ||
+        strcmp(name, "attention") == 0) {
         kind = LM_KDA;
     } else if (strcmp(name, "gdn") == 0) {
         kind = LM_GDN;
     } else {
-        fprintf(stderr, "%s op: unknown op '%s' (available: kda, gdn, moe_router, moe)\n", g_prog,
-                name);
+        fprintf(stderr,
+                "%s op: unknown op '%s' (available: kda, gdn, moe_router, moe, attnres, attention)\n",
+                g_prog, name);
         return LM_EXIT_USAGE;
     }
     const char *in = NULL, *out = NULL, *device = "cpu";
@@ -212,6 +226,8 @@ static int cmd_op(int argc, char **argv) {
     char prog[64];
     snprintf(prog, sizeof(prog), "%s op %s", g_prog, name);
     if (moe) return moe == 1 ? lm_cli_op_moe_router(prog, in, out) : lm_cli_op_moe(prog, in, out);
+    if (strcmp(name, "attnres") == 0) return lm_cli_op_attnres(prog, in, out);
+    if (strcmp(name, "attention") == 0) return lm_cli_op_attention(prog, in, out);
     return lm_cli_op_kda(prog, kind, in, out);
 }
 
