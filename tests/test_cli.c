@@ -15,6 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli_util.h"
 #include "test_util.h"
 
 #include "linmoe/core.h"
@@ -23,58 +24,14 @@
 
 /* ---------------------------------------------------------------- temp dir */
 
-static char g_dir[64];
 
-static int setup_dir(void **state) {
-    (void)state;
-    snprintf(g_dir, sizeof g_dir, "/tmp/linmoe_test_cli_XXXXXX");
-    if (!mkdtemp(g_dir)) {
-        perror("mkdtemp");
-        return -1;
-    }
-    return 0;
-}
 
-static int teardown_dir(void **state) {
-    (void)state;
-    DIR *d = opendir(g_dir);
-    if (d) {
-        struct dirent *de;
-        char p[512];
-        while ((de = readdir(d)) != NULL) {
-            if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0) continue;
-            snprintf(p, sizeof p, "%s/%s", g_dir, de->d_name);
-            unlink(p);
-        }
-        closedir(d);
-    }
-    rmdir(g_dir);
-    return 0;
-}
 
 /* "<dir>/<name>" in one of a few rotating static buffers. */
-static const char *tpath(const char *name) {
-    static char buf[8][512];
-    static int next = 0;
-    char *p = buf[next];
-    next = (next + 1) % 8;
-    snprintf(p, 512, "%s/%s", g_dir, name);
-    return p;
-}
 
 static int file_exists(const char *path) { return access(path, F_OK) == 0; }
 
 /* Case-insensitive substring test. */
-static int contains_ci(const char *hay, const char *needle) {
-    size_t n = strlen(needle);
-    for (const char *h = hay; *h; h++) {
-        size_t i = 0;
-        while (i < n && h[i] && tolower((unsigned char)h[i]) == tolower((unsigned char)needle[i]))
-            i++;
-        if (i == n) return 1;
-    }
-    return n == 0;
-}
 
 /* No crash: a plain non-zero exit, no signal (lm_run_cli maps a signal to 128+sig,
  * and the shell does the same), no sanitizer report (ASan/UBSan exit with 1). */
@@ -89,10 +46,6 @@ static void assert_clean_failure(int rc, const char *out, int want_rc) {
     assert_null(strstr(out, "runtime error:"));
 }
 
-static void assert_says(const char *out, const char *needle) {
-    if (!contains_ci(out, needle)) print_message("expected '%s' in the output:\n%s\n", needle, out);
-    assert_true(contains_ci(out, needle));
-}
 
 /* ---------------------------------------------------------------- op inputs */
 
@@ -192,25 +145,6 @@ static void data_free(op_data *d) {
 }
 
 /* Add fp32 values `x` as dtype `dt` to the writer. */
-static void writer_add_as(lm_st_writer *w, const char *name, lm_dtype dt, int nd,
-                          const int64_t *shape, const float *x) {
-    lm_error err = {LM_OK, ""};
-    int64_t n = numel_of(nd, shape);
-    void *buf = malloc((size_t)(n > 0 ? n : 1) * 8);
-    assert_non_null(buf);
-    for (int64_t i = 0; i < n; i++) {
-        switch (dt) {
-        case LM_F64: ((double *)buf)[i] = x[i]; break;
-        case LM_BF16: ((uint16_t *)buf)[i] = lm_f32_to_bf16(x[i]); break;
-        case LM_F16: ((uint16_t *)buf)[i] = lm_f32_to_f16(x[i]); break;
-        default: ((float *)buf)[i] = x[i]; break;
-        }
-    }
-    lm_status st = lm_st_writer_add(w, name, dt, nd, shape, buf, &err);
-    if (st != LM_OK) print_message("writer_add %s: %s\n", name, err.msg);
-    assert_int_equal(st, LM_OK);
-    free(buf);
-}
 
 static void writer_meta(lm_st_writer *w, const char *k, const char *v) {
     lm_error err = {LM_OK, ""};
@@ -234,7 +168,7 @@ static void writer_fill(lm_st_writer *w, const op_spec *s, const op_data *d, con
         if (!present(s, t) || (skip_t && strcmp(skip_t, k_tn[t]) == 0)) continue;
         int64_t shape[4];
         int nd = spec_shape(s, t, shape);
-        writer_add_as(w, k_tn[t], s->dtype[t], nd, shape, d->t[t]);
+        lm_writer_add_as(w, k_tn[t], s->dtype[t], nd, shape, d->t[t]);
     }
     if (s->n_cu && !(skip_t && strcmp(skip_t, "cu_seqlens") == 0))
         writer_add_cu(w, s->cu, s->n_cu, s->cu_dtype == LM_I32 ? LM_I32 : LM_I64);
@@ -258,19 +192,12 @@ static void writer_fill(lm_st_writer *w, const op_spec *s, const op_data *d, con
 #undef META
 }
 
-static void writer_save(lm_st_writer *w, const char *path) {
-    lm_error err = {LM_OK, ""};
-    lm_status st = lm_st_writer_save(w, path, &err);
-    if (st != LM_OK) print_message("save %s: %s\n", path, err.msg);
-    assert_int_equal(st, LM_OK);
-    lm_st_writer_free(w);
-}
 
 static void write_input(const char *path, const op_spec *s, const op_data *d) {
     lm_st_writer w;
     lm_st_writer_init(&w);
     writer_fill(&w, s, d, NULL, NULL);
-    writer_save(&w, path);
+    lm_writer_save(&w, path);
 }
 
 /* ---------------------------------------------------------------- direct call */
@@ -405,7 +332,7 @@ static void run_and_compare(const op_spec *s, uint64_t seed, const char *tag) {
     char in_name[64], out_name[64];
     snprintf(in_name, sizeof in_name, "%s_in.safetensors", tag);
     snprintf(out_name, sizeof out_name, "%s_out.safetensors", tag);
-    const char *in = tpath(in_name), *out = tpath(out_name);
+    const char *in = lm_cli_path(in_name), *out = lm_cli_path(out_name);
     write_input(in, s, &d);
     char msg[8192];
     int rc = lm_run_cli(msg, sizeof msg, "op %s --in %s --out %s", s->kind == LM_KDA ? "kda" : "gdn",
@@ -500,7 +427,7 @@ static op_spec base_spec(void) {
  * failure with exit 1, OUT untouched, no temporary file left; returns the output. */
 static void expect_op_failure(const char *in, char *msg, size_t msg_size) {
     static const char sentinel[] = "sentinel: a previous good output";
-    const char *out = tpath("keep_out.safetensors");
+    const char *out = lm_cli_path("keep_out.safetensors");
     FILE *f = fopen(out, "wb");
     assert_non_null(f);
     assert_int_equal(fwrite(sentinel, 1, sizeof sentinel, f), sizeof sentinel);
@@ -517,7 +444,7 @@ static void expect_op_failure(const char *in, char *msg, size_t msg_size) {
     fclose(f);
     assert_int_equal(got, sizeof sentinel);
     assert_memory_equal(back, sentinel, sizeof sentinel);
-    DIR *d = opendir(g_dir);
+    DIR *d = opendir(lm_cli_dir());
     assert_non_null(d);
     struct dirent *de;
     while ((de = readdir(d)) != NULL) {
@@ -543,16 +470,16 @@ static void bad_case(const char *tag, const op_spec *s, const char *skip_t, twea
     if (meta_k) writer_meta(&w, meta_k, meta_v);
     char name[64];
     snprintf(name, sizeof name, "%s.safetensors", tag);
-    const char *in = tpath(name);
-    writer_save(&w, in);
+    const char *in = lm_cli_path(name);
+    lm_writer_save(&w, in);
     data_free(&d);
     expect_op_failure(in, msg, msg_size);
-    assert_says(msg, name); /* the message names the file */
+    lm_assert_says(msg, name); /* the message names the file */
 }
 
 static void add_k_half(lm_st_writer *w, const op_spec *s, const op_data *d) {
     int64_t shape[4] = {s->B, s->T, s->H, s->K / 2};
-    writer_add_as(w, "k", LM_F32, 4, shape, d->t[T_K]);
+    lm_writer_add_as(w, "k", LM_F32, 4, shape, d->t[T_K]);
 }
 
 static void test_bad_shape_k(void **state) {
@@ -560,13 +487,13 @@ static void test_bad_shape_k(void **state) {
     op_spec s = base_spec();
     char msg[8192];
     bad_case("bad_shape_k", &s, "k", add_k_half, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'k' shape [1,24,2,4] does not match q [1,24,2,8]");
-    assert_says(msg, "dim 3 (K) is 4, expected 8");
+    lm_assert_says(msg, "tensor 'k' shape [1,24,2,4] does not match q [1,24,2,8]");
+    lm_assert_says(msg, "dim 3 (K) is 4, expected 8");
 }
 
 static void add_g_gdn_shape(lm_st_writer *w, const op_spec *s, const op_data *d) {
     int64_t shape[3] = {s->B, s->T, s->HV}; /* GDN's g given to the KDA op */
-    writer_add_as(w, "g", LM_F32, 3, shape, d->t[T_G]);
+    lm_writer_add_as(w, "g", LM_F32, 3, shape, d->t[T_G]);
 }
 
 static void test_bad_shape_g(void **state) {
@@ -574,13 +501,13 @@ static void test_bad_shape_g(void **state) {
     op_spec s = base_spec();
     char msg[8192];
     bad_case("bad_shape_g", &s, "g", add_g_gdn_shape, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'g'");
-    assert_says(msg, "has 3 dims; expected 4");
+    lm_assert_says(msg, "tensor 'g'");
+    lm_assert_says(msg, "has 3 dims; expected 4");
 }
 
 static void add_do_short(lm_st_writer *w, const op_spec *s, const op_data *d) {
     int64_t shape[4] = {s->B, s->T - 1, s->HV, s->V};
-    writer_add_as(w, "do", LM_F32, 4, shape, d->t[T_DO]);
+    lm_writer_add_as(w, "do", LM_F32, 4, shape, d->t[T_DO]);
 }
 
 static void test_bad_shape_do(void **state) {
@@ -588,13 +515,13 @@ static void test_bad_shape_do(void **state) {
     op_spec s = base_spec();
     char msg[8192];
     bad_case("bad_shape_do", &s, "do", add_do_short, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'do' shape [1,23,2,8]");
-    assert_says(msg, "dim 1 (T) is 23, expected 24");
+    lm_assert_says(msg, "tensor 'do' shape [1,23,2,8]");
+    lm_assert_says(msg, "dim 1 (T) is 23, expected 24");
 }
 
 static void add_dt_bias_gdn(lm_st_writer *w, const op_spec *s, const op_data *d) {
     int64_t shape[1] = {s->HV}; /* GDN's dt_bias given to the KDA op */
-    writer_add_as(w, "dt_bias", LM_F32, 1, shape, d->t[T_DT_BIAS]);
+    lm_writer_add_as(w, "dt_bias", LM_F32, 1, shape, d->t[T_DT_BIAS]);
 }
 
 static void test_bad_shape_dt_bias(void **state) {
@@ -602,8 +529,8 @@ static void test_bad_shape_dt_bias(void **state) {
     op_spec s = base_spec();
     char msg[8192];
     bad_case("bad_shape_dt_bias", &s, "dt_bias", add_dt_bias_gdn, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'dt_bias' shape [2]");
-    assert_says(msg, "(HV*K) is 2, expected 16");
+    lm_assert_says(msg, "tensor 'dt_bias' shape [2]");
+    lm_assert_says(msg, "(HV*K) is 2, expected 16");
 }
 
 static void add_h0_wrong_n(lm_st_writer *w, const op_spec *s, const op_data *d) {
@@ -611,7 +538,7 @@ static void add_h0_wrong_n(lm_st_writer *w, const op_spec *s, const op_data *d) 
     float *x = calloc((size_t)numel_of(4, shape), sizeof(float));
     assert_non_null(x);
     (void)d;
-    writer_add_as(w, "initial_state", LM_F32, 4, shape, x);
+    lm_writer_add_as(w, "initial_state", LM_F32, 4, shape, x);
     free(x);
 }
 
@@ -620,8 +547,8 @@ static void test_bad_shape_initial_state(void **state) {
     op_spec s = base_spec();
     char msg[8192];
     bad_case("bad_shape_h0", &s, NULL, add_h0_wrong_n, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'initial_state'");
-    assert_says(msg, "dim 0 (N) is 2, expected 1");
+    lm_assert_says(msg, "tensor 'initial_state'");
+    lm_assert_says(msg, "dim 0 (N) is 2, expected 1");
 }
 
 static void test_bad_gva(void **state) {
@@ -630,7 +557,7 @@ static void test_bad_gva(void **state) {
     s.HV = 3; /* not a multiple of H = 2 */
     char msg[8192];
     bad_case("bad_gva", &s, NULL, NULL, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "not a multiple of");
+    lm_assert_says(msg, "not a multiple of");
 }
 
 static void test_missing_q(void **state) {
@@ -638,7 +565,7 @@ static void test_missing_q(void **state) {
     op_spec s = base_spec();
     char msg[8192];
     bad_case("missing_q", &s, "q", NULL, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "missing required tensor 'q'");
+    lm_assert_says(msg, "missing required tensor 'q'");
 }
 
 static void add_q_int(lm_st_writer *w, const op_spec *s, const op_data *d) {
@@ -657,7 +584,7 @@ static void test_bad_dtype_q(void **state) {
     op_spec s = base_spec();
     char msg[8192];
     bad_case("int_q", &s, "q", add_q_int, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'q' has dtype I32");
+    lm_assert_says(msg, "tensor 'q' has dtype I32");
 }
 
 /* Poison one element of tensor `t` (the input is written from the poisoned data). */
@@ -669,36 +596,36 @@ static void nonfinite_case(const char *tag, int t, int64_t at, float val, char *
     d.t[t][at] = val;
     char name[64];
     snprintf(name, sizeof name, "%s.safetensors", tag);
-    const char *in = tpath(name);
+    const char *in = lm_cli_path(name);
     write_input(in, &s, &d);
     data_free(&d);
     expect_op_failure(in, msg, msg_size);
-    assert_says(msg, name);
+    lm_assert_says(msg, name);
 }
 
 static void test_nan_input(void **state) {
     (void)state;
     char msg[8192];
     nonfinite_case("nan_v", T_V, 17, NAN, msg, sizeof msg);
-    assert_says(msg, "'v'");
-    assert_true(contains_ci(msg, "nan") || contains_ci(msg, "finite"));
+    lm_assert_says(msg, "'v'");
+    assert_true(lm_contains_ci(msg, "nan") || lm_contains_ci(msg, "finite"));
     nonfinite_case("nan_beta", T_BETA, 0, NAN, msg, sizeof msg);
-    assert_says(msg, "'beta'");
-    assert_true(contains_ci(msg, "nan") || contains_ci(msg, "finite"));
+    lm_assert_says(msg, "'beta'");
+    assert_true(lm_contains_ci(msg, "nan") || lm_contains_ci(msg, "finite"));
 }
 
 static void test_inf_input(void **state) {
     (void)state;
     char msg[8192];
     nonfinite_case("inf_g", T_G, 5, INFINITY, msg, sizeof msg);
-    assert_says(msg, "'g'");
-    assert_true(contains_ci(msg, "inf") || contains_ci(msg, "finite"));
+    lm_assert_says(msg, "'g'");
+    assert_true(lm_contains_ci(msg, "inf") || lm_contains_ci(msg, "finite"));
     nonfinite_case("inf_q", T_Q, 0, -INFINITY, msg, sizeof msg);
-    assert_says(msg, "'q'");
-    assert_true(contains_ci(msg, "inf") || contains_ci(msg, "finite"));
+    lm_assert_says(msg, "'q'");
+    assert_true(lm_contains_ci(msg, "inf") || lm_contains_ci(msg, "finite"));
     nonfinite_case("inf_do", T_DO, 3, -INFINITY, msg, sizeof msg);
-    assert_says(msg, "'do'");
-    assert_true(contains_ci(msg, "inf") || contains_ci(msg, "finite"));
+    lm_assert_says(msg, "'do'");
+    assert_true(lm_contains_ci(msg, "inf") || lm_contains_ci(msg, "finite"));
 }
 
 static void cu_case(const char *tag, const int64_t *cu, int n, char *msg, size_t msg_size) {
@@ -711,12 +638,12 @@ static void cu_case(const char *tag, const int64_t *cu, int n, char *msg, size_t
     data_gen(&s, &d, 999);
     char name[64];
     snprintf(name, sizeof name, "%s.safetensors", tag);
-    const char *in = tpath(name);
+    const char *in = lm_cli_path(name);
     write_input(in, &s, &d);
     data_free(&d);
     expect_op_failure(in, msg, msg_size);
-    assert_says(msg, name);
-    assert_says(msg, "cu_seqlens");
+    lm_assert_says(msg, name);
+    lm_assert_says(msg, "cu_seqlens");
 }
 
 static void test_bad_cu_seqlens(void **state) {
@@ -737,29 +664,29 @@ static void test_bad_metadata(void **state) {
     char msg[8192];
     op_spec s = base_spec();
     bad_case("bad_gate", &s, NULL, NULL, "gate", "gate", "sigmoidal", msg, sizeof msg);
-    assert_says(msg, "'gate' = 'sigmoidal'");
+    lm_assert_says(msg, "'gate' = 'sigmoidal'");
     bad_case("bad_lb_text", &s, NULL, NULL, "lower_bound", "lower_bound", "minus five", msg,
              sizeof msg);
-    assert_says(msg, "'lower_bound' = 'minus five'");
+    lm_assert_says(msg, "'lower_bound' = 'minus five'");
     bad_case("bad_chunk", &s, NULL, NULL, NULL, "chunk_size", "64x", msg, sizeof msg);
-    assert_says(msg, "'chunk_size' = '64x'");
+    lm_assert_says(msg, "'chunk_size' = '64x'");
     bad_case("bad_bool", &s, NULL, NULL, "use_qk_l2norm_in_kernel", "use_qk_l2norm_in_kernel",
              "yes please", msg, sizeof msg);
-    assert_says(msg, "'use_qk_l2norm_in_kernel' = 'yes please'");
+    lm_assert_says(msg, "'use_qk_l2norm_in_kernel' = 'yes please'");
     bad_case("bad_diag", &s, NULL, NULL, NULL, "diag", "fast", msg, sizeof msg);
-    assert_says(msg, "'diag' = 'fast'");
+    lm_assert_says(msg, "'diag' = 'fast'");
     bad_case("bad_scale", &s, NULL, NULL, NULL, "scale", "inf", msg, sizeof msg);
-    assert_says(msg, "'scale' = 'inf'");
+    lm_assert_says(msg, "'scale' = 'inf'");
     /* values that parse but the op rejects (lm_kda_validate) */
     bad_case("lb_out_of_range", &s, NULL, NULL, "lower_bound", "lower_bound", "-6", msg,
              sizeof msg);
-    assert_says(msg, "lower_bound");
-    assert_says(msg, "-6");
+    lm_assert_says(msg, "lower_bound");
+    lm_assert_says(msg, "-6");
     bad_case("lb_positive", &s, NULL, NULL, "lower_bound", "lower_bound", "0.5", msg, sizeof msg);
-    assert_says(msg, "lower_bound");
+    lm_assert_says(msg, "lower_bound");
     bad_case("chunk_48", &s, NULL, NULL, NULL, "chunk_size", "48", msg, sizeof msg);
-    assert_says(msg, "chunk_size");
-    assert_says(msg, "48");
+    lm_assert_says(msg, "chunk_size");
+    lm_assert_says(msg, "48");
 }
 
 static void test_gate_none_with_A_log(void **state) {
@@ -770,7 +697,7 @@ static void test_gate_none_with_A_log(void **state) {
     s.has_lb = 0;
     s.has[T_DT_BIAS] = 0;
     bad_case("none_with_A_log", &s, NULL, NULL, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "'A_log' is given but __metadata__ 'gate' is none");
+    lm_assert_says(msg, "'A_log' is given but __metadata__ 'gate' is none");
 }
 
 /* ---------------------------------------------------------------- malformed files */
@@ -779,7 +706,7 @@ static void test_gate_none_with_A_log(void **state) {
  * `data_size` bytes of data. `hlen_override` != 0 replaces the stored length. */
 static const char *write_raw(const char *name, const char *header, uint64_t hlen_override,
                              size_t data_size) {
-    const char *p = tpath(name);
+    const char *p = lm_cli_path(name);
     FILE *f = fopen(p, "wb");
     assert_non_null(f);
     uint64_t hlen = hlen_override ? hlen_override : strlen(header);
@@ -797,8 +724,8 @@ static void raw_case(const char *name, const char *header, uint64_t hlen, size_t
     char msg[8192];
     const char *in = write_raw(name, header, hlen, data_size);
     expect_op_failure(in, msg, sizeof msg);
-    assert_says(msg, name);
-    assert_says(msg, expect);
+    lm_assert_says(msg, name);
+    lm_assert_says(msg, expect);
 }
 
 static void test_malformed_files(void **state) {
@@ -830,20 +757,20 @@ static void test_malformed_files(void **state) {
     /* not JSON, and an empty file */
     raw_case("not_json.safetensors", "{\"q\": [1, 2", 0, 0, "JSON");
     {
-        const char *p = tpath("short.safetensors");
+        const char *p = lm_cli_path("short.safetensors");
         FILE *f = fopen(p, "wb");
         assert_non_null(f);
         assert_int_equal(fwrite("\x10\0\0", 1, 3, f), 3);
         assert_int_equal(fclose(f), 0);
         char m[8192];
         expect_op_failure(p, m, sizeof m);
-        assert_says(m, "short.safetensors");
-        assert_says(m, "shorter than the 8-byte header length");
+        lm_assert_says(m, "short.safetensors");
+        lm_assert_says(m, "shorter than the 8-byte header length");
     }
     /* a missing input file */
     char msg[8192];
-    expect_op_failure(tpath("does_not_exist.safetensors"), msg, sizeof msg);
-    assert_says(msg, "does_not_exist.safetensors");
+    expect_op_failure(lm_cli_path("does_not_exist.safetensors"), msg, sizeof msg);
+    lm_assert_says(msg, "does_not_exist.safetensors");
 }
 
 /* ---------------------------------------------------------------- CLI surface */
@@ -853,20 +780,20 @@ static void test_device_cuda(void **state) {
     op_spec s = base_spec();
     op_data d;
     data_gen(&s, &d, 111);
-    const char *in = tpath("cuda_in.safetensors"), *out = tpath("cuda_out.safetensors");
+    const char *in = lm_cli_path("cuda_in.safetensors"), *out = lm_cli_path("cuda_out.safetensors");
     write_input(in, &s, &d);
     data_free(&d);
     char msg[8192];
     int rc = lm_run_cli(msg, sizeof msg, "op kda --in %s --out %s --device cuda", in, out);
     assert_clean_failure(rc, msg, 0);
-    assert_says(msg, "CUDA backend not built yet (arrives with the CUDA issue)");
+    lm_assert_says(msg, "CUDA backend not built yet (arrives with the CUDA issue)");
     assert_false(file_exists(out));
     rc = lm_run_cli(msg, sizeof msg, "bench kda --device cuda");
     assert_clean_failure(rc, msg, 0);
-    assert_says(msg, "CUDA backend not built yet");
+    lm_assert_says(msg, "CUDA backend not built yet");
     rc = lm_run_cli(msg, sizeof msg, "op kda --in %s --out %s --device tpu", in, out);
     assert_clean_failure(rc, msg, 2);
-    assert_says(msg, "unknown device 'tpu'");
+    lm_assert_says(msg, "unknown device 'tpu'");
 }
 
 static void test_usage_errors(void **state) {
@@ -874,33 +801,33 @@ static void test_usage_errors(void **state) {
     char msg[8192];
     int rc = lm_run_cli(msg, sizeof msg, "frobnicate");
     assert_clean_failure(rc, msg, 2);
-    assert_says(msg, "unknown subcommand 'frobnicate'");
+    lm_assert_says(msg, "unknown subcommand 'frobnicate'");
     rc = lm_run_cli(msg, sizeof msg, "--frobnicate");
     assert_clean_failure(rc, msg, 2);
-    assert_says(msg, "unknown option '--frobnicate'");
+    lm_assert_says(msg, "unknown option '--frobnicate'");
     rc = lm_run_cli(msg, sizeof msg, "%s", "");
     assert_clean_failure(rc, msg, 2);
-    assert_says(msg, "usage");
+    lm_assert_says(msg, "usage");
     rc = lm_run_cli(msg, sizeof msg, "op kda --in a --out b --bogus");
     assert_clean_failure(rc, msg, 2);
-    assert_says(msg, "unknown option '--bogus'");
+    lm_assert_says(msg, "unknown option '--bogus'");
     rc = lm_run_cli(msg, sizeof msg, "op attn --in a --out b");
     assert_clean_failure(rc, msg, 2);
-    assert_says(msg, "unknown op 'attn'");
+    lm_assert_says(msg, "unknown op 'attn'");
     rc = lm_run_cli(msg, sizeof msg, "op kda --in a");
     assert_clean_failure(rc, msg, 2);
-    assert_says(msg, "missing --out");
+    lm_assert_says(msg, "missing --out");
     rc = lm_run_cli(msg, sizeof msg, "op kda --out b --in");
     assert_clean_failure(rc, msg, 2);
-    assert_says(msg, "--in needs a value");
+    lm_assert_says(msg, "--in needs a value");
     rc = lm_run_cli(msg, sizeof msg, "op");
     assert_clean_failure(rc, msg, 2);
     rc = lm_run_cli(msg, sizeof msg, "bench attn");
     assert_clean_failure(rc, msg, 2);
-    assert_says(msg, "unknown target 'attn'");
+    lm_assert_says(msg, "unknown target 'attn'");
     rc = lm_run_cli(msg, sizeof msg, "bench kda --threads zero");
     assert_clean_failure(rc, msg, 2);
-    assert_says(msg, "--threads 'zero'");
+    lm_assert_says(msg, "--threads 'zero'");
     rc = lm_run_cli(msg, sizeof msg, "bench kda --fast");
     assert_clean_failure(rc, msg, 2);
     rc = lm_run_cli(msg, sizeof msg, "version extra");
@@ -917,17 +844,17 @@ static void test_help_and_version(void **state) {
         int rc = lm_run_cli(msg, sizeof msg, "%s", cmds[i]);
         if (rc != 0) print_message("`linmoe %s` exited %d:\n%s\n", cmds[i], rc, msg);
         assert_int_equal(rc, 0);
-        assert_says(msg, "usage:");
+        lm_assert_says(msg, "usage:");
     }
     int rc = lm_run_cli(msg, sizeof msg, "op --help");
-    assert_says(msg, "--device");
-    assert_says(msg, "lower_bound");
+    lm_assert_says(msg, "--device");
+    lm_assert_says(msg, "lower_bound");
     rc = lm_run_cli(msg, sizeof msg, "bench --help");
-    assert_says(msg, "--threads");
-    assert_says(msg, "--json");
+    lm_assert_says(msg, "--threads");
+    lm_assert_says(msg, "--json");
     rc = lm_run_cli(msg, sizeof msg, "version");
     assert_int_equal(rc, 0);
-    assert_says(msg, "linmoe ");
+    lm_assert_says(msg, "linmoe ");
 }
 
 /* A successful run replaces an existing OUT (atomically) and leaves no temporary. */
@@ -937,7 +864,7 @@ static void test_overwrite_on_success(void **state) {
     s.has[T_DO] = 0;
     op_data d;
     data_gen(&s, &d, 121);
-    const char *in = tpath("ow_in.safetensors"), *out = tpath("ow_out.safetensors");
+    const char *in = lm_cli_path("ow_in.safetensors"), *out = lm_cli_path("ow_out.safetensors");
     write_input(in, &s, &d);
     data_free(&d);
     FILE *f = fopen(out, "wb");
@@ -986,5 +913,5 @@ int main(void) {
         cmocka_unit_test(test_help_and_version),
         cmocka_unit_test(test_overwrite_on_success),
     };
-    return cmocka_run_group_tests(tests, setup_dir, teardown_dir);
+    return cmocka_run_group_tests(tests, lm_cli_setup_dir, lm_cli_teardown_dir);
 }

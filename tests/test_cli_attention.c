@@ -13,6 +13,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli_util.h"
 #include "test_util.h"
 
 #include "linmoe/attention.h"
@@ -21,62 +22,11 @@
 
 /* ---------------------------------------------------------------- temp dir */
 
-static char g_dir[64];
 
-static int setup_dir(void **state) {
-    (void)state;
-    snprintf(g_dir, sizeof g_dir, "/tmp/linmoe_test_cli_attn_XXXXXX");
-    if (!mkdtemp(g_dir)) {
-        perror("mkdtemp");
-        return -1;
-    }
-    return 0;
-}
 
-static int teardown_dir(void **state) {
-    (void)state;
-    DIR *d = opendir(g_dir);
-    if (d) {
-        struct dirent *de;
-        char p[512];
-        while ((de = readdir(d)) != NULL) {
-            if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
-                continue;
-            snprintf(p, sizeof p, "%s/%s", g_dir, de->d_name);
-            unlink(p);
-        }
-        closedir(d);
-    }
-    rmdir(g_dir);
-    return 0;
-}
 
-static const char *tpath(const char *name) {
-    static char buf[8][512];
-    static int next = 0;
-    char *p = buf[next];
-    next = (next + 1) % 8;
-    snprintf(p, 512, "%s/%s", g_dir, name);
-    return p;
-}
 
-static int contains_ci(const char *hay, const char *needle) {
-    size_t n = strlen(needle);
-    for (const char *h = hay; *h; h++) {
-        size_t i = 0;
-        while (i < n && h[i] && tolower((unsigned char)h[i]) == tolower((unsigned char)needle[i]))
-            i++;
-        if (i == n)
-            return 1;
-    }
-    return n == 0;
-}
 
-static void assert_says(const char *out, const char *needle) {
-    if (!contains_ci(out, needle))
-        print_message("expected '%s' in the output:\n%s\n", needle, out);
-    assert_true(contains_ci(out, needle));
-}
 
 /* ---------------------------------------------------------------- inputs */
 
@@ -126,28 +76,6 @@ static void data_free(data *D) {
         free(D->t[i]);
 }
 
-static void writer_add_as(lm_st_writer *w, const char *name, lm_dtype dt, int nd,
-                          const int64_t *shape, const float *x) {
-    lm_error err = {LM_OK, ""};
-    int64_t n = 1;
-    for (int i = 0; i < nd; i++)
-        n *= shape[i];
-    void *buf = malloc((size_t)(n > 0 ? n : 1) * 8);
-    assert_non_null(buf);
-    for (int64_t i = 0; i < n; i++) {
-        if (dt == LM_F64)
-            ((double *)buf)[i] = x[i];
-        else if (dt == LM_BF16)
-            ((uint16_t *)buf)[i] = lm_f32_to_bf16(x[i]);
-        else
-            ((float *)buf)[i] = x[i];
-    }
-    lm_status st = lm_st_writer_add(w, name, dt, nd, shape, buf, &err);
-    if (st != LM_OK)
-        print_message("writer_add %s: %s\n", name, err.msg);
-    assert_int_equal(st, LM_OK);
-    free(buf);
-}
 
 static void writer_add_cu(lm_st_writer *w, const int64_t *cu, int n, lm_dtype dt) {
     lm_error err = {LM_OK, ""};
@@ -173,7 +101,7 @@ static void writer_fill(lm_st_writer *w, const spec *s, const data *D, const cha
             continue;
         if (skip_t && strcmp(skip_t, k_slot[i]) == 0)
             continue;
-        writer_add_as(w, k_slot[i], s->dtype, 4, D->shape[i], D->t[i]);
+        lm_writer_add_as(w, k_slot[i], s->dtype, 4, D->shape[i], D->t[i]);
     }
     if (s->cu && !(skip_t && strcmp(skip_t, "cu_seqlens") == 0))
         writer_add_cu(w, s->cu, s->ncu, s->cu_dtype);
@@ -187,14 +115,6 @@ static void writer_fill(lm_st_writer *w, const spec *s, const data *D, const cha
         meta(w, "causal", s->causal);
 }
 
-static void writer_save(lm_st_writer *w, const char *path) {
-    lm_error err = {LM_OK, ""};
-    lm_status st = lm_st_writer_save(w, path, &err);
-    if (st != LM_OK)
-        print_message("save %s: %s\n", path, err.msg);
-    assert_int_equal(st, LM_OK);
-    lm_st_writer_free(w);
-}
 
 /* ---------------------------------------------------------------- direct call */
 
@@ -293,11 +213,11 @@ static void run_and_compare(const spec *s, uint64_t seed, const char *tag) {
     char in_name[64], out_name[64];
     snprintf(in_name, sizeof in_name, "%s_in.safetensors", tag);
     snprintf(out_name, sizeof out_name, "%s_out.safetensors", tag);
-    const char *in = tpath(in_name), *out = tpath(out_name);
+    const char *in = lm_cli_path(in_name), *out = lm_cli_path(out_name);
     lm_st_writer w;
     lm_st_writer_init(&w);
     writer_fill(&w, s, &D, NULL);
-    writer_save(&w, in);
+    lm_writer_save(&w, in);
     char msg[8192];
     int rc = lm_run_cli(msg, sizeof msg, "op attention --in %s --out %s", in, out);
     if (rc != 0)
@@ -377,7 +297,7 @@ static void test_nope_backward_explicit(void **state) {
 
 static void expect_op_failure(const char *in, char *msg, size_t msg_size) {
     static const char sentinel[] = "sentinel: a previous good output";
-    const char *out = tpath("keep_out.safetensors");
+    const char *out = lm_cli_path("keep_out.safetensors");
     FILE *f = fopen(out, "wb");
     assert_non_null(f);
     assert_int_equal(fwrite(sentinel, 1, sizeof sentinel, f), sizeof sentinel);
@@ -426,18 +346,18 @@ static void bad_case(const char *tag, const spec *s, const tweak *tw, const char
         double *x = malloc(sizeof(double) * (size_t)n);
         lm_fill_normal(x, n, 5, 0.0, 0.3);
         float *y = lm_to_f32(x, n);
-        writer_add_as(&w, tw->tensor, LM_F32, tw->nd, tw->shape, y);
+        lm_writer_add_as(&w, tw->tensor, LM_F32, tw->nd, tw->shape, y);
         free(x), free(y);
     }
     if (meta_k)
         meta(&w, meta_k, meta_v);
     char name[64];
     snprintf(name, sizeof name, "%s.safetensors", tag);
-    const char *in = tpath(name);
-    writer_save(&w, in);
+    const char *in = lm_cli_path(name);
+    lm_writer_save(&w, in);
     data_free(&D);
     expect_op_failure(in, msg, msg_size);
-    assert_says(msg, name);
+    lm_assert_says(msg, name);
 }
 
 static spec base_spec(void) {
@@ -459,45 +379,45 @@ static void test_bad_shapes(void **state) {
     spec s = base_spec();
     tweak kT = {"k", 4, {1, 21, 2, 8}, 0};
     bad_case("bad_k_T", &s, &kT, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'k' shape [1,21,2,8] does not match q [1,20,4,8]: dim 1 (T) is 21");
+    lm_assert_says(msg, "tensor 'k' shape [1,21,2,8] does not match q [1,20,4,8]: dim 1 (T) is 21");
     tweak vD = {"v", 4, {1, 20, 2, 9}, 0};
     bad_case("bad_v_D", &s, &vD, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'v' shape [1,20,2,9]");
-    assert_says(msg, "dim 3 (D) is 9, expected 8");
+    lm_assert_says(msg, "tensor 'v' shape [1,20,2,9]");
+    lm_assert_says(msg, "dim 3 (D) is 9, expected 8");
     tweak vH = {"v", 4, {1, 20, 4, 8}, 0};
     bad_case("bad_v_H", &s, &vH, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "dim 2 (Hkv) is 4, expected 2");
+    lm_assert_says(msg, "dim 2 (Hkv) is 4, expected 2");
     tweak kH = {"k", 4, {1, 20, 3, 8}, 0};
     bad_case("bad_gqa", &s, &kH, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "dim 2 (Hkv) = 3 does not divide q's dim 2 (Hq) = 4");
+    lm_assert_says(msg, "dim 2 (Hkv) = 3 does not divide q's dim 2 (Hq) = 4");
     tweak dO = {"do", 4, {1, 20, 2, 8}, 0};
     bad_case("bad_do", &s, &dO, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'do' shape [1,20,2,8]");
-    assert_says(msg, "dim 2 (Hq) is 2, expected 4");
+    lm_assert_says(msg, "tensor 'do' shape [1,20,2,8]");
+    lm_assert_says(msg, "dim 2 (Hq) is 2, expected 4");
     tweak q3 = {"q", 3, {20, 4, 8}, 0};
     bad_case("bad_q_rank", &s, &q3, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'q' shape [20,4,8] has 3 dims; expected 4");
+    lm_assert_says(msg, "tensor 'q' shape [20,4,8] has 3 dims; expected 4");
     tweak nov = {"v", 0, {0}, 0};
     bad_case("no_v", &s, &nov, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "missing required tensor 'v'");
+    lm_assert_says(msg, "missing required tensor 'v'");
     spec so = s; /* q, k, v, do all with an odd head dim, RoPE on */
     so.D = 7;
     bad_case("bad_odd_rope", &so, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "even head dim; D = 7");
+    lm_assert_says(msg, "even head dim; D = 7");
     /* cu_seqlens: B = 2, bad values, float dtype */
     static const int64_t cu20[] = {0, 20};
     spec sb = s;
     sb.B = 2, sb.cu = cu20, sb.ncu = 2, sb.cu_dtype = LM_I64;
     bad_case("bad_cu_B", &sb, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "cu_seqlens' is given but q [2,20,4,8] has dim 0 (B) = 2");
+    lm_assert_says(msg, "cu_seqlens' is given but q [2,20,4,8] has dim 0 (B) = 2");
     static const int64_t cu_bad[] = {0, 12, 19};
     spec sc = s;
     sc.cu = cu_bad, sc.ncu = 3, sc.cu_dtype = LM_I32;
     bad_case("bad_cu_end", &sc, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "cu_seqlens ends at 19, not at T = 20");
+    lm_assert_says(msg, "cu_seqlens ends at 19, not at T = 20");
     tweak cuf = {"cu_seqlens", 1, {3}, 0};
     bad_case("bad_cu_dtype", &s, &cuf, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'cu_seqlens' has dtype F32; expected I64 or I32");
+    lm_assert_says(msg, "tensor 'cu_seqlens' has dtype F32; expected I64 or I32");
 }
 
 static void test_bad_attributes(void **state) {
@@ -507,30 +427,30 @@ static void test_bad_attributes(void **state) {
     spec sp = s;
     sp.position = NULL, sp.theta = NULL;
     bad_case("bad_position", &sp, NULL, "position", "alibi", msg, sizeof msg);
-    assert_says(msg, "'position' = 'alibi' is not one of rope|nope");
+    lm_assert_says(msg, "'position' = 'alibi' is not one of rope|nope");
     bad_case("bad_causal", &s, NULL, "causal", "false", msg, sizeof msg);
-    assert_says(msg, "'causal' = 'false': only causal attention is implemented");
+    lm_assert_says(msg, "'causal' = 'false': only causal attention is implemented");
     bad_case("bad_causal_word", &s, NULL, "causal", "maybe", msg, sizeof msg);
-    assert_says(msg, "'causal' = 'maybe' is not true or false");
+    lm_assert_says(msg, "'causal' = 'maybe' is not true or false");
     spec st = s;
     st.theta = NULL;
     bad_case("bad_theta", &st, NULL, "rope_theta", "-1", msg, sizeof msg);
-    assert_says(msg, "'rope_theta' = '-1' is not a finite number > 0");
+    lm_assert_says(msg, "'rope_theta' = '-1' is not a finite number > 0");
     spec sn = s;
     sn.position = "nope", sn.theta = NULL;
     bad_case("theta_nope", &sn, NULL, "rope_theta", "10000", msg, sizeof msg);
-    assert_says(msg, "'rope_theta' = '10000' is given but 'position' is nope");
+    lm_assert_says(msg, "'rope_theta' = '10000' is given but 'position' is nope");
     bad_case("bad_scale", &s, NULL, "scale", "nan", msg, sizeof msg);
-    assert_says(msg, "'scale' = 'nan' is not a finite number");
+    lm_assert_says(msg, "'scale' = 'nan' is not a finite number");
     tweak nq = {"q", 0, {0}, 77};
     bad_case("bad_nan_q", &s, &nq, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "input 'q' has a non-finite value (nan) at element 76");
+    lm_assert_says(msg, "input 'q' has a non-finite value (nan) at element 76");
     tweak nv = {"v", 0, {0}, 5};
     bad_case("bad_nan_v", &s, &nv, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "input 'v' has a non-finite value");
+    lm_assert_says(msg, "input 'v' has a non-finite value");
     tweak nd = {"do", 0, {0}, 9};
     bad_case("bad_nan_do", &s, &nd, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "input 'do' has a non-finite value");
+    lm_assert_says(msg, "input 'do' has a non-finite value");
 }
 
 /* help texts and usage errors */
@@ -539,18 +459,18 @@ static void test_help_and_usage(void **state) {
     char msg[8192];
     int rc = lm_run_cli(msg, sizeof msg, "op attention --help");
     assert_int_equal(rc, 0);
-    assert_says(msg, "op attention");
-    assert_says(msg, "rope_theta");
+    lm_assert_says(msg, "op attention");
+    lm_assert_says(msg, "rope_theta");
     rc = lm_run_cli(msg, sizeof msg, "op attention --in a.safetensors");
     assert_int_equal(rc, 2);
-    assert_says(msg, "missing --out");
+    lm_assert_says(msg, "missing --out");
     rc = lm_run_cli(msg, sizeof msg, "op attentio --in a --out b");
     assert_int_equal(rc, 2);
-    assert_says(msg, "attention");
+    lm_assert_says(msg, "attention");
     rc = lm_run_cli(msg, sizeof msg, "op attention --in %s --out %s",
-                    tpath("does_not_exist.safetensors"), tpath("o.safetensors"));
+                    lm_cli_path("does_not_exist.safetensors"), lm_cli_path("o.safetensors"));
     assert_int_equal(rc, 1);
-    assert_says(msg, "does_not_exist.safetensors");
+    lm_assert_says(msg, "does_not_exist.safetensors");
 }
 
 int main(void) {
@@ -560,5 +480,5 @@ int main(void) {
         cmocka_unit_test(test_bad_shapes),           cmocka_unit_test(test_bad_attributes),
         cmocka_unit_test(test_help_and_usage),
     };
-    return cmocka_run_group_tests(tests, setup_dir, teardown_dir);
+    return cmocka_run_group_tests(tests, lm_cli_setup_dir, lm_cli_teardown_dir);
 }

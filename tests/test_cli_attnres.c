@@ -13,6 +13,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli_util.h"
 #include "test_util.h"
 
 #include "linmoe/attnres.h"
@@ -21,62 +22,11 @@
 
 /* ---------------------------------------------------------------- temp dir */
 
-static char g_dir[64];
 
-static int setup_dir(void **state) {
-    (void)state;
-    snprintf(g_dir, sizeof g_dir, "/tmp/linmoe_test_cli_attnres_XXXXXX");
-    if (!mkdtemp(g_dir)) {
-        perror("mkdtemp");
-        return -1;
-    }
-    return 0;
-}
 
-static int teardown_dir(void **state) {
-    (void)state;
-    DIR *d = opendir(g_dir);
-    if (d) {
-        struct dirent *de;
-        char p[512];
-        while ((de = readdir(d)) != NULL) {
-            if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
-                continue;
-            snprintf(p, sizeof p, "%s/%s", g_dir, de->d_name);
-            unlink(p);
-        }
-        closedir(d);
-    }
-    rmdir(g_dir);
-    return 0;
-}
 
-static const char *tpath(const char *name) {
-    static char buf[8][512];
-    static int next = 0;
-    char *p = buf[next];
-    next = (next + 1) % 8;
-    snprintf(p, 512, "%s/%s", g_dir, name);
-    return p;
-}
 
-static int contains_ci(const char *hay, const char *needle) {
-    size_t n = strlen(needle);
-    for (const char *h = hay; *h; h++) {
-        size_t i = 0;
-        while (i < n && h[i] && tolower((unsigned char)h[i]) == tolower((unsigned char)needle[i]))
-            i++;
-        if (i == n)
-            return 1;
-    }
-    return n == 0;
-}
 
-static void assert_says(const char *out, const char *needle) {
-    if (!contains_ci(out, needle))
-        print_message("expected '%s' in the output:\n%s\n", needle, out);
-    assert_true(contains_ci(out, needle));
-}
 
 /* No crash: a plain exit 1, no signal, no sanitizer report. */
 static void assert_clean_failure(int rc, const char *out) {
@@ -136,30 +86,6 @@ static void data_free(const spec *s, data *D) {
         free(D->src[m]);
 }
 
-static void writer_add_as(lm_st_writer *w, const char *name, lm_dtype dt, int nd,
-                          const int64_t *shape, const float *x) {
-    lm_error err = {LM_OK, ""};
-    int64_t n = 1;
-    for (int i = 0; i < nd; i++)
-        n *= shape[i];
-    void *buf = malloc((size_t)(n > 0 ? n : 1) * 8);
-    assert_non_null(buf);
-    for (int64_t i = 0; i < n; i++) {
-        if (dt == LM_F64)
-            ((double *)buf)[i] = x[i];
-        else if (dt == LM_BF16)
-            ((uint16_t *)buf)[i] = lm_f32_to_bf16(x[i]);
-        else if (dt == LM_I32)
-            ((int32_t *)buf)[i] = (int32_t)x[i];
-        else
-            ((float *)buf)[i] = x[i];
-    }
-    lm_status st = lm_st_writer_add(w, name, dt, nd, shape, buf, &err);
-    if (st != LM_OK)
-        print_message("writer_add %s: %s\n", name, err.msg);
-    assert_int_equal(st, LM_OK);
-    free(buf);
-}
 
 static void meta(lm_st_writer *w, const char *k, const char *v) {
     lm_error err = {LM_OK, ""};
@@ -171,17 +97,17 @@ static void writer_fill(lm_st_writer *w, const spec *s, const data *D, const cha
     const int64_t vec[1] = {s->D}, mat[2] = {s->N, s->D};
 #define SKIP(name) (skip && strcmp(skip, name) == 0)
     if (!SKIP("query"))
-        writer_add_as(w, "query", s->dtype, 1, vec, D->q);
+        lm_writer_add_as(w, "query", s->dtype, 1, vec, D->q);
     if (s->has_g && !SKIP("rms_weight"))
-        writer_add_as(w, "rms_weight", s->dtype, 1, vec, D->g);
+        lm_writer_add_as(w, "rms_weight", s->dtype, 1, vec, D->g);
     for (int m = 0; m < s->L; m++) {
         char nm[32];
         snprintf(nm, sizeof nm, "residual_%d", m);
         if (!SKIP(nm))
-            writer_add_as(w, nm, s->dtype, 2, mat, D->src[m]);
+            lm_writer_add_as(w, nm, s->dtype, 2, mat, D->src[m]);
     }
     if (s->has_do && !SKIP("do"))
-        writer_add_as(w, "do", s->dtype, 2, mat, D->dout);
+        lm_writer_add_as(w, "do", s->dtype, 2, mat, D->dout);
 #undef SKIP
     if (s->eps)
         meta(w, "eps", s->eps);
@@ -189,14 +115,6 @@ static void writer_fill(lm_st_writer *w, const spec *s, const data *D, const cha
         meta(w, "scale", s->scale);
 }
 
-static void writer_save(lm_st_writer *w, const char *path) {
-    lm_error err = {LM_OK, ""};
-    lm_status st = lm_st_writer_save(w, path, &err);
-    if (st != LM_OK)
-        print_message("save %s: %s\n", path, err.msg);
-    assert_int_equal(st, LM_OK);
-    lm_st_writer_free(w);
-}
 
 /* ---------------------------------------------------------------- direct call */
 
@@ -317,11 +235,11 @@ static void run_and_compare(const spec *s, uint64_t seed, const char *tag, resul
     char in_name[64], out_name[64];
     snprintf(in_name, sizeof in_name, "%s_in.safetensors", tag);
     snprintf(out_name, sizeof out_name, "%s_out.safetensors", tag);
-    const char *in = tpath(in_name), *out = tpath(out_name);
+    const char *in = lm_cli_path(in_name), *out = lm_cli_path(out_name);
     lm_st_writer w;
     lm_st_writer_init(&w);
     writer_fill(&w, s, &D, NULL);
-    writer_save(&w, in);
+    lm_writer_save(&w, in);
     char msg[8192];
     int rc = lm_run_cli(msg, sizeof msg, "op attnres --in %s --out %s", in, out);
     if (rc != 0)
@@ -384,11 +302,11 @@ static void test_help(void **state) {
     char msg[8192];
     int rc = lm_run_cli(msg, sizeof msg, "op --help");
     assert_int_equal(rc, 0);
-    assert_says(msg, "op attnres");
-    assert_says(msg, "dresidual_i");
+    lm_assert_says(msg, "op attnres");
+    lm_assert_says(msg, "dresidual_i");
     rc = lm_run_cli(msg, sizeof msg, "op attnre --in a --out b");
     assert_int_equal(rc, 2);
-    assert_says(msg, "attnres");
+    lm_assert_says(msg, "attnres");
 }
 
 /* ---------------------------------------------------------------- bad inputs */
@@ -396,7 +314,7 @@ static void test_help(void **state) {
 /* Fails with exit 1, OUT untouched, no temporary file left. */
 static void expect_op_failure(const char *in, char *msg, size_t msg_size) {
     static const char sentinel[] = "sentinel: a previous good output";
-    const char *out = tpath("keep_out.safetensors");
+    const char *out = lm_cli_path("keep_out.safetensors");
     FILE *f = fopen(out, "wb");
     assert_non_null(f);
     assert_int_equal(fwrite(sentinel, 1, sizeof sentinel, f), sizeof sentinel);
@@ -411,7 +329,7 @@ static void expect_op_failure(const char *in, char *msg, size_t msg_size) {
     fclose(f);
     assert_int_equal(got, sizeof sentinel);
     assert_memory_equal(back, sentinel, sizeof sentinel);
-    DIR *d = opendir(g_dir);
+    DIR *d = opendir(lm_cli_dir());
     assert_non_null(d);
     struct dirent *de;
     while ((de = readdir(d)) != NULL)
@@ -437,14 +355,14 @@ static void bad_case(const char *tag, spec s, const char *skip, tweak_fn pre, tw
         add(&w, &s, &D);
     char name[64];
     snprintf(name, sizeof name, "%s.safetensors", tag);
-    const char *in = tpath(name);
-    writer_save(&w, in);
+    const char *in = lm_cli_path(name);
+    lm_writer_save(&w, in);
     data_free(&s, &D);
     char msg[8192];
     expect_op_failure(in, msg, sizeof msg);
-    assert_says(msg, name);
+    lm_assert_says(msg, name);
     for (int i = 0; needles && needles[i]; i++)
-        assert_says(msg, needles[i]);
+        lm_assert_says(msg, needles[i]);
 }
 
 static spec base(void) {
@@ -454,7 +372,7 @@ static spec base(void) {
 static void add_res2_only(lm_st_writer *w, const spec *s, data *d) {
     (void)s;
     const int64_t mat[2] = {6, 8};
-    writer_add_as(w, "residual_2", LM_F32, 2, mat, d->src[0]);
+    lm_writer_add_as(w, "residual_2", LM_F32, 2, mat, d->src[0]);
 }
 
 static void add_res2_wide(lm_st_writer *w, const spec *s, data *d) {
@@ -462,7 +380,7 @@ static void add_res2_wide(lm_st_writer *w, const spec *s, data *d) {
     const int64_t mat[2] = {6, 9};
     float *x = calloc(54, sizeof(float));
     memcpy(x, d->src[2], sizeof(float) * 48);
-    writer_add_as(w, "residual_2", LM_F32, 2, mat, x);
+    lm_writer_add_as(w, "residual_2", LM_F32, 2, mat, x);
     free(x);
 }
 
@@ -471,32 +389,32 @@ static void add_do_tall(lm_st_writer *w, const spec *s, data *d) {
     const int64_t mat[2] = {7, 8};
     float *x = calloc(56, sizeof(float));
     memcpy(x, d->dout, sizeof(float) * 48);
-    writer_add_as(w, "do", LM_F32, 2, mat, x);
+    lm_writer_add_as(w, "do", LM_F32, 2, mat, x);
     free(x);
 }
 
 static void add_g_short(lm_st_writer *w, const spec *s, data *d) {
     (void)s;
     const int64_t vec[1] = {7};
-    writer_add_as(w, "rms_weight", LM_F32, 1, vec, d->g);
+    lm_writer_add_as(w, "rms_weight", LM_F32, 1, vec, d->g);
 }
 
 static void add_q_2d(lm_st_writer *w, const spec *s, data *d) {
     (void)s;
     const int64_t sh[2] = {1, 8};
-    writer_add_as(w, "query", LM_F32, 2, sh, d->q);
+    lm_writer_add_as(w, "query", LM_F32, 2, sh, d->q);
 }
 
 static void add_res1_i32(lm_st_writer *w, const spec *s, data *d) {
     (void)s;
     const int64_t mat[2] = {6, 8};
-    writer_add_as(w, "residual_1", LM_I32, 2, mat, d->src[1]);
+    lm_writer_add_as(w, "residual_1", LM_I32, 2, mat, d->src[1]);
 }
 
 static void add_res01(lm_st_writer *w, const spec *s, data *d) {
     (void)s;
     const int64_t mat[2] = {6, 8};
-    writer_add_as(w, "residual_01", LM_F32, 2, mat, d->src[1]);
+    lm_writer_add_as(w, "residual_01", LM_F32, 2, mat, d->src[1]);
 }
 
 static void nan_res1(lm_st_writer *w, const spec *s, data *d) {
@@ -582,13 +500,13 @@ static void test_unknown_metadata_warns(void **state) {
     lm_st_writer_init(&w);
     writer_fill(&w, &s, &D, NULL);
     meta(&w, "temperature", "3");
-    const char *in = tpath("warn_in.safetensors"), *out = tpath("warn_out.safetensors");
-    writer_save(&w, in);
+    const char *in = lm_cli_path("warn_in.safetensors"), *out = lm_cli_path("warn_out.safetensors");
+    lm_writer_save(&w, in);
     char msg[8192];
     int rc = lm_run_cli(msg, sizeof msg, "op attnres --in %s --out %s", in, out);
     assert_int_equal(rc, 0);
-    assert_says(msg, "warning");
-    assert_says(msg, "temperature");
+    lm_assert_says(msg, "warning");
+    lm_assert_says(msg, "temperature");
     result R;
     direct_run(&s, &D, &R);
     check_output(out, &R);
@@ -609,5 +527,5 @@ int main(void) {
         cmocka_unit_test(test_bad_attributes),
         cmocka_unit_test(test_unknown_metadata_warns),
     };
-    return cmocka_run_group_tests_name("cli_attnres", tests, setup_dir, teardown_dir);
+    return cmocka_run_group_tests_name("cli_attnres", tests, lm_cli_setup_dir, lm_cli_teardown_dir);
 }

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli_util.h"
 #include "test_util.h"
 
 #include "linmoe/core.h"
@@ -23,62 +24,11 @@
 
 /* ---------------------------------------------------------------- temp dir */
 
-static char g_dir[64];
 
-static int setup_dir(void **state) {
-    (void)state;
-    snprintf(g_dir, sizeof g_dir, "/tmp/linmoe_test_cli_moe_XXXXXX");
-    if (!mkdtemp(g_dir)) {
-        perror("mkdtemp");
-        return -1;
-    }
-    return 0;
-}
 
-static int teardown_dir(void **state) {
-    (void)state;
-    DIR *d = opendir(g_dir);
-    if (d) {
-        struct dirent *de;
-        char p[512];
-        while ((de = readdir(d)) != NULL) {
-            if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
-                continue;
-            snprintf(p, sizeof p, "%s/%s", g_dir, de->d_name);
-            unlink(p);
-        }
-        closedir(d);
-    }
-    rmdir(g_dir);
-    return 0;
-}
 
-static const char *tpath(const char *name) {
-    static char buf[8][512];
-    static int next = 0;
-    char *p = buf[next];
-    next = (next + 1) % 8;
-    snprintf(p, 512, "%s/%s", g_dir, name);
-    return p;
-}
 
-static int contains_ci(const char *hay, const char *needle) {
-    size_t n = strlen(needle);
-    for (const char *h = hay; *h; h++) {
-        size_t i = 0;
-        while (i < n && h[i] && tolower((unsigned char)h[i]) == tolower((unsigned char)needle[i]))
-            i++;
-        if (i == n)
-            return 1;
-    }
-    return n == 0;
-}
 
-static void assert_says(const char *out, const char *needle) {
-    if (!contains_ci(out, needle))
-        print_message("expected '%s' in the output:\n%s\n", needle, out);
-    assert_true(contains_ci(out, needle));
-}
 
 /* ---------------------------------------------------------------- inputs */
 
@@ -198,28 +148,6 @@ static void data_free(data *D) {
         free(D->t[i]);
 }
 
-static void writer_add_as(lm_st_writer *w, const char *name, lm_dtype dt, int nd,
-                          const int64_t *shape, const float *x) {
-    lm_error err = {LM_OK, ""};
-    int64_t n = 1;
-    for (int i = 0; i < nd; i++)
-        n *= shape[i];
-    void *buf = malloc((size_t)(n > 0 ? n : 1) * 8);
-    assert_non_null(buf);
-    for (int64_t i = 0; i < n; i++) {
-        if (dt == LM_F64)
-            ((double *)buf)[i] = x[i];
-        else if (dt == LM_BF16)
-            ((uint16_t *)buf)[i] = lm_f32_to_bf16(x[i]);
-        else
-            ((float *)buf)[i] = x[i];
-    }
-    lm_status st = lm_st_writer_add(w, name, dt, nd, shape, buf, &err);
-    if (st != LM_OK)
-        print_message("writer_add %s: %s\n", name, err.msg);
-    assert_int_equal(st, LM_OK);
-    free(buf);
-}
 
 static void meta(lm_st_writer *w, const char *k, const char *v) {
     lm_error err = {LM_OK, ""};
@@ -231,7 +159,7 @@ static void writer_fill(lm_st_writer *w, const spec *s, const data *D, const cha
                         const char *skip_meta) {
     for (int i = 0; i < NI; i++)
         if (D->present[i] && !(skip_t && strcmp(skip_t, slot_name(i)) == 0))
-            writer_add_as(w, slot_name(i), s->dtype, D->nd[i], D->shape[i], D->t[i]);
+            lm_writer_add_as(w, slot_name(i), s->dtype, D->nd[i], D->shape[i], D->t[i]);
     char b[64];
 #define META(key, ...)                                                                             \
     do {                                                                                           \
@@ -260,14 +188,6 @@ static void writer_fill(lm_st_writer *w, const spec *s, const data *D, const cha
 #undef META
 }
 
-static void writer_save(lm_st_writer *w, const char *path) {
-    lm_error err = {LM_OK, ""};
-    lm_status st = lm_st_writer_save(w, path, &err);
-    if (st != LM_OK)
-        print_message("save %s: %s\n", path, err.msg);
-    assert_int_equal(st, LM_OK);
-    lm_st_writer_free(w);
-}
 
 /* ---------------------------------------------------------------- direct call */
 
@@ -419,11 +339,11 @@ static void run_and_compare(const spec *s, uint64_t seed, const char *tag) {
     char in_name[64], out_name[64];
     snprintf(in_name, sizeof in_name, "%s_in.safetensors", tag);
     snprintf(out_name, sizeof out_name, "%s_out.safetensors", tag);
-    const char *in = tpath(in_name), *out = tpath(out_name);
+    const char *in = lm_cli_path(in_name), *out = lm_cli_path(out_name);
     lm_st_writer w;
     lm_st_writer_init(&w);
     writer_fill(&w, s, &D, NULL, NULL);
-    writer_save(&w, in);
+    lm_writer_save(&w, in);
     char msg[8192];
     int rc = lm_run_cli(msg, sizeof msg, "op %s --in %s --out %s", s->layer ? "moe" : "moe_router",
                         in, out);
@@ -537,7 +457,7 @@ static void test_layer_forward(void **state) {
 
 static void expect_op_failure(const char *op, const char *in, char *msg, size_t msg_size) {
     static const char sentinel[] = "sentinel: a previous good output";
-    const char *out = tpath("keep_out.safetensors");
+    const char *out = lm_cli_path("keep_out.safetensors");
     FILE *f = fopen(out, "wb");
     assert_non_null(f);
     assert_int_equal(fwrite(sentinel, 1, sizeof sentinel, f), sizeof sentinel);
@@ -586,18 +506,18 @@ static void bad_case(const char *tag, const spec *s, const tweak *tw, const char
         double *x = malloc(sizeof(double) * (size_t)n);
         lm_fill_normal(x, n, 5, 0.0, 0.3);
         float *y = lm_to_f32(x, n);
-        writer_add_as(&w, tw->tensor, LM_F32, tw->nd, tw->shape, y);
+        lm_writer_add_as(&w, tw->tensor, LM_F32, tw->nd, tw->shape, y);
         free(x), free(y);
     }
     if (meta_k)
         meta(&w, meta_k, meta_v);
     char name[64];
     snprintf(name, sizeof name, "%s.safetensors", tag);
-    const char *in = tpath(name);
-    writer_save(&w, in);
+    const char *in = lm_cli_path(name);
+    lm_writer_save(&w, in);
     data_free(&D);
     expect_op_failure(s->layer ? "moe" : "moe_router", in, msg, msg_size);
-    assert_says(msg, name);
+    lm_assert_says(msg, name);
 }
 
 static spec layer_spec(void) {
@@ -624,42 +544,42 @@ static void test_bad_shapes(void **state) {
     spec s = layer_spec();
     tweak down = {"experts.down_proj", 3, {4, 8, 7}, 0};
     bad_case("bad_down", &s, &down, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "experts.down_proj");
-    assert_says(msg, "moe_intermediate_size = 6");
+    lm_assert_says(msg, "experts.down_proj");
+    lm_assert_says(msg, "moe_intermediate_size = 6");
     tweak gate = {"gate.weight", 2, {4, 9}, 0};
     bad_case("bad_gate", &s, &gate, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'gate.weight' shape [4,9]: dim 1 (hidden_size) is 9 but x [10,8]");
+    lm_assert_says(msg, "tensor 'gate.weight' shape [4,9]: dim 1 (hidden_size) is 9 but x [10,8]");
     tweak up = {"experts.up_proj", 3, {5, 6, 8}, 0};
     bad_case("bad_up_E", &s, &up, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "experts.up_proj");
-    assert_says(msg, "num_experts = 4");
+    lm_assert_says(msg, "experts.up_proj");
+    lm_assert_says(msg, "num_experts = 4");
     tweak sh = {"shared_experts.down_proj", 2, {8, 12}, 0};
     bad_case("bad_shared", &s, &sh, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "shared_experts.down_proj");
+    lm_assert_says(msg, "shared_experts.down_proj");
     tweak sh_gate = {"shared_experts.gate_proj", 2, {9, 8}, 0};
     bad_case("bad_shared_width", &s, &sh_gate, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "not a multiple of moe_intermediate_size = 6");
+    lm_assert_says(msg, "not a multiple of moe_intermediate_size = 6");
     tweak do_ = {"do", 2, {9, 8}, 0};
     bad_case("bad_do", &s, &do_, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'do' shape [9,8]: dim 0 (T)");
+    lm_assert_says(msg, "tensor 'do' shape [9,8]: dim 0 (T)");
     tweak x3 = {"x", 3, {1, 10, 8}, 0};
     bad_case("bad_x_rank", &s, &x3, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'x' shape [1,10,8] has 3 dims; expected 2");
+    lm_assert_says(msg, "tensor 'x' shape [1,10,8] has 3 dims; expected 2");
     /* partial shared experts */
     tweak no_up = {"shared_experts.up_proj", 0, {0}, 0};
     bad_case("bad_shared_partial", &s, &no_up, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "shared experts need all of");
+    lm_assert_says(msg, "shared experts need all of");
     /* router op */
     spec r = router_spec();
     tweak dtw = {"dtopk_weight", 2, {11, 2}, 0};
     bad_case("bad_dtw", &r, &dtw, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "tensor 'dtopk_weight' shape [11,2]: dim 0 (T) is 11 but logits [10,4]");
+    lm_assert_says(msg, "tensor 'dtopk_weight' shape [11,2]: dim 0 (T) is 11 but logits [10,4]");
     tweak dtw_k = {"dtopk_weight", 2, {10, 3}, 0};
     bad_case("bad_dtw_k", &r, &dtw_k, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "num_experts_per_tok' = 2");
+    lm_assert_says(msg, "num_experts_per_tok' = 2");
     tweak bias = {"e_score_correction_bias", 1, {5}, 0};
     bad_case("bad_bias", &r, &bias, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "e_score_correction_bias");
+    lm_assert_says(msg, "e_score_correction_bias");
 }
 
 static void test_bad_attributes(void **state) {
@@ -667,35 +587,35 @@ static void test_bad_attributes(void **state) {
     char msg[8192];
     spec s = layer_spec(), r = router_spec();
     bad_case("bad_scoring", &s, NULL, "scoring_func", "scoring_func", "relu", msg, sizeof msg);
-    assert_says(msg, "'scoring_func' = 'relu' is not one of sigmoid|softmax");
+    lm_assert_says(msg, "'scoring_func' = 'relu' is not one of sigmoid|softmax");
     bad_case("bad_scoring_router", &r, NULL, "scoring_func", "scoring_func", "tanh", msg,
              sizeof msg);
-    assert_says(msg, "scoring_func");
+    lm_assert_says(msg, "scoring_func");
     bad_case("bad_k", &s, NULL, "num_experts_per_tok", "num_experts_per_tok", "5", msg, sizeof msg);
-    assert_says(msg, "num_experts_per_tok = 5");
+    lm_assert_says(msg, "num_experts_per_tok = 5");
     bad_case("bad_k_router", &r, NULL, "num_experts_per_tok", "num_experts_per_tok", "9", msg,
              sizeof msg);
-    assert_says(msg, "num_experts_per_tok");
+    lm_assert_says(msg, "num_experts_per_tok");
     bad_case("bad_cf", &s, NULL, NULL, "capacity_factor", "-0.5", msg, sizeof msg);
-    assert_says(msg, "capacity_factor = -0.5");
+    lm_assert_says(msg, "capacity_factor = -0.5");
     bad_case("bad_cf_router", &r, NULL, NULL, "capacity_factor", "-2", msg, sizeof msg);
-    assert_says(msg, "capacity_factor");
+    lm_assert_says(msg, "capacity_factor");
     bad_case("bad_drop", &s, NULL, NULL, "drop_policy", "random", msg, sizeof msg);
-    assert_says(msg, "'drop_policy' = 'random'");
+    lm_assert_says(msg, "'drop_policy' = 'random'");
     bad_case("bad_training", &s, NULL, "training", "training", "maybe", msg, sizeof msg);
-    assert_says(msg, "'training' = 'maybe'");
+    lm_assert_says(msg, "'training' = 'maybe'");
     bad_case("no_k", &s, NULL, "num_experts_per_tok", NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "missing __metadata__ 'num_experts_per_tok'");
+    lm_assert_says(msg, "missing __metadata__ 'num_experts_per_tok'");
     bad_case("bad_hidden", &s, NULL, NULL, "hidden_size", "16", msg, sizeof msg);
-    assert_says(msg, "'hidden_size' = 16 disagrees with x dim 1 (8)");
+    lm_assert_says(msg, "'hidden_size' = 16 disagrees with x dim 1 (8)");
     bad_case("bad_group", &s, NULL, NULL, "n_group", "3", msg, sizeof msg);
-    assert_says(msg, "n_group = 3");
+    lm_assert_says(msg, "n_group = 3");
     tweak nan = {"x", 0, {0}, 7};
     bad_case("bad_nan", &s, &nan, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "non-finite");
+    lm_assert_says(msg, "non-finite");
     tweak nanl = {"logits", 0, {0}, 5};
     bad_case("bad_nan_logits", &r, &nanl, NULL, NULL, NULL, msg, sizeof msg);
-    assert_says(msg, "not finite");
+    lm_assert_says(msg, "not finite");
 }
 
 /* help texts and usage errors of the new names */
@@ -704,21 +624,21 @@ static void test_help_and_usage(void **state) {
     char msg[8192];
     int rc = lm_run_cli(msg, sizeof msg, "op moe --help");
     assert_int_equal(rc, 0);
-    assert_says(msg, "op moe_router");
-    assert_says(msg, "experts.down_proj [E,d,f]");
+    lm_assert_says(msg, "op moe_router");
+    lm_assert_says(msg, "experts.down_proj [E,d,f]");
     rc = lm_run_cli(msg, sizeof msg, "bench moe --help");
     assert_int_equal(rc, 0);
-    assert_says(msg, "bench kda|moe");
+    lm_assert_says(msg, "bench kda|moe");
     rc = lm_run_cli(msg, sizeof msg, "op moe --in a.safetensors");
     assert_int_equal(rc, 2);
-    assert_says(msg, "missing --out");
+    lm_assert_says(msg, "missing --out");
     rc = lm_run_cli(msg, sizeof msg, "bench moe --threads 0");
     assert_int_equal(rc, 2);
-    assert_says(msg, "--threads '0'");
-    rc = lm_run_cli(msg, sizeof msg, "op moe --in %s --out %s", tpath("does_not_exist.safetensors"),
-                    tpath("o.safetensors"));
+    lm_assert_says(msg, "--threads '0'");
+    rc = lm_run_cli(msg, sizeof msg, "op moe --in %s --out %s", lm_cli_path("does_not_exist.safetensors"),
+                    lm_cli_path("o.safetensors"));
     assert_int_equal(rc, 1);
-    assert_says(msg, "does_not_exist.safetensors");
+    lm_assert_says(msg, "does_not_exist.safetensors");
 }
 
 int main(void) {
@@ -733,5 +653,5 @@ int main(void) {
         cmocka_unit_test(test_bad_attributes),
         cmocka_unit_test(test_help_and_usage),
     };
-    return cmocka_run_group_tests(tests, setup_dir, teardown_dir);
+    return cmocka_run_group_tests(tests, lm_cli_setup_dir, lm_cli_teardown_dir);
 }
