@@ -20,4 +20,9 @@
  * OUT atomically. Messages go to stderr, prefixed with `prog`. Returns an exit code. */
 int lm_cli_op_kda(const char *prog, lm_kda_kind kind, const char *in_path, const char *out_path);
 
+/* "[d0,d1,...]" into buf (truncated to size). */
+void lm_cli_fmt_shape(char *buf, size_t size, int ndim, const int64_t *shape);
+/* Metadata booleans: true|false (any case) or 1|0. Returns 0 and sets *out, or -1. */
+int lm_cli_parse_bool(const char *s, int *out);
+
 #endif

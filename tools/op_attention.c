@@ -66,28 +66,7 @@ static int fail(const op_ctx *x, const char *fmt, ...) {
     return LM_EXIT_BAD_INPUT;
 }
 
-static void fmt_shape(char *buf, size_t size, int ndim, const int64_t *shape) {
-    size_t used = 0;
-    int n = snprintf(buf, size, "[");
-    if (n > 0)
-        used = (size_t)n;
-    for (int i = 0; i < ndim && used < size; i++) {
-        n = snprintf(buf + used, size - used, "%s%lld", i ? "," : "", (long long)shape[i]);
-        if (n < 0)
-            break;
-        used += (size_t)n;
-    }
-    if (used < size)
-        snprintf(buf + used, size - used, "]");
-}
 
-static int parse_bool(const char *s, int *out) {
-    if (strcasecmp(s, "true") == 0 || strcmp(s, "1") == 0)
-        return *out = 1, 0;
-    if (strcasecmp(s, "false") == 0 || strcmp(s, "0") == 0)
-        return *out = 0, 0;
-    return -1;
-}
 
 static int parse_double(const char *s, double *out) {
     char *end = NULL;
@@ -113,7 +92,7 @@ static int read_metadata(op_ctx *x, lm_attention_config *c, int *has_scale) {
         *has_scale = 1;
     }
     if ((s = lm_st_meta(st, "causal")) != NULL) {
-        if (parse_bool(s, &c->causal) != 0)
+        if (lm_cli_parse_bool(s, &c->causal) != 0)
             return fail(x, "__metadata__ 'causal' = '%s' is not true or false", s);
         if (!c->causal)
             return fail(x, "__metadata__ 'causal' = '%s': only causal attention is implemented", s);
@@ -153,8 +132,8 @@ static int check_shape4(const op_ctx *x, int t, const int64_t *want, const char 
                         const char *from) {
     const lm_st_entry *e = x->e[t];
     char have[160], exp[160];
-    fmt_shape(have, sizeof(have), e->ndim, e->shape);
-    fmt_shape(exp, sizeof(exp), 4, want);
+    lm_cli_fmt_shape(have, sizeof(have), e->ndim, e->shape);
+    lm_cli_fmt_shape(exp, sizeof(exp), 4, want);
     if (e->ndim != 4)
         return fail(x, "tensor '%s' shape %s has %d dims; expected 4: [%s,%s,%s,%s] = %s (from %s)",
                     k_names[t], have, e->ndim, dn[0], dn[1], dn[2], dn[3], exp, from);
@@ -195,7 +174,7 @@ static int check_shapes(op_ctx *x) {
     static const char *const kn[] = {"B", "T", "Hkv", "D"};
     const lm_st_entry *q = x->e[T_Q], *k = x->e[T_K];
     char qs[160], ks[160], from[400];
-    fmt_shape(qs, sizeof(qs), q->ndim, q->shape);
+    lm_cli_fmt_shape(qs, sizeof(qs), q->ndim, q->shape);
     if (q->ndim != 4)
         return fail(x, "tensor 'q' shape %s has %d dims; expected 4: [B,T,Hq,D]", qs, q->ndim);
     for (int i = 0; i < 4; i++) {
@@ -207,7 +186,7 @@ static int check_shapes(op_ctx *x) {
     }
     const int64_t B = q->shape[0], T = q->shape[1], Hq = q->shape[2], D = q->shape[3];
     snprintf(from, sizeof(from), "q %s", qs);
-    fmt_shape(ks, sizeof(ks), k->ndim, k->shape);
+    lm_cli_fmt_shape(ks, sizeof(ks), k->ndim, k->shape);
     if (k->ndim != 4)
         return fail(x, "tensor 'k' shape %s has %d dims; expected 4: [B,T,Hkv,D]", ks, k->ndim);
     const int64_t Hkv = k->shape[2];
@@ -238,7 +217,7 @@ static int check_shapes(op_ctx *x) {
     if (x->e[T_CU]) {
         const lm_st_entry *cu = x->e[T_CU];
         char cs[160];
-        fmt_shape(cs, sizeof(cs), cu->ndim, cu->shape);
+        lm_cli_fmt_shape(cs, sizeof(cs), cu->ndim, cu->shape);
         if (cu->ndim != 1)
             return fail(x, "tensor 'cu_seqlens' shape %s has %d dims; expected 1: [N+1]", cs,
                         cu->ndim);

@@ -71,20 +71,6 @@ static int fail(const op_ctx *x, const char *fmt, ...) {
     return LM_EXIT_BAD_INPUT;
 }
 
-static void fmt_shape(char *buf, size_t size, int ndim, const int64_t *shape) {
-    size_t used = 0;
-    int n = snprintf(buf, size, "[");
-    if (n > 0)
-        used = (size_t)n;
-    for (int i = 0; i < ndim && used < size; i++) {
-        n = snprintf(buf + used, size - used, "%s%lld", i ? "," : "", (long long)shape[i]);
-        if (n < 0)
-            break;
-        used += (size_t)n;
-    }
-    if (used < size)
-        snprintf(buf + used, size - used, "]");
-}
 
 static int parse_float(const char *s, float *out) {
     char *end = NULL;
@@ -181,8 +167,8 @@ static int find_sources(op_ctx *x) {
 static int check_shape(const op_ctx *x, const lm_st_entry *e, const char *name, int wn,
                        const int64_t *want, const char *dims, const char *from) {
     char have[160], exp[160];
-    fmt_shape(have, sizeof(have), e->ndim, e->shape);
-    fmt_shape(exp, sizeof(exp), wn, want);
+    lm_cli_fmt_shape(have, sizeof(have), e->ndim, e->shape);
+    lm_cli_fmt_shape(exp, sizeof(exp), wn, want);
     if (!is_float_dtype(e->dtype))
         return fail(x, "tensor '%s' has dtype %s; expected F32, F64, BF16 or F16", name,
                     lm_dtype_name(e->dtype));
@@ -213,14 +199,14 @@ static int check_shapes(op_ctx *x) {
     }
     const lm_st_entry *q = x->query, *r0 = x->res[0];
     char qs[160], rs[160], from[400];
-    fmt_shape(qs, sizeof(qs), q->ndim, q->shape);
+    lm_cli_fmt_shape(qs, sizeof(qs), q->ndim, q->shape);
     if (!is_float_dtype(q->dtype))
         return fail(x, "tensor 'query' has dtype %s; expected F32, F64, BF16 or F16",
                     lm_dtype_name(q->dtype));
     if (q->ndim != 1 || q->shape[0] < 1 || q->shape[0] > (1 << 24))
         return fail(x, "tensor 'query' shape %s: expected [D] with 1 <= D <= %d", qs, 1 << 24);
     x->D = q->shape[0];
-    fmt_shape(rs, sizeof(rs), r0->ndim, r0->shape);
+    lm_cli_fmt_shape(rs, sizeof(rs), r0->ndim, r0->shape);
     if (!is_float_dtype(r0->dtype))
         return fail(x, "tensor 'residual_0' has dtype %s; expected F32, F64, BF16 or F16",
                     lm_dtype_name(r0->dtype));

@@ -77,17 +77,6 @@ static int fail(const op_ctx *x, const char *fmt, ...) {
     return LM_EXIT_BAD_INPUT;
 }
 
-static void fmt_shape(char *buf, size_t size, int ndim, const int64_t *shape) {
-    size_t used = 0;
-    int n = snprintf(buf, size, "[");
-    if (n > 0) used = (size_t)n;
-    for (int i = 0; i < ndim && used < size; i++) {
-        n = snprintf(buf + used, size - used, "%s%lld", i ? "," : "", (long long)shape[i]);
-        if (n < 0) break;
-        used += (size_t)n;
-    }
-    if (used < size) snprintf(buf + used, size - used, "]");
-}
 
 /* Checked product of dims (0 on overflow past INT64_MAX, with *ok cleared). */
 static int64_t dims_product(int n, const int64_t *d, int *ok) {
@@ -106,8 +95,8 @@ static int check_shape(const op_ctx *x, int t, int wn, const int64_t *want, cons
                        const char *from) {
     const lm_st_entry *e = x->e[t];
     char have[160], exp[160], names[64] = "";
-    fmt_shape(have, sizeof(have), e->ndim, e->shape);
-    fmt_shape(exp, sizeof(exp), wn, want);
+    lm_cli_fmt_shape(have, sizeof(have), e->ndim, e->shape);
+    lm_cli_fmt_shape(exp, sizeof(exp), wn, want);
     for (int i = 0; i < wn; i++) {
         size_t u = strlen(names);
         snprintf(names + u, sizeof(names) - u, "%s%s", i ? "," : "", dim_names[i]);
@@ -129,17 +118,6 @@ static int is_float_dtype(lm_dtype dt) {
 
 /* ---------------------------------------------------------------- metadata */
 
-static int parse_bool(const char *s, int *out) {
-    if (strcasecmp(s, "true") == 0 || strcmp(s, "1") == 0) {
-        *out = 1;
-        return 0;
-    }
-    if (strcasecmp(s, "false") == 0 || strcmp(s, "0") == 0) {
-        *out = 0;
-        return 0;
-    }
-    return -1;
-}
 
 static int parse_float(const char *s, float *out) {
     char *end = NULL;
@@ -179,10 +157,10 @@ static int read_metadata(op_ctx *x) {
     if ((s = lm_st_meta(st, "chunk_size")) != NULL && parse_int(s, &c->chunk_size) != 0)
         return fail(x, "__metadata__ 'chunk_size' = '%s' is not an integer (16, 32 or 64)", s);
     if ((s = lm_st_meta(st, "use_qk_l2norm_in_kernel")) != NULL &&
-        parse_bool(s, &c->use_qk_l2norm_in_kernel) != 0)
+        lm_cli_parse_bool(s, &c->use_qk_l2norm_in_kernel) != 0)
         return fail(x, "__metadata__ 'use_qk_l2norm_in_kernel' = '%s' is not true or false", s);
     if ((s = lm_st_meta(st, "use_beta_sigmoid_in_kernel")) != NULL &&
-        parse_bool(s, &c->use_beta_sigmoid_in_kernel) != 0)
+        lm_cli_parse_bool(s, &c->use_beta_sigmoid_in_kernel) != 0)
         return fail(x, "__metadata__ 'use_beta_sigmoid_in_kernel' = '%s' is not true or false", s);
     if ((s = lm_st_meta(st, "diag")) != NULL) {
         if (strcmp(s, "auto") == 0) c->diag = LM_DIAG_AUTO;
@@ -237,7 +215,7 @@ static int check_shapes(op_ctx *x, int64_t *N_out) {
     static const char *const hvkn[] = {"HV*K"};
     const lm_st_entry *q = x->e[T_Q], *v = x->e[T_V];
     char qs[160], vs[160], from[400];
-    fmt_shape(qs, sizeof(qs), q->ndim, q->shape);
+    lm_cli_fmt_shape(qs, sizeof(qs), q->ndim, q->shape);
     if (q->ndim != 4)
         return fail(x, "tensor 'q' shape %s has %d dims; expected 4: [B,T,H,K]", qs, q->ndim);
     for (int i = 0; i < 4; i++) {
@@ -251,7 +229,7 @@ static int check_shapes(op_ctx *x, int64_t *N_out) {
     snprintf(from, sizeof(from), "q %s", qs);
     if (check_shape(x, T_K, 4, q->shape, qn, from)) return LM_EXIT_BAD_INPUT;
 
-    fmt_shape(vs, sizeof(vs), v->ndim, v->shape);
+    lm_cli_fmt_shape(vs, sizeof(vs), v->ndim, v->shape);
     if (v->ndim != 4)
         return fail(x, "tensor 'v' shape %s has %d dims; expected 4: [B,T,HV,V]", vs, v->ndim);
     {
@@ -296,7 +274,7 @@ static int check_shapes(op_ctx *x, int64_t *N_out) {
     if (x->e[T_CU]) {
         const lm_st_entry *cu = x->e[T_CU];
         char cs[160];
-        fmt_shape(cs, sizeof(cs), cu->ndim, cu->shape);
+        lm_cli_fmt_shape(cs, sizeof(cs), cu->ndim, cu->shape);
         if (cu->ndim != 1)
             return fail(x, "tensor 'cu_seqlens' shape %s has %d dims; expected 1: [N+1]", cs, cu->ndim);
         if (cu->shape[0] < 2)
@@ -337,7 +315,7 @@ static float *alloc_f32(const op_ctx *x, const char *what, int n, const int64_t 
     float *p = ok ? (float *)calloc(numel > 0 ? (size_t)numel : 1, sizeof(float)) : NULL;
     if (!p) {
         char s[160];
-        fmt_shape(s, sizeof(s), n, shape);
+        lm_cli_fmt_shape(s, sizeof(s), n, shape);
         if (ok)
             *rc = fail(x, "out of memory allocating output '%s' %s (%llu bytes)", what, s,
                        (unsigned long long)bytes);

@@ -24,6 +24,8 @@
 #include "linmoe/moe_router.h"
 #include "linmoe/safetensors.h"
 
+#include "cli.h"
+
 /* Metadata keys both ops read (others are reported as unused). The size keys are
  * optional: the dims come from the tensor shapes, and a key that is present must
  * agree with them. */
@@ -64,28 +66,7 @@ static int fail(const op_ctx *x, const char *fmt, ...) {
     return 1;
 }
 
-static void fmt_shape(char *buf, size_t size, int ndim, const int64_t *shape) {
-    size_t used = 0;
-    int n = snprintf(buf, size, "[");
-    if (n > 0)
-        used = (size_t)n;
-    for (int i = 0; i < ndim && used < size; i++) {
-        n = snprintf(buf + used, size - used, "%s%lld", i ? "," : "", (long long)shape[i]);
-        if (n < 0)
-            break;
-        used += (size_t)n;
-    }
-    if (used < size)
-        snprintf(buf + used, size - used, "]");
-}
 
-static int parse_bool(const char *s, int *out) {
-    if (strcasecmp(s, "true") == 0 || strcmp(s, "1") == 0)
-        return *out = 1, 0;
-    if (strcasecmp(s, "false") == 0 || strcmp(s, "0") == 0)
-        return *out = 0, 0;
-    return -1;
-}
 
 static int parse_float(const char *s, float *out) {
     char *end = NULL;
@@ -141,7 +122,7 @@ static int get_entry(op_ctx *x, const char *name, int required, int ndim, const 
         return fail(x, "tensor '%s' has dtype %s; expected F32, F64, BF16 or F16", name,
                     lm_dtype_name(dt));
     char s[160];
-    fmt_shape(s, sizeof(s), e->ndim, e->shape);
+    lm_cli_fmt_shape(s, sizeof(s), e->ndim, e->shape);
     if (e->ndim != ndim)
         return fail(x, "tensor '%s' shape %s has %d dims; expected %d: %s", name, s, e->ndim, ndim,
                     dims);
@@ -158,7 +139,7 @@ static int check_dim(op_ctx *x, const lm_st_entry *e, int i, int64_t want, const
     if (e->shape[i] == want)
         return 0;
     char s[160];
-    fmt_shape(s, sizeof(s), e->ndim, e->shape);
+    lm_cli_fmt_shape(s, sizeof(s), e->ndim, e->shape);
     return fail(x, "tensor '%s' shape %s: dim %d (%s) is %lld but %s gives %lld", e->name, s, i,
                 what, (long long)e->shape[i], from, (long long)want);
 }
@@ -202,7 +183,7 @@ static int read_router_meta(op_ctx *x, int E, int k_shape) {
             return fail(x, "__metadata__ 'scoring_func' = '%s' is not one of sigmoid|softmax", s);
         c->scoring_func = (lm_score_func)v;
     }
-    if ((s = lm_st_meta(st, "norm_topk_prob")) != NULL && parse_bool(s, &c->norm_topk_prob) != 0)
+    if ((s = lm_st_meta(st, "norm_topk_prob")) != NULL && lm_cli_parse_bool(s, &c->norm_topk_prob) != 0)
         return fail(x, "__metadata__ 'norm_topk_prob' = '%s' is not true or false", s);
     if ((s = lm_st_meta(st, "routed_scaling_factor")) != NULL &&
         parse_float(s, &c->routed_scaling_factor) != 0)
@@ -212,7 +193,7 @@ static int read_router_meta(op_ctx *x, int E, int k_shape) {
     if ((s = lm_st_meta(st, "topk_group")) != NULL && parse_int(s, &c->topk_group) != 0)
         return fail(x, "__metadata__ 'topk_group' = '%s' is not an integer", s);
     x->training = 0;
-    if ((s = lm_st_meta(st, "training")) != NULL && parse_bool(s, &x->training) != 0)
+    if ((s = lm_st_meta(st, "training")) != NULL && lm_cli_parse_bool(s, &x->training) != 0)
         return fail(x, "__metadata__ 'training' = '%s' is not true or false", s);
     if ((s = lm_st_meta(st, "capacity_factor")) != NULL && parse_float(s, &c->capacity_factor) != 0)
         return fail(x, "__metadata__ 'capacity_factor' = '%s' is not a finite number", s);
@@ -291,7 +272,7 @@ static int run_router(op_ctx *x, const char *out_path) {
         return 1;
     const int T = (int)lg->shape[0], E = (int)lg->shape[1];
     char from[200], ls[160];
-    fmt_shape(ls, sizeof(ls), 2, lg->shape);
+    lm_cli_fmt_shape(ls, sizeof(ls), 2, lg->shape);
     snprintf(from, sizeof(from), "logits %s", ls);
     if (get_entry(x, "e_score_correction_bias", 0, 1, "[E]", &bias))
         return 1;
@@ -386,7 +367,7 @@ static int run_layer(op_ctx *x, const char *out_path) {
     const int E = (int)ew[LM_MOE_GATE_WEIGHT]->shape[0];
     const int f = (int)ew[LM_MOE_EXPERTS_GATE_PROJ]->shape[1];
     char xs[160], from[200];
-    fmt_shape(xs, sizeof(xs), 2, ex->shape);
+    lm_cli_fmt_shape(xs, sizeof(xs), 2, ex->shape);
     snprintf(from, sizeof(from), "x %s", xs);
     if (check_dim(x, ew[LM_MOE_GATE_WEIGHT], 1, d, "hidden_size", from))
         return 1;
