@@ -28,6 +28,9 @@ int lm_cli_op_attention(const char *prog, const char *in_path, const char *out_p
 /* `linmoe balance-sim` (tools/balance_sim.c); exit codes as in cli.h. */
 int lm_cli_balance_sim(int argc, char **argv);
 void lm_cli_balance_sim_usage(FILE *f);
+/* `linmoe info` (tools/info.c); exit codes as in cli.h. */
+int lm_cli_info(int argc, char **argv);
+void lm_cli_info_usage(FILE *f);
 
 static const char *g_prog = "linmoe";
 
@@ -41,11 +44,12 @@ static void usage_main(FILE *f) {
             "  op       run one op on tensors from a safetensors file (kda, gdn, moe_router, moe)\n"
             "  bench    benchmark kernels against the sgemm limit (kda, moe)\n"
             "  balance-sim  simulate expert load balancing on a synthetic skewed router\n"
+            "  info     print a checkpoint's (or --config FILE's) config, parameter counts, tensors\n"
             "  version  print the version\n"
             "  help     print this help, or `help SUBCOMMAND` for one subcommand\n"
             "\n"
-            "Every subcommand takes --help. train, eval, generate, tokenize, plot\n"
-            "and info arrive with their issues.\n",
+            "Every subcommand takes --help. train, eval, generate, tokenize and plot\n"
+            "arrive with their issues.\n",
             g_prog);
 }
 
@@ -309,6 +313,7 @@ static int cmd_help(int argc, char **argv) {
     else if (strcmp(s, "bench") == 0) usage_bench(stdout);
     else if (strcmp(s, "version") == 0) usage_version(stdout);
     else if (strcmp(s, "balance-sim") == 0) lm_cli_balance_sim_usage(stdout);
+    else if (strcmp(s, "info") == 0) lm_cli_info_usage(stdout);
     else if (strcmp(s, "help") == 0) usage_main(stdout);
     else {
         fprintf(stderr, "%s help: unknown subcommand '%s' (see `%s --help`)\n", g_prog, s, g_prog);
@@ -330,6 +335,7 @@ int main(int argc, char **argv) {
     if (strcmp(sub, "op") == 0) return cmd_op(argc - 1, argv + 1);
     if (strcmp(sub, "bench") == 0) return cmd_bench(argc - 1, argv + 1);
     if (strcmp(sub, "balance-sim") == 0) return lm_cli_balance_sim(argc - 1, argv + 1);
+    if (strcmp(sub, "info") == 0) return lm_cli_info(argc - 1, argv + 1);
     if (sub[0] == '-')
         fprintf(stderr, "%s: unknown option '%s' (see `%s --help`)\n", g_prog, sub, g_prog);
     else

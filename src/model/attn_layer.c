@@ -1,0 +1,271 @@
+/* Full-attention layer (GQA token mixer): forward and backward, fp32, on the CPU.
+ * Math, layouts and contracts: include/linmoe/attn_layer.h. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "linmoe/attn_layer.h"
+
+/* Output rows per BLAS call: fixed, so every element's sum order is independent of
+ * the thread count. */
+#define MM_BLK 64
+
+struct lm_attn_layer_ctx {
+    float *buf;
+    int64_t cap; /* floats in buf */
+    lm_attention_workspace *ws;
+    /* the last forward */
+    int have_fwd;
+    int B, T, d, Hq, Hkv, Dh;
+    lm_attn_position position;
+    double rope_theta;
+    const int64_t *cu;
+    /* saved activations (carved from buf) */
+    float *q, *k, *v, *o, *lse;
+    /* backward scratch */
+    float *d_o, *dq, *dk, *dv;
+};
+
+void lm_attn_layer_config_default(lm_attn_layer_config *c, int d, int Hq, int Hkv, int Dh) {
+    memset(c, 0, sizeof(*c));
+    c->d = d;
+    c->Hq = Hq;
+    c->Hkv = Hkv;
+    c->Dh = Dh;
+    c->position = LM_POS_ROPE;
+    c->rope_theta = 10000.0;
+}
+
+lm_attn_layer_ctx *lm_attn_layer_ctx_new(void) {
+    lm_attn_layer_ctx *x = LM_CALLOC(1, sizeof(*x));
+    x->ws = lm_attention_workspace_new();
+    return x;
+}
+
+void lm_attn_layer_ctx_free(lm_attn_layer_ctx *ctx) {
+    if (!ctx)
+        return;
+    lm_attention_workspace_free(ctx->ws);
+    free(ctx->buf);
+    free(ctx);
+}
+
+/* C[M,N] = op(A) op(B) (+ C when accum), in fixed blocks of MM_BLK rows of C. */
+static void mm(int tA, int tB, int M, int N, int K, const float *A, int lda, const float *B,
+               int ldb, int accum, float *C, int ldc) {
+    const int nb = (M + MM_BLK - 1) / MM_BLK;
+    const int blas0 = lm_blas_get_threads();
+    lm_blas_set_threads(1);
+#pragma omp parallel for schedule(static) if (nb > 1)
+    for (int i = 0; i < nb; i++) {
+        const int m0 = i * MM_BLK, m = M - m0 < MM_BLK ? M - m0 : MM_BLK;
+        const float *Ai = tA ? A + m0 : A + (int64_t)m0 * lda;
+        lm_sgemm(tA, tB, m, N, K, 1.0f, Ai, lda, B, ldb, accum ? 1.0f : 0.0f, C + (int64_t)m0 * ldc,
+                 ldc);
+    }
+    lm_blas_set_threads(blas0);
+}
+
+static lm_status check_finite(const char *what, const char *name, const float *p, int64_t n,
+                              lm_error *err) {
+    if (!p)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: '%s' is required", what, name);
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(p[i]))
+            return lm_errorf(err, LM_ERR_INVALID,
+                             "attn_layer %s: '%s' has a non-finite value %g at element %lld", what,
+                             name, (double)p[i], (long long)i);
+    return LM_OK;
+}
+
+static lm_status validate(const lm_attn_layer_config *c, const lm_attn_layer_batch *b,
+                          const lm_attn_layer_weights *w, const float *x, const char *what,
+                          lm_error *err) {
+    if (!c || !b || !w)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attn_layer %s: config, batch and weights are required", what);
+    if (c->d < 1)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: d = %d must be >= 1", what, c->d);
+    if (c->Hq < 1)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: Hq = %d must be >= 1", what, c->Hq);
+    if (c->Hkv < 1)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: Hkv = %d must be >= 1", what, c->Hkv);
+    if (c->Hq % c->Hkv != 0)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attn_layer %s: Hq = %d must be a multiple of Hkv = %d", what, c->Hq,
+                         c->Hkv);
+    if (c->Dh < 1 || c->Dh > 1024)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: Dh = %d outside 1..1024", what,
+                         c->Dh);
+    if (c->position != LM_POS_ROPE && c->position != LM_POS_NOPE)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: position = %d must be ROPE or NOPE",
+                         what, (int)c->position);
+    if (c->position == LM_POS_ROPE) {
+        if (c->Dh % 2 != 0)
+            return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: Dh = %d must be even with RoPE",
+                             what, c->Dh);
+        if (!(isfinite(c->rope_theta) && c->rope_theta > 0.0))
+            return lm_errorf(err, LM_ERR_INVALID,
+                             "attn_layer %s: rope_theta = %g must be finite and > 0", what,
+                             c->rope_theta);
+    }
+    if (b->B < 1 || b->T < 1)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: B = %d, T = %d must be >= 1", what,
+                         b->B, b->T);
+    if ((int64_t)c->Hq * c->Dh > (1 << 30) / 4)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: Hq*Dh = %lld too large", what,
+                         (long long)c->Hq * c->Dh);
+    if (b->cu_seqlens) {
+        if (b->B != 1)
+            return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: B = %d must be 1 with cu_seqlens",
+                             what, b->B);
+        if (b->n_cu_seqlens < 2)
+            return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: n_cu_seqlens = %d must be >= 2",
+                             what, b->n_cu_seqlens);
+        if (b->cu_seqlens[0] != 0 || b->cu_seqlens[b->n_cu_seqlens - 1] != b->T)
+            return lm_errorf(err, LM_ERR_INVALID,
+                             "attn_layer %s: cu_seqlens must start at 0 and end at T = %d", what,
+                             b->T);
+        for (int i = 1; i < b->n_cu_seqlens; i++)
+            if (b->cu_seqlens[i] < b->cu_seqlens[i - 1])
+                return lm_errorf(err, LM_ERR_INVALID,
+                                 "attn_layer %s: cu_seqlens[%d] = %lld decreases", what, i,
+                                 (long long)b->cu_seqlens[i]);
+    }
+    const int64_t d = c->d, Cq = (int64_t)c->Hq * c->Dh, Ckv = (int64_t)c->Hkv * c->Dh;
+    LM_TRY(check_finite(what, "x", x, (int64_t)b->B * b->T * d, err));
+    LM_TRY(check_finite(what, "q_proj", w->q_proj, Cq * d, err));
+    LM_TRY(check_finite(what, "k_proj", w->k_proj, Ckv * d, err));
+    LM_TRY(check_finite(what, "v_proj", w->v_proj, Ckv * d, err));
+    LM_TRY(check_finite(what, "o_proj", w->o_proj, d * Cq, err));
+    return LM_OK;
+}
+
+/* Size the context for N tokens and carve the buffers (allocates only on growth). */
+static void ctx_carve(lm_attn_layer_ctx *x, int64_t N, int64_t Cq, int64_t Ckv, int64_t Hq) {
+    const int64_t need = 4 * N * Cq + 4 * N * Ckv + N * Hq + 9 * 16;
+    if (need > x->cap) {
+        free(x->buf);
+        x->buf = LM_MALLOC((size_t)need * sizeof(float));
+        x->cap = need;
+    }
+    float *p = x->buf;
+#define TAKE(f, n)                                                                                 \
+    do {                                                                                           \
+        x->f = p;                                                                                  \
+        p += (((n) + 15) / 16) * 16; /* 64 B align */                                              \
+    } while (0)
+    TAKE(q, N * Cq);
+    TAKE(k, N * Ckv);
+    TAKE(v, N * Ckv);
+    TAKE(o, N * Cq);
+    TAKE(lse, N * Hq);
+    TAKE(d_o, N * Cq);
+    TAKE(dq, N * Cq);
+    TAKE(dk, N * Ckv);
+    TAKE(dv, N * Ckv);
+#undef TAKE
+    LM_CHECK(p <= x->buf + x->cap);
+}
+
+static void attn_cfg(const lm_attn_layer_config *c, const lm_attn_layer_batch *b,
+                     lm_attn_layer_ctx *ctx, lm_attention_config *ac) {
+    lm_attention_config_default(ac, b->B, b->T, c->Hq, c->Hkv, c->Dh);
+    ac->cu_seqlens = b->cu_seqlens;
+    ac->n_cu_seqlens = b->n_cu_seqlens;
+    ac->scale = 1.0f / sqrtf((float)c->Dh);
+    ac->causal = 1;
+    ac->position = c->position;
+    ac->rope_theta = c->rope_theta;
+    ac->ws = ctx->ws;
+}
+
+lm_status lm_attn_layer_forward(const lm_attn_layer_config *c, const lm_attn_layer_batch *b,
+                                const lm_attn_layer_weights *w, const float *x, float *out,
+                                lm_attn_layer_ctx *ctx, lm_error *err) {
+    LM_TRY(validate(c, b, w, x, "forward", err));
+    if (!out || !ctx)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer forward: 'out' and 'ctx' are required");
+    const int d = c->d, Cq = c->Hq * c->Dh, Ckv = c->Hkv * c->Dh;
+    const int N = b->B * b->T;
+    ctx->have_fwd = 0;
+    ctx_carve(ctx, N, Cq, Ckv, c->Hq);
+
+    /* projections */
+    mm(0, 1, N, Cq, d, x, d, w->q_proj, d, 0, ctx->q, Cq);
+    mm(0, 1, N, Ckv, d, x, d, w->k_proj, d, 0, ctx->k, Ckv);
+    mm(0, 1, N, Ckv, d, x, d, w->v_proj, d, 0, ctx->v, Ckv);
+
+    /* the attention op (RoPE / NoPE inside) */
+    lm_attention_config ac;
+    attn_cfg(c, b, ctx, &ac);
+    lm_attention_inputs in = {ctx->q, ctx->k, ctx->v};
+    LM_TRY(lm_attention_forward(&ac, &in, ctx->o, ctx->lse, err));
+
+    /* output projection */
+    mm(0, 1, N, d, Cq, ctx->o, Cq, w->o_proj, Cq, 0, out, d);
+
+    ctx->have_fwd = 1;
+    ctx->B = b->B;
+    ctx->T = b->T;
+    ctx->d = d;
+    ctx->Hq = c->Hq;
+    ctx->Hkv = c->Hkv;
+    ctx->Dh = c->Dh;
+    ctx->position = c->position;
+    ctx->rope_theta = c->rope_theta;
+    ctx->cu = b->cu_seqlens;
+    return LM_OK;
+}
+
+lm_status lm_attn_layer_backward(const lm_attn_layer_config *c, const lm_attn_layer_batch *b,
+                                 const lm_attn_layer_weights *w, const float *x, const float *dout,
+                                 float *dx, const lm_attn_layer_grads *g, lm_attn_layer_ctx *ctx,
+                                 lm_error *err) {
+    LM_TRY(validate(c, b, w, x, "backward", err));
+    if (!ctx || !g)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attn_layer backward: 'ctx' and 'grads' are required");
+    if (!ctx->have_fwd || ctx->B != b->B || ctx->T != b->T || ctx->d != c->d || ctx->Hq != c->Hq ||
+        ctx->Hkv != c->Hkv || ctx->Dh != c->Dh || ctx->position != c->position ||
+        ctx->rope_theta != c->rope_theta || ctx->cu != b->cu_seqlens)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attn_layer backward: no matching forward on this ctx (B=%d T=%d)", b->B,
+                         b->T);
+    const int d = c->d, Cq = c->Hq * c->Dh, Ckv = c->Hkv * c->Dh;
+    const int N = b->B * b->T;
+    LM_TRY(check_finite("backward", "dout", dout, (int64_t)N * d, err));
+    const struct {
+        const char *name;
+        float *p;
+    } req[] = {{"grads.q_proj", g->q_proj},
+               {"grads.k_proj", g->k_proj},
+               {"grads.v_proj", g->v_proj},
+               {"grads.o_proj", g->o_proj}};
+    for (size_t i = 0; i < sizeof(req) / sizeof(req[0]); i++)
+        if (!req[i].p)
+            return lm_errorf(err, LM_ERR_INVALID, "attn_layer backward: '%s' is required",
+                             req[i].name);
+
+    /* out = o Wo^T */
+    mm(0, 0, N, Cq, d, dout, d, w->o_proj, Cq, 0, ctx->d_o, Cq);
+    mm(1, 0, d, Cq, N, dout, d, ctx->o, Cq, 0, g->o_proj, Cq);
+
+    /* the attention op */
+    lm_attention_config ac;
+    attn_cfg(c, b, ctx, &ac);
+    lm_attention_inputs in = {ctx->q, ctx->k, ctx->v};
+    lm_attention_grads ag = {ctx->d_o, ctx->dq, ctx->dk, ctx->dv};
+    LM_TRY(lm_attention_backward(&ac, &in, ctx->o, ctx->lse, &ag, err));
+
+    /* q, k, v projections */
+    mm(1, 0, Cq, d, N, ctx->dq, Cq, x, d, 0, g->q_proj, d);
+    mm(1, 0, Ckv, d, N, ctx->dk, Ckv, x, d, 0, g->k_proj, d);
+    mm(1, 0, Ckv, d, N, ctx->dv, Ckv, x, d, 0, g->v_proj, d);
+    if (dx) {
+        mm(0, 0, N, d, Cq, ctx->dq, Cq, w->q_proj, d, 0, dx, d);
+        mm(0, 0, N, d, Ckv, ctx->dk, Ckv, w->k_proj, d, 1, dx, d);
+        mm(0, 0, N, d, Ckv, ctx->dv, Ckv, w->v_proj, d, 1, dx, d);
+    }
+    return LM_OK;
+}

@@ -1,0 +1,387 @@
+/* The full-attention layer (include/linmoe/attn_layer.h), whole-layer checks:
+ *
+ *  - gradients: central finite differences of the whole fp32 layer, loss
+ *    L = sum(out * R) (R fixed random, accumulated in fp64), step FD_STEP = 1e-3
+ *    (the difference divided by the fp32-rounded perturbation actually applied), for
+ *    FD_SAMPLES random entries of x and of every weight; the sample of analytic
+ *    gradients vs the sample of differences at relative RMS <= TOL_LAYER_FD. Shape
+ *    d = 16, Hq = 4, Hkv = 2 (GQA 4:2), Dh = 8, T = 37 (crosses no 64-tile, the op's
+ *    tiling is tested in test_attention.c), as B = 2 sequences of T = 37 and as one
+ *    packed batch cu_seqlens = [0, 5, 5, 37] (an empty document); RoPE (theta 10000)
+ *    and NoPE.
+ *    Why 5e-3: as in test_kda_layer.c, the layer is fp32, so each difference carries
+ *    the fp32 rounding of the forward: |L| ~ 10, eps_32 ~ 6e-8 per output over ~1e3
+ *    outputs gives ~1e-6 absolute noise in L, / (2 * 1e-3) ~ 1e-3 absolute noise per
+ *    FD gradient, against gradients of O(0.1..10); truncation O(h^2) ~ 1e-6.
+ *    Measured rel RMS is printed per tensor.
+ *  - packing: perturbing one document's x leaves every other document's output bit
+ *    for bit unchanged (and changes its own); each document run alone gives its rows
+ *    of the packed output (TOL_PACK), on a reused context and a fresh one alike.
+ *  - determinism: out, dx and every gradient bit-identical on 1 and 2 threads.
+ *  - invalid input: backward without a forward, a missing weight or gradient, Hq not
+ *    a multiple of Hkv, odd Dh with RoPE, a bad rope_theta, bad cu_seqlens and a
+ *    non-finite x give LM_ERR_INVALID with the name, leaving `out` untouched.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "test_util.h"
+
+#include "linmoe/attn_layer.h"
+#include "linmoe/core.h"
+
+#define FD_STEP 1e-3
+#define FD_SAMPLES 20
+#define TOL_LAYER_FD 5e-3
+
+enum { D = 16, HQ = 4, HKV = 2, DH = 8, CQ = HQ * DH, CKV = HKV * DH, NPARAM = 4 };
+
+typedef struct {
+    const char *name;
+    int64_t n;
+    float *w; /* weight */
+    float *g; /* gradient */
+} param;
+
+typedef struct {
+    lm_attn_layer_config cfg;
+    lm_attn_layer_batch batch;
+    int64_t cu[4];
+    int N;
+    param p[NPARAM];
+    lm_attn_layer_weights w;
+    lm_attn_layer_grads g;
+    float *x, *R, *out, *dx;
+    lm_attn_layer_ctx *ctx;
+} fixture;
+
+static void fill(float *x, int64_t n, uint64_t seed, double mean, double std) {
+    double *t = calloc((size_t)n, sizeof(double));
+    lm_fill_normal(t, n, seed, mean, std);
+    for (int64_t i = 0; i < n; i++)
+        x[i] = (float)t[i];
+    free(t);
+}
+
+static void fx_init(fixture *f, int packed, lm_attn_position pos, uint64_t seed) {
+    memset(f, 0, sizeof(*f));
+    lm_attn_layer_config_default(&f->cfg, D, HQ, HKV, DH);
+    f->cfg.position = pos;
+    f->cfg.rope_theta = 10000.0;
+    if (packed) {
+        f->cu[0] = 0, f->cu[1] = 5, f->cu[2] = 5, f->cu[3] = 37;
+        f->batch = (lm_attn_layer_batch){1, 37, f->cu, 4};
+    } else {
+        f->batch = (lm_attn_layer_batch){2, 37, NULL, 0};
+    }
+    f->N = f->batch.B * f->batch.T;
+    /* q/k weights larger than 1/sqrt(d) so the softmax is far from uniform */
+    const double sd = 1.0 / sqrt((double)D), sc = 1.0 / sqrt((double)CQ);
+    const struct {
+        const char *name;
+        int64_t n;
+        double std;
+    } spec[NPARAM] = {{"q_proj", CQ * D, 2 * sd},
+                      {"k_proj", CKV * D, 2 * sd},
+                      {"v_proj", CKV * D, sd},
+                      {"o_proj", D * CQ, sc}};
+    for (int i = 0; i < NPARAM; i++) {
+        f->p[i].name = spec[i].name;
+        f->p[i].n = spec[i].n;
+        f->p[i].w = calloc((size_t)spec[i].n, sizeof(float));
+        f->p[i].g = calloc((size_t)spec[i].n, sizeof(float));
+        fill(f->p[i].w, spec[i].n, seed + 100 + (uint64_t)i, 0.0, spec[i].std);
+    }
+    f->w = (lm_attn_layer_weights){f->p[0].w, f->p[1].w, f->p[2].w, f->p[3].w};
+    f->g = (lm_attn_layer_grads){f->p[0].g, f->p[1].g, f->p[2].g, f->p[3].g};
+    const int64_t nx = (int64_t)f->N * D;
+    f->x = calloc((size_t)nx, sizeof(float));
+    f->R = calloc((size_t)nx, sizeof(float));
+    f->out = calloc((size_t)nx, sizeof(float));
+    f->dx = calloc((size_t)nx, sizeof(float));
+    fill(f->x, nx, seed + 1, 0, 1);
+    fill(f->R, nx, seed + 2, 0, 1);
+    f->ctx = lm_attn_layer_ctx_new();
+}
+
+static void fx_free(fixture *f) {
+    for (int i = 0; i < NPARAM; i++) {
+        free(f->p[i].w);
+        free(f->p[i].g);
+    }
+    free(f->x);
+    free(f->R);
+    free(f->out);
+    free(f->dx);
+    lm_attn_layer_ctx_free(f->ctx);
+}
+
+static double loss(fixture *f) {
+    lm_error err = {0};
+    lm_status st = lm_attn_layer_forward(&f->cfg, &f->batch, &f->w, f->x, f->out, f->ctx, &err);
+    if (st != LM_OK)
+        fprintf(stderr, "%s\n", err.msg);
+    assert_int_equal(st, LM_OK);
+    double s = 0.0;
+    for (int64_t i = 0; i < (int64_t)f->N * D; i++)
+        s += (double)f->out[i] * (double)f->R[i];
+    return s;
+}
+
+static void fwd_bwd(fixture *f) {
+    lm_error err = {0};
+    (void)loss(f);
+    lm_status st =
+        lm_attn_layer_backward(&f->cfg, &f->batch, &f->w, f->x, f->R, f->dx, &f->g, f->ctx, &err);
+    if (st != LM_OK)
+        fprintf(stderr, "%s\n", err.msg);
+    assert_int_equal(st, LM_OK);
+}
+
+/* FD check of one tensor t (n entries, gradient gr) at up to FD_SAMPLES entries. */
+static int fd_tensor(fixture *f, const char *name, float *t, const float *gr, int64_t n,
+                     uint64_t seed) {
+    int m = n < FD_SAMPLES ? (int)n : FD_SAMPLES;
+    float an[FD_SAMPLES];
+    double fd[FD_SAMPLES];
+    lm_rng r;
+    lm_rng_init(&r, seed);
+    for (int s = 0; s < m; s++) {
+        int64_t i = n <= FD_SAMPLES ? s : (int64_t)(lm_rng_uniform(&r) * (double)n);
+        const float w0 = t[i];
+        const float wp = (float)(w0 + FD_STEP), wm = (float)(w0 - FD_STEP);
+        t[i] = wp;
+        const double lp = loss(f);
+        t[i] = wm;
+        const double lmn = loss(f);
+        t[i] = w0;
+        fd[s] = (lp - lmn) / ((double)wp - (double)wm);
+        an[s] = gr[i];
+    }
+    char label[96];
+    snprintf(label, sizeof label, "  FD %s", name);
+    return lm_check_f32(label, an, fd, m, TOL_LAYER_FD);
+}
+
+static void run_fd(int packed, lm_attn_position pos) {
+    fixture f;
+    fx_init(&f, packed, pos, packed * 10 + (uint64_t)pos);
+    printf("FD: %s, %s\n", packed ? "packed [0,5,5,37]" : "B=2 T=37",
+           pos == LM_POS_ROPE ? "rope" : "nope");
+    fwd_bwd(&f);
+    /* keep the analytic gradients: the FD forwards reuse the context */
+    int ok = 1;
+    float *dx = malloc((size_t)f.N * D * sizeof(float));
+    memcpy(dx, f.dx, (size_t)f.N * D * sizeof(float));
+    ok &= fd_tensor(&f, "x", f.x, dx, (int64_t)f.N * D, 7);
+    for (int i = 0; i < NPARAM; i++)
+        ok &= fd_tensor(&f, f.p[i].name, f.p[i].w, f.p[i].g, f.p[i].n, 1000 + (uint64_t)i);
+    free(dx);
+    fx_free(&f);
+    assert_true(ok);
+}
+
+static void test_fd_rope(void **s) {
+    (void)s;
+    run_fd(0, LM_POS_ROPE);
+    run_fd(1, LM_POS_ROPE);
+}
+
+static void test_fd_nope(void **s) {
+    (void)s;
+    run_fd(0, LM_POS_NOPE);
+    run_fd(1, LM_POS_NOPE);
+}
+
+/* Perturb the x of tokens [a, e) of the packed batch; outputs outside are unchanged. */
+static void test_packed_independence(void **s) {
+    (void)s;
+    const int docs[2][2] = {{0, 5}, {5, 37}};
+    for (int pi = 0; pi < 2; pi++) {
+        fixture f;
+        fx_init(&f, 1, pi ? LM_POS_ROPE : LM_POS_NOPE, 55);
+        const size_t bytes = (size_t)f.N * D * sizeof(float);
+        float *o0 = malloc(bytes);
+        (void)loss(&f);
+        memcpy(o0, f.out, bytes);
+        for (int dd = 0; dd < 2; dd++) {
+            float *x0 = malloc(bytes);
+            memcpy(x0, f.x, bytes);
+            for (int t = docs[dd][0]; t < docs[dd][1]; t++)
+                for (int j = 0; j < D; j++)
+                    f.x[t * D + j] += 0.5f;
+            (void)loss(&f);
+            for (int t = 0; t < f.N; t++) {
+                const int inside = t >= docs[dd][0] && t < docs[dd][1];
+                const int same = memcmp(o0 + t * D, f.out + t * D, D * sizeof(float)) == 0;
+                if (inside == same)
+                    fprintf(stderr, "doc [%d,%d) perturbed: token %d %s\n", docs[dd][0],
+                            docs[dd][1], t, same ? "unchanged" : "changed");
+                assert_true(inside != same);
+            }
+            memcpy(f.x, x0, bytes);
+            free(x0);
+        }
+        free(o0);
+        fx_free(&f);
+    }
+}
+
+/* Each document of the packed batch run alone (B = 1, its own T, positions from 0)
+ * gives the packed output rows (TOL_PACK). One context serves all the calls, and a
+ * fresh context agrees bit for bit with the reused one. */
+#define TOL_PACK 1e-5 /* issue 4 packing bar */
+static void test_packed_vs_alone(void **s) {
+    (void)s;
+    for (int pi = 0; pi < 2; pi++) {
+        fixture f;
+        fx_init(&f, 1, pi ? LM_POS_ROPE : LM_POS_NOPE, 123);
+        (void)loss(&f);
+        const int docs[2][2] = {{0, 5}, {5, 37}};
+        for (int dd = 0; dd < 2; dd++) {
+            const int a = docs[dd][0], T = docs[dd][1] - a;
+            lm_attn_layer_batch b1 = {1, T, NULL, 0};
+            float *o1 = calloc((size_t)T * D, sizeof(float));
+            float *o2 = calloc((size_t)T * D, sizeof(float));
+            lm_error err = {0};
+            assert_int_equal(lm_attn_layer_forward(&f.cfg, &b1, &f.w, f.x + a * D, o1, f.ctx, &err),
+                             LM_OK);
+            lm_attn_layer_ctx *fresh = lm_attn_layer_ctx_new();
+            assert_int_equal(lm_attn_layer_forward(&f.cfg, &b1, &f.w, f.x + a * D, o2, fresh, &err),
+                             LM_OK);
+            lm_attn_layer_ctx_free(fresh);
+            assert_memory_equal(o1, o2, (size_t)T * D * sizeof(float));
+            double *ref = lm_to_f64(f.out + a * D, (int64_t)T * D);
+            char label[64];
+            snprintf(label, sizeof label, "  doc [%d,%d) alone vs packed", a, a + T);
+            assert_true(lm_check_f32(label, o1, ref, (int64_t)T * D, TOL_PACK));
+            printf("    bitwise equal: %s\n",
+                   memcmp(o1, f.out + a * D, (size_t)T * D * sizeof(float)) ? "no" : "yes");
+            free(ref);
+            free(o1);
+            free(o2);
+        }
+        fx_free(&f);
+    }
+}
+
+static void test_threads_deterministic(void **s) {
+    (void)s;
+    for (int packed = 0; packed < 2; packed++) {
+        for (int pi = 0; pi < 2; pi++) {
+            const lm_attn_position pos = pi ? LM_POS_ROPE : LM_POS_NOPE;
+            fixture a, b;
+            fx_init(&a, packed, pos, 77);
+            fx_init(&b, packed, pos, 77);
+            lm_set_num_threads(1);
+            fwd_bwd(&a);
+            lm_set_num_threads(2);
+            fwd_bwd(&b);
+            lm_set_num_threads(0);
+            const size_t bytes = (size_t)a.N * D * sizeof(float);
+            assert_memory_equal(a.out, b.out, bytes);
+            assert_memory_equal(a.dx, b.dx, bytes);
+            for (int i = 0; i < NPARAM; i++)
+                assert_memory_equal(a.p[i].g, b.p[i].g, (size_t)a.p[i].n * sizeof(float));
+            fx_free(&a);
+            fx_free(&b);
+        }
+    }
+}
+
+/* forward with the fixture as modified; expects LM_ERR_INVALID naming `needle` */
+static void expect_invalid_fwd(fixture *f, const char *needle) {
+    lm_error err = {0};
+    lm_status st = lm_attn_layer_forward(&f->cfg, &f->batch, &f->w, f->x, f->out, f->ctx, &err);
+    if (st != LM_ERR_INVALID || !strstr(err.msg, needle))
+        fprintf(stderr, "expected an error naming '%s', got %d: %s\n", needle, (int)st, err.msg);
+    assert_int_equal(st, LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, needle));
+}
+
+static void test_invalid(void **s) {
+    (void)s;
+    fixture f;
+    fx_init(&f, 1, LM_POS_ROPE, 99);
+    lm_error err = {0};
+    /* backward before any forward */
+    lm_status st =
+        lm_attn_layer_backward(&f.cfg, &f.batch, &f.w, f.x, f.R, f.dx, &f.g, f.ctx, &err);
+    assert_int_equal(st, LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "forward"));
+    const size_t bytes = (size_t)f.N * D * sizeof(float);
+    lm_poison_f32(f.out, f.N * D);
+    float *o0 = malloc(bytes);
+    memcpy(o0, f.out, bytes);
+    /* missing weight */
+    const float *keep = f.w.k_proj;
+    f.w.k_proj = NULL;
+    expect_invalid_fwd(&f, "k_proj");
+    f.w.k_proj = keep;
+    /* GQA map */
+    f.cfg.Hkv = 3;
+    expect_invalid_fwd(&f, "Hkv");
+    f.cfg.Hkv = HKV;
+    /* RoPE needs an even head dim and a positive finite theta */
+    f.cfg.Dh = 7;
+    expect_invalid_fwd(&f, "Dh");
+    f.cfg.Dh = DH;
+    f.cfg.rope_theta = 0.0;
+    expect_invalid_fwd(&f, "rope_theta");
+    f.cfg.rope_theta = NAN;
+    expect_invalid_fwd(&f, "rope_theta");
+    f.cfg.rope_theta = 10000.0;
+    f.cfg.position = (lm_attn_position)7;
+    expect_invalid_fwd(&f, "position");
+    f.cfg.position = LM_POS_ROPE;
+    /* cu_seqlens: not ending at T, decreasing, with B > 1 */
+    f.cu[3] = 36;
+    expect_invalid_fwd(&f, "cu_seqlens");
+    f.cu[3] = 37;
+    f.cu[2] = 4;
+    expect_invalid_fwd(&f, "cu_seqlens");
+    f.cu[2] = 5;
+    f.batch.B = 2;
+    expect_invalid_fwd(&f, "cu_seqlens");
+    f.batch.B = 1;
+    /* non-finite x */
+    f.x[3] = NAN;
+    expect_invalid_fwd(&f, "'x'");
+    f.x[3] = 0.25f;
+    assert_memory_equal(o0, f.out, bytes);
+    /* backward: a missing gradient, a non-finite dout, a mismatched batch */
+    (void)loss(&f);
+    f.g.o_proj = NULL;
+    memset(&err, 0, sizeof err);
+    st = lm_attn_layer_backward(&f.cfg, &f.batch, &f.w, f.x, f.R, f.dx, &f.g, f.ctx, &err);
+    assert_int_equal(st, LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "grads.o_proj"));
+    f.g.o_proj = f.p[3].g;
+    f.R[5] = INFINITY;
+    memset(&err, 0, sizeof err);
+    st = lm_attn_layer_backward(&f.cfg, &f.batch, &f.w, f.x, f.R, f.dx, &f.g, f.ctx, &err);
+    assert_int_equal(st, LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "dout"));
+    f.R[5] = 1.0f;
+    lm_attn_layer_batch other = {1, 37, NULL, 0};
+    memset(&err, 0, sizeof err);
+    st = lm_attn_layer_backward(&f.cfg, &other, &f.w, f.x, f.R, f.dx, &f.g, f.ctx, &err);
+    assert_int_equal(st, LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "forward"));
+    free(o0);
+    fx_free(&f);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_fd_rope),
+        cmocka_unit_test(test_fd_nope),
+        cmocka_unit_test(test_packed_independence),
+        cmocka_unit_test(test_packed_vs_alone),
+        cmocka_unit_test(test_threads_deterministic),
+        cmocka_unit_test(test_invalid),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
