@@ -5,10 +5,7 @@
 #include <string.h>
 
 #include "linmoe/attn_layer.h"
-
-/* Output rows per BLAS call: fixed, so every element's sum order is independent of
- * the thread count. */
-#define MM_BLK 64
+#include "model/model_internal.h"
 
 struct lm_attn_layer_ctx {
     float *buf;
@@ -48,34 +45,6 @@ void lm_attn_layer_ctx_free(lm_attn_layer_ctx *ctx) {
     lm_attention_workspace_free(ctx->ws);
     free(ctx->buf);
     free(ctx);
-}
-
-/* C[M,N] = op(A) op(B) (+ C when accum), in fixed blocks of MM_BLK rows of C. */
-static void mm(int tA, int tB, int M, int N, int K, const float *A, int lda, const float *B,
-               int ldb, int accum, float *C, int ldc) {
-    const int nb = (M + MM_BLK - 1) / MM_BLK;
-    const int blas0 = lm_blas_get_threads();
-    lm_blas_set_threads(1);
-#pragma omp parallel for schedule(static) if (nb > 1)
-    for (int i = 0; i < nb; i++) {
-        const int m0 = i * MM_BLK, m = M - m0 < MM_BLK ? M - m0 : MM_BLK;
-        const float *Ai = tA ? A + m0 : A + (int64_t)m0 * lda;
-        lm_sgemm(tA, tB, m, N, K, 1.0f, Ai, lda, B, ldb, accum ? 1.0f : 0.0f, C + (int64_t)m0 * ldc,
-                 ldc);
-    }
-    lm_blas_set_threads(blas0);
-}
-
-static lm_status check_finite(const char *what, const char *name, const float *p, int64_t n,
-                              lm_error *err) {
-    if (!p)
-        return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: '%s' is required", what, name);
-    for (int64_t i = 0; i < n; i++)
-        if (!isfinite(p[i]))
-            return lm_errorf(err, LM_ERR_INVALID,
-                             "attn_layer %s: '%s' has a non-finite value %g at element %lld", what,
-                             name, (double)p[i], (long long)i);
-    return LM_OK;
 }
 
 static lm_status validate(const lm_attn_layer_config *c, const lm_attn_layer_batch *b,
@@ -133,11 +102,11 @@ static lm_status validate(const lm_attn_layer_config *c, const lm_attn_layer_bat
                                  (long long)b->cu_seqlens[i]);
     }
     const int64_t d = c->d, Cq = (int64_t)c->Hq * c->Dh, Ckv = (int64_t)c->Hkv * c->Dh;
-    LM_TRY(check_finite(what, "x", x, (int64_t)b->B * b->T * d, err));
-    LM_TRY(check_finite(what, "q_proj", w->q_proj, Cq * d, err));
-    LM_TRY(check_finite(what, "k_proj", w->k_proj, Ckv * d, err));
-    LM_TRY(check_finite(what, "v_proj", w->v_proj, Ckv * d, err));
-    LM_TRY(check_finite(what, "o_proj", w->o_proj, d * Cq, err));
+    LM_TRY(lm_model_check_finite("attn_layer", what, "x", x, (int64_t)b->B * b->T * d, err));
+    LM_TRY(lm_model_check_finite("attn_layer", what, "q_proj", w->q_proj, Cq * d, err));
+    LM_TRY(lm_model_check_finite("attn_layer", what, "k_proj", w->k_proj, Ckv * d, err));
+    LM_TRY(lm_model_check_finite("attn_layer", what, "v_proj", w->v_proj, Ckv * d, err));
+    LM_TRY(lm_model_check_finite("attn_layer", what, "o_proj", w->o_proj, d * Cq, err));
     return LM_OK;
 }
 
@@ -192,9 +161,9 @@ lm_status lm_attn_layer_forward(const lm_attn_layer_config *c, const lm_attn_lay
     ctx_carve(ctx, N, Cq, Ckv, c->Hq);
 
     /* projections */
-    mm(0, 1, N, Cq, d, x, d, w->q_proj, d, 0, ctx->q, Cq);
-    mm(0, 1, N, Ckv, d, x, d, w->k_proj, d, 0, ctx->k, Ckv);
-    mm(0, 1, N, Ckv, d, x, d, w->v_proj, d, 0, ctx->v, Ckv);
+    lm_model_mm(0, 1, N, Cq, d, x, d, w->q_proj, d, 0, ctx->q, Cq);
+    lm_model_mm(0, 1, N, Ckv, d, x, d, w->k_proj, d, 0, ctx->k, Ckv);
+    lm_model_mm(0, 1, N, Ckv, d, x, d, w->v_proj, d, 0, ctx->v, Ckv);
 
     /* the attention op (RoPE / NoPE inside) */
     lm_attention_config ac;
@@ -203,7 +172,7 @@ lm_status lm_attn_layer_forward(const lm_attn_layer_config *c, const lm_attn_lay
     LM_TRY(lm_attention_forward(&ac, &in, ctx->o, ctx->lse, err));
 
     /* output projection */
-    mm(0, 1, N, d, Cq, ctx->o, Cq, w->o_proj, Cq, 0, out, d);
+    lm_model_mm(0, 1, N, d, Cq, ctx->o, Cq, w->o_proj, Cq, 0, out, d);
 
     ctx->have_fwd = 1;
     ctx->B = b->B;
@@ -234,7 +203,7 @@ lm_status lm_attn_layer_backward(const lm_attn_layer_config *c, const lm_attn_la
                          b->T);
     const int d = c->d, Cq = c->Hq * c->Dh, Ckv = c->Hkv * c->Dh;
     const int N = b->B * b->T;
-    LM_TRY(check_finite("backward", "dout", dout, (int64_t)N * d, err));
+    LM_TRY(lm_model_check_finite("attn_layer", "backward", "dout", dout, (int64_t)N * d, err));
     const struct {
         const char *name;
         float *p;
@@ -248,8 +217,8 @@ lm_status lm_attn_layer_backward(const lm_attn_layer_config *c, const lm_attn_la
                              req[i].name);
 
     /* out = o Wo^T */
-    mm(0, 0, N, Cq, d, dout, d, w->o_proj, Cq, 0, ctx->d_o, Cq);
-    mm(1, 0, d, Cq, N, dout, d, ctx->o, Cq, 0, g->o_proj, Cq);
+    lm_model_mm(0, 0, N, Cq, d, dout, d, w->o_proj, Cq, 0, ctx->d_o, Cq);
+    lm_model_mm(1, 0, d, Cq, N, dout, d, ctx->o, Cq, 0, g->o_proj, Cq);
 
     /* the attention op */
     lm_attention_config ac;
@@ -259,13 +228,13 @@ lm_status lm_attn_layer_backward(const lm_attn_layer_config *c, const lm_attn_la
     LM_TRY(lm_attention_backward(&ac, &in, ctx->o, ctx->lse, &ag, err));
 
     /* q, k, v projections */
-    mm(1, 0, Cq, d, N, ctx->dq, Cq, x, d, 0, g->q_proj, d);
-    mm(1, 0, Ckv, d, N, ctx->dk, Ckv, x, d, 0, g->k_proj, d);
-    mm(1, 0, Ckv, d, N, ctx->dv, Ckv, x, d, 0, g->v_proj, d);
+    lm_model_mm(1, 0, Cq, d, N, ctx->dq, Cq, x, d, 0, g->q_proj, d);
+    lm_model_mm(1, 0, Ckv, d, N, ctx->dk, Ckv, x, d, 0, g->k_proj, d);
+    lm_model_mm(1, 0, Ckv, d, N, ctx->dv, Ckv, x, d, 0, g->v_proj, d);
     if (dx) {
-        mm(0, 0, N, d, Cq, ctx->dq, Cq, w->q_proj, d, 0, dx, d);
-        mm(0, 0, N, d, Ckv, ctx->dk, Ckv, w->k_proj, d, 1, dx, d);
-        mm(0, 0, N, d, Ckv, ctx->dv, Ckv, w->v_proj, d, 1, dx, d);
+        lm_model_mm(0, 0, N, d, Cq, ctx->dq, Cq, w->q_proj, d, 0, dx, d);
+        lm_model_mm(0, 0, N, d, Ckv, ctx->dk, Ckv, w->k_proj, d, 1, dx, d);
+        lm_model_mm(0, 0, N, d, Ckv, ctx->dv, Ckv, w->v_proj, d, 1, dx, d);
     }
     return LM_OK;
 }

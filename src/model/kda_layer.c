@@ -6,10 +6,7 @@
 
 #include "linmoe/kda_layer.h"
 #include "linmoe/layers.h"
-
-/* Output rows per BLAS call: fixed, so every element's sum order is independent of
- * the thread count. */
-#define MM_BLK 64
+#include "model/model_internal.h"
 
 struct lm_kda_layer_ctx {
     float *buf;
@@ -49,33 +46,6 @@ void lm_kda_layer_ctx_free(lm_kda_layer_ctx *ctx) {
     free(ctx);
 }
 
-/* C[M,N] = op(A) op(B) (+ C when accum), in fixed blocks of MM_BLK rows of C. */
-static void mm(int tA, int tB, int M, int N, int K, const float *A, int lda, const float *B,
-               int ldb, int accum, float *C, int ldc) {
-    const int nb = (M + MM_BLK - 1) / MM_BLK;
-    const int blas0 = lm_blas_get_threads();
-    lm_blas_set_threads(1);
-#pragma omp parallel for schedule(static) if (nb > 1)
-    for (int i = 0; i < nb; i++) {
-        const int m0 = i * MM_BLK, m = M - m0 < MM_BLK ? M - m0 : MM_BLK;
-        const float *Ai = tA ? A + m0 : A + (int64_t)m0 * lda;
-        lm_sgemm(tA, tB, m, N, K, 1.0f, Ai, lda, B, ldb, accum ? 1.0f : 0.0f,
-                 C + (int64_t)m0 * ldc, ldc);
-    }
-    lm_blas_set_threads(blas0);
-}
-
-static lm_status check_finite(const char *what, const char *name, const float *p, int64_t n,
-                              lm_error *err) {
-    if (!p) return lm_errorf(err, LM_ERR_INVALID, "kda_layer %s: '%s' is required", what, name);
-    for (int64_t i = 0; i < n; i++)
-        if (!isfinite(p[i]))
-            return lm_errorf(err, LM_ERR_INVALID,
-                             "kda_layer %s: '%s' has a non-finite value %g at element %lld", what,
-                             name, (double)p[i], (long long)i);
-    return LM_OK;
-}
-
 static lm_status validate(const lm_kda_layer_config *c, const lm_kda_layer_batch *b,
                           const lm_kda_layer_weights *w, const float *x, const char *what,
                           lm_error *err) {
@@ -102,22 +72,22 @@ static lm_status validate(const lm_kda_layer_config *c, const lm_kda_layer_batch
         return lm_errorf(err, LM_ERR_INVALID, "kda_layer %s: H*Dh = %lld too large", what,
                          (long long)c->H * c->Dh);
     const int64_t d = c->d, C = (int64_t)c->H * c->Dh, Dh = c->Dh, H = c->H;
-    LM_TRY(check_finite(what, "x", x, (int64_t)b->B * b->T * d, err));
-    LM_TRY(check_finite(what, "q_proj", w->q_proj, C * d, err));
-    LM_TRY(check_finite(what, "k_proj", w->k_proj, C * d, err));
-    LM_TRY(check_finite(what, "v_proj", w->v_proj, C * d, err));
-    LM_TRY(check_finite(what, "q_conv1d", w->q_conv1d, C * c->W, err));
-    LM_TRY(check_finite(what, "k_conv1d", w->k_conv1d, C * c->W, err));
-    LM_TRY(check_finite(what, "v_conv1d", w->v_conv1d, C * c->W, err));
-    LM_TRY(check_finite(what, "f_a_proj", w->f_a_proj, Dh * d, err));
-    LM_TRY(check_finite(what, "f_b_proj", w->f_b_proj, C * Dh, err));
-    LM_TRY(check_finite(what, "A_log", w->A_log, H, err));
-    LM_TRY(check_finite(what, "dt_bias", w->dt_bias, C, err));
-    LM_TRY(check_finite(what, "b_proj", w->b_proj, H * d, err));
-    LM_TRY(check_finite(what, "g_a_proj", w->g_a_proj, Dh * d, err));
-    LM_TRY(check_finite(what, "g_b_proj", w->g_b_proj, C * Dh, err));
-    LM_TRY(check_finite(what, "o_norm", w->o_norm, Dh, err));
-    LM_TRY(check_finite(what, "o_proj", w->o_proj, d * C, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "x", x, (int64_t)b->B * b->T * d, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "q_proj", w->q_proj, C * d, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "k_proj", w->k_proj, C * d, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "v_proj", w->v_proj, C * d, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "q_conv1d", w->q_conv1d, C * c->W, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "k_conv1d", w->k_conv1d, C * c->W, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "v_conv1d", w->v_conv1d, C * c->W, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "f_a_proj", w->f_a_proj, Dh * d, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "f_b_proj", w->f_b_proj, C * Dh, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "A_log", w->A_log, H, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "dt_bias", w->dt_bias, C, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "b_proj", w->b_proj, H * d, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "g_a_proj", w->g_a_proj, Dh * d, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "g_b_proj", w->g_b_proj, C * Dh, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "o_norm", w->o_norm, Dh, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "o_proj", w->o_proj, d * C, err));
     return LM_OK;
 }
 
@@ -199,9 +169,9 @@ lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
     ctx_carve(ctx, N, C, Dh, H);
 
     /* q, k, v: projection, short conv + SiLU */
-    mm(0, 1, N, C, d, x, d, w->q_proj, d, 0, ctx->pq, C);
-    mm(0, 1, N, C, d, x, d, w->k_proj, d, 0, ctx->pk, C);
-    mm(0, 1, N, C, d, x, d, w->v_proj, d, 0, ctx->pv, C);
+    lm_model_mm(0, 1, N, C, d, x, d, w->q_proj, d, 0, ctx->pq, C);
+    lm_model_mm(0, 1, N, C, d, x, d, w->k_proj, d, 0, ctx->pk, C);
+    lm_model_mm(0, 1, N, C, d, x, d, w->v_proj, d, 0, ctx->pv, C);
     lm_short_conv_config sc;
     conv_cfg(c, b, &sc);
     LM_TRY(lm_short_conv_forward(&sc, ctx->pq, w->q_conv1d, NULL, ctx->q, NULL, err));
@@ -209,9 +179,9 @@ lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
     LM_TRY(lm_short_conv_forward(&sc, ctx->pv, w->v_conv1d, NULL, ctx->v, NULL, err));
 
     /* gate (low rank) and beta */
-    mm(0, 1, N, Dh, d, x, d, w->f_a_proj, d, 0, ctx->fa, Dh);
-    mm(0, 1, N, C, Dh, ctx->fa, Dh, w->f_b_proj, Dh, 0, ctx->graw, C);
-    mm(0, 1, N, H, d, x, d, w->b_proj, d, 0, ctx->braw, H);
+    lm_model_mm(0, 1, N, Dh, d, x, d, w->f_a_proj, d, 0, ctx->fa, Dh);
+    lm_model_mm(0, 1, N, C, Dh, ctx->fa, Dh, w->f_b_proj, Dh, 0, ctx->graw, C);
+    lm_model_mm(0, 1, N, H, d, x, d, w->b_proj, d, 0, ctx->braw, H);
 
     /* the KDA op */
     lm_kda_config kc;
@@ -221,11 +191,11 @@ lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
     LM_TRY(lm_kda_chunk_forward(&kc, &in, &ko, err));
 
     /* gated head-wise RMSNorm, output projection */
-    mm(0, 1, N, Dh, d, x, d, w->g_a_proj, d, 0, ctx->ga, Dh);
-    mm(0, 1, N, C, Dh, ctx->ga, Dh, w->g_b_proj, Dh, 0, ctx->gate, C);
+    lm_model_mm(0, 1, N, Dh, d, x, d, w->g_a_proj, d, 0, ctx->ga, Dh);
+    lm_model_mm(0, 1, N, C, Dh, ctx->ga, Dh, w->g_b_proj, Dh, 0, ctx->gate, C);
     LM_TRY(lm_gated_rmsnorm_forward(N, H, Dh, LM_GATED_RMSNORM_EPS, ctx->o, ctx->gate, w->o_norm,
                                     ctx->y, ctx->rstd, err));
-    mm(0, 1, N, d, C, ctx->y, C, w->o_proj, C, 0, out, d);
+    lm_model_mm(0, 1, N, d, C, ctx->y, C, w->o_proj, C, 0, out, d);
 
     ctx->have_fwd = 1;
     ctx->B = b->B;
@@ -252,7 +222,7 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
                          b->T);
     const int d = c->d, H = c->H, Dh = c->Dh, C = H * Dh;
     const int N = b->B * b->T;
-    LM_TRY(check_finite("backward", "dout", dout, (int64_t)N * d, err));
+    LM_TRY(lm_model_check_finite("kda_layer", "backward", "dout", dout, (int64_t)N * d, err));
     const struct {
         const char *name;
         float *p;
@@ -270,17 +240,17 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
                              req[i].name);
 
     /* out = y Wo^T */
-    mm(0, 0, N, C, d, dout, d, w->o_proj, C, 0, ctx->dy, C);
-    mm(1, 0, d, C, N, dout, d, ctx->y, C, 0, g->o_proj, C);
+    lm_model_mm(0, 0, N, C, d, dout, d, w->o_proj, C, 0, ctx->dy, C);
+    lm_model_mm(1, 0, d, C, N, dout, d, ctx->y, C, 0, g->o_proj, C);
 
     /* gated RMSNorm -> d_o, dgate, do_norm */
     LM_TRY(lm_gated_rmsnorm_backward(N, H, Dh, LM_GATED_RMSNORM_EPS, ctx->o, ctx->gate, w->o_norm,
                                      ctx->rstd, ctx->dy, ctx->d_o, ctx->dgate, g->o_norm, err));
     /* gate = (x Wga^T) Wgb^T */
-    mm(1, 0, C, Dh, N, ctx->dgate, C, ctx->ga, Dh, 0, g->g_b_proj, Dh);
-    mm(0, 0, N, Dh, C, ctx->dgate, C, w->g_b_proj, Dh, 0, ctx->dlow, Dh);
-    mm(1, 0, Dh, d, N, ctx->dlow, Dh, x, d, 0, g->g_a_proj, d);
-    if (dx) mm(0, 0, N, d, Dh, ctx->dlow, Dh, w->g_a_proj, d, 0, dx, d);
+    lm_model_mm(1, 0, C, Dh, N, ctx->dgate, C, ctx->ga, Dh, 0, g->g_b_proj, Dh);
+    lm_model_mm(0, 0, N, Dh, C, ctx->dgate, C, w->g_b_proj, Dh, 0, ctx->dlow, Dh);
+    lm_model_mm(1, 0, Dh, d, N, ctx->dlow, Dh, x, d, 0, g->g_a_proj, d);
+    if (dx) lm_model_mm(0, 0, N, d, Dh, ctx->dlow, Dh, w->g_a_proj, d, 0, dx, d);
 
     /* the KDA op */
     lm_kda_config kc;
@@ -299,14 +269,14 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     LM_TRY(lm_kda_chunk_backward(&kc, &in, &kg, err));
 
     /* beta_raw = x Wb^T */
-    mm(1, 0, H, d, N, ctx->dbeta, H, x, d, 0, g->b_proj, d);
-    if (dx) mm(0, 0, N, d, H, ctx->dbeta, H, w->b_proj, d, 1, dx, d);
+    lm_model_mm(1, 0, H, d, N, ctx->dbeta, H, x, d, 0, g->b_proj, d);
+    if (dx) lm_model_mm(0, 0, N, d, H, ctx->dbeta, H, w->b_proj, d, 1, dx, d);
 
     /* g_raw = (x Wfa^T) Wfb^T */
-    mm(1, 0, C, Dh, N, ctx->dg, C, ctx->fa, Dh, 0, g->f_b_proj, Dh);
-    mm(0, 0, N, Dh, C, ctx->dg, C, w->f_b_proj, Dh, 0, ctx->dlow, Dh);
-    mm(1, 0, Dh, d, N, ctx->dlow, Dh, x, d, 0, g->f_a_proj, d);
-    if (dx) mm(0, 0, N, d, Dh, ctx->dlow, Dh, w->f_a_proj, d, 1, dx, d);
+    lm_model_mm(1, 0, C, Dh, N, ctx->dg, C, ctx->fa, Dh, 0, g->f_b_proj, Dh);
+    lm_model_mm(0, 0, N, Dh, C, ctx->dg, C, w->f_b_proj, Dh, 0, ctx->dlow, Dh);
+    lm_model_mm(1, 0, Dh, d, N, ctx->dlow, Dh, x, d, 0, g->f_a_proj, d);
+    if (dx) lm_model_mm(0, 0, N, d, Dh, ctx->dlow, Dh, w->f_a_proj, d, 1, dx, d);
 
     /* q, k, v: short conv + SiLU, projections (dy is free now: the conv input grad) */
     lm_short_conv_config sc;
@@ -320,8 +290,8 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     for (int i = 0; i < 3; i++) {
         LM_TRY(lm_short_conv_backward(&sc, pin[i], cw[i], NULL, dconv_out[i], ctx->dy, gcw[i], NULL,
                                       err));
-        mm(1, 0, C, d, N, ctx->dy, C, x, d, 0, gpw[i], d);
-        if (dx) mm(0, 0, N, d, C, ctx->dy, C, pw[i], d, 1, dx, d);
+        lm_model_mm(1, 0, C, d, N, ctx->dy, C, x, d, 0, gpw[i], d);
+        if (dx) lm_model_mm(0, 0, N, d, C, ctx->dy, C, pw[i], d, 1, dx, d);
     }
     return LM_OK;
 }

@@ -1,0 +1,28 @@
+#include <math.h>
+
+#include "model/model_internal.h"
+
+void lm_model_mm(int tA, int tB, int M, int N, int K, const float *A, int lda, const float *B,
+                 int ldb, int accum, float *C, int ldc) {
+    const int nb = (M + LM_MODEL_MM_BLK - 1) / LM_MODEL_MM_BLK;
+    const int blas0 = lm_blas_get_threads();
+    lm_blas_set_threads(1);
+#pragma omp parallel for schedule(static) if (nb > 1)
+    for (int i = 0; i < nb; i++) {
+        const int m0 = i * LM_MODEL_MM_BLK, m = M - m0 < LM_MODEL_MM_BLK ? M - m0 : LM_MODEL_MM_BLK;
+        const float *Ai = tA ? A + m0 : A + (int64_t)m0 * lda;
+        lm_sgemm(tA, tB, m, N, K, 1.0f, Ai, lda, B, ldb, accum ? 1.0f : 0.0f, C + (int64_t)m0 * ldc,
+                 ldc);
+    }
+    lm_blas_set_threads(blas0);
+}
+
+lm_status lm_model_check_finite(const char *layer, const char *what, const char *name,
+                                const float *p, int64_t n, lm_error *err) {
+    if (!p) return lm_errorf(err, LM_ERR_INVALID, "%s %s: '%s' is required", layer, what, name);
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(p[i]))
+            return lm_errorf(err, LM_ERR_INVALID, "%s %s: '%s' has a non-finite value %g at element %lld",
+                             layer, what, name, (double)p[i], (long long)i);
+    return LM_OK;
+}
