@@ -1,6 +1,7 @@
 /* dev/: timing harness for the CPU KDA kernels (env: REP, NOSG, WALL, ONLYFWD, ONLYREC, ONLYBWD, H0).
  * Build (not part of CMake): gcc -std=c11 -O3 -march=native -fopenmp -D_POSIX_C_SOURCE=200809L
- *   -D_DEFAULT_SOURCE -Iinclude -Isrc dev/perf_kda.c src/ops/kda.c src/ops/cpu/*.c src/core/*.c
+ *   -D_DEFAULT_SOURCE -Iinclude -Isrc dev/perf_kda.c src/ops/kda.c plus every .c file of
+ *   src/ops/cpu and src/core
  *   -I/usr/include/x86_64-linux-gnu -lopenblas -lcjson -lm -o /tmp/perf_kda */
 /* scratch timing: sgemm 2048^3 rate vs chunk fwd / fwdbwd at (1,4096,4,128) */
 #include <math.h>

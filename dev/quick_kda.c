@@ -1,6 +1,7 @@
 /* dev/: scratch check: chunked vs recurrent forward and chunked backward vs fp32 finite differences.
  * Build (not part of CMake): gcc -std=c11 -O3 -march=native -fopenmp -D_POSIX_C_SOURCE=200809L
- *   -D_DEFAULT_SOURCE -Iinclude -Isrc dev/quick_kda.c src/ops/kda.c src/ops/cpu/*.c src/core/*.c
+ *   -D_DEFAULT_SOURCE -Iinclude -Isrc dev/quick_kda.c src/ops/kda.c plus every .c file of
+ *   src/ops/cpu and src/core
  *   -I/usr/include/x86_64-linux-gnu -lopenblas -lcjson -lm -o /tmp/quick_kda */
 /* scratch check: chunk vs recurrent forward, and chunk backward vs finite differences (fp32) */
 #include <math.h>
