@@ -230,12 +230,16 @@ lm_status lm_kda_recurrent_forward(lm_kda_config *c, const lm_kda_inputs *in, lm
 }
 
 /* Crossover between the recurrent and the chunked forward, from `linmoe bench kda`
- * and dev/perf_kda.c (docs/perf-notes.md): on the 2-core AVX-512 machine the chunked
- * path is faster at every length measured, T = 1 (decode, 0.7 vs 0.8 ms at B=16, H=4,
- * D=128 with an initial state) to T = 4096 (1.4x), because its state lives in a
- * per-thread buffer and its tiles run as small matmuls. The recurrent path stays the
- * reference-shaped decode step; forward-only callers get the chunked one. */
-#define LM_KDA_RECURRENT_MAX_LEN 0
+ * and dev/perf_kda.c (docs/perf-notes.md), on the 2-core AVX-512 machine:
+ *  - shared-matmul diagonal (bounded log-decay): chunked is faster at every length
+ *    measured, T = 1 (decode-shaped, with a state) to T = 4096 (1.1-1.5x);
+ *  - safe diagonal (softplus / unbounded): chunked is 1.14-1.17x faster at D = 128,
+ *    but the recurrent path is 1.05x faster at D = 64 (chunk/recurrent 0.947, 0.949,
+ *    0.965 in three of four runs), where the per-pair exponentials of the safe
+ *    diagonal tiles weigh more against the smaller state. */
+static int lm_kda_prefer_recurrent(const lm_kda_config *c) {
+    return !lm_kda_use_shared_diag(c) && (int64_t)c->K * c->V <= 64 * 64;
+}
 
 lm_status lm_kda_forward(lm_kda_config *c, const lm_kda_inputs *in, lm_kda_outputs *out,
                          lm_error *err) {
@@ -247,6 +251,6 @@ lm_status lm_kda_forward(lm_kda_config *c, const lm_kda_inputs *in, lm_kda_outpu
             maxlen = l > maxlen ? l : maxlen;
         }
     }
-    if (maxlen <= LM_KDA_RECURRENT_MAX_LEN) return lm_kda_recurrent_forward(c, in, out, err);
+    if (maxlen == 0 || lm_kda_prefer_recurrent(c)) return lm_kda_recurrent_forward(c, in, out, err);
     return lm_kda_chunk_forward(c, in, out, err);
 }
