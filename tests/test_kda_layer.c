@@ -152,28 +152,10 @@ static void fwd_bwd(fixture *f) {
 }
 
 /* FD check of one tensor t (n entries, gradient gr) at up to FD_SAMPLES entries. */
+static double loss_cb(void *ctx) { return loss((fixture *)ctx); }
 static int fd_tensor(fixture *f, const char *name, float *t, const float *gr, int64_t n,
                      uint64_t seed) {
-    int m = n < FD_SAMPLES ? (int)n : FD_SAMPLES;
-    float an[FD_SAMPLES];
-    double fd[FD_SAMPLES];
-    lm_rng r;
-    lm_rng_init(&r, seed);
-    for (int s = 0; s < m; s++) {
-        int64_t i = n <= FD_SAMPLES ? s : (int64_t)(lm_rng_uniform(&r) * (double)n);
-        const float w0 = t[i];
-        const float wp = (float)(w0 + FD_STEP), wm = (float)(w0 - FD_STEP);
-        t[i] = wp;
-        const double lp = loss(f);
-        t[i] = wm;
-        const double lmn = loss(f);
-        t[i] = w0;
-        fd[s] = (lp - lmn) / ((double)wp - (double)wm);
-        an[s] = gr[i];
-    }
-    char label[96];
-    snprintf(label, sizeof label, "  FD %s", name);
-    return lm_check_f32(label, an, fd, m, TOL_LAYER_FD);
+    return lm_fd_check_sampled(name, t, gr, n, FD_SAMPLES, FD_STEP, seed, loss_cb, f, TOL_LAYER_FD);
 }
 
 static void run_fd(int packed, lm_gate_mode gate) {

@@ -154,3 +154,30 @@ int lm_run_cli(char *out, size_t out_size, const char *fmt, ...) {
         return 128 + WTERMSIG(st);
     return -1;
 }
+
+int lm_fd_check_sampled(const char *name, float *t, const float *grad, int64_t n, int samples,
+                        double step, uint64_t seed, double (*loss)(void *ctx), void *ctx, double tol) {
+    const int m = n < samples ? (int)n : samples;
+    float *an = malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
+    double *fd = malloc(sizeof(double) * (size_t)(m > 0 ? m : 1));
+    lm_rng r;
+    lm_rng_init(&r, seed);
+    for (int s = 0; s < m; s++) {
+        const int64_t i = n <= samples ? s : (int64_t)(lm_rng_uniform(&r) * (double)n);
+        const float w0 = t[i];
+        const float wp = (float)(w0 + step), wm = (float)(w0 - step);
+        t[i] = wp;
+        const double lp = loss(ctx);
+        t[i] = wm;
+        const double lmn = loss(ctx);
+        t[i] = w0;
+        fd[s] = (lp - lmn) / ((double)wp - (double)wm);
+        an[s] = grad[i];
+    }
+    char label[128];
+    snprintf(label, sizeof label, "  FD %s", name);
+    const int ok = lm_check_f32(label, an, fd, m, tol);
+    free(an);
+    free(fd);
+    return ok;
+}

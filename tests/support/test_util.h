@@ -40,6 +40,14 @@ lm_cmp lm_compare_f64(const double *out, const double *ref, int64_t n, double to
 int lm_check_f32(const char *name, const float *out, const double *ref, int64_t n, double tol);
 int lm_check_f64(const char *name, const double *out, const double *ref, int64_t n, double tol);
 
+/* Sampled central finite differences of an fp32 function: for up to `samples`
+ * entries of t (all of them when n <= samples, else seeded random ones), compare
+ * grad[i] with (loss(t_i + step) - loss(t_i - step)) / (the step actually applied
+ * after rounding to fp32), restoring t; returns lm_check_f32 of the sample at tol.
+ * `loss` evaluates the fp64-accumulated loss of the whole forward for `ctx`. */
+int lm_fd_check_sampled(const char *name, float *t, const float *grad, int64_t n, int samples,
+                        double step, uint64_t seed, double (*loss)(void *ctx), void *ctx, double tol);
+
 /* Random fills (seeded, counter-based). */
 void lm_fill_normal(double *x, int64_t n, uint64_t seed, double mean, double std);
 void lm_fill_uniform(double *x, int64_t n, uint64_t seed, double lo, double hi);
