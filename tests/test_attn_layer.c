@@ -21,6 +21,22 @@
  *  - invalid input: backward without a forward, a missing weight or gradient, Hq not
  *    a multiple of Hkv, odd Dh with RoPE, a bad rope_theta, bad cu_seqlens and a
  *    non-finite x give LM_ERR_INVALID with the name, leaving `out` untouched.
+ *
+ * Inference (lm_attn_layer_infer), B = 2 rows, the shape above, RoPE and NoPE, the
+ * KV cache poisoned with NaN at the start (a read of an unwritten position fails the
+ * compare):
+ *  - decode: a prefill of P tokens (pos 0) then 64 one-token steps equal, row by row
+ *    (every (sequence, position)), one lm_attn_layer_forward over the P + 64 tokens at
+ *    TOL_INFER; P = 37 (the forward then crosses a 64-key tile) and P = 1.
+ *  - split prefill: P1 tokens at pos 0 then P2 > 1 at pos P1 (the decode loop) equal
+ *    one prefill of P1 + P2 in the outputs and in the cache (positions 0 .. P1+P2-1)
+ *    at TOL_INFER, and leave the positions past P1+P2 unwritten (still NaN); (P1, P2) =
+ *    (1, 36), (21, 19), (5, 2).
+ *  - determinism: outputs and cache bit-identical on 1 and 2 threads.
+ *  - invalid input: pos + T > Tmax, pos < 0, Tmax < 1, a missing cache, k_cache or
+ *    v_cache, B or T < 1, a missing weight, non-finite x give LM_ERR_INVALID with the
+ *    name, leaving out and the cache untouched; a backward after infer needs a new
+ *    forward (and works after one).
  */
 #include <math.h>
 #include <stdio.h>
@@ -356,6 +372,278 @@ static void test_invalid(void **s) {
     fx_free(&f);
 }
 
+/* ---------------------------------------------------------------- inference */
+
+/* TOL_INFER: the decode op sums in fp64 and in another order than the forward's
+ * tiles, and the projections run on other BLAS row blocks, so agreement is to fp32
+ * rounding, not bitwise; 1e-5 is the issue-4 bar for fp32 paths (TOL_FWD_F32),
+ * applied per row of d values (every position on its own). Measured worst values are
+ * printed. */
+#define TOL_INFER 1e-5
+enum { IB = 2, NDECODE = 64, TSLACK = 3 };
+
+/* A NaN-poisoned cache for IB rows of Tmax positions. */
+typedef struct {
+    lm_attn_layer_cache kv;
+    float *buf;
+    int64_t n; /* floats per tensor */
+} kvbuf;
+
+static void kv_init(kvbuf *c, int64_t Tmax) {
+    c->n = IB * Tmax * CKV;
+    c->buf = malloc((size_t)(2 * c->n) * sizeof(float));
+    lm_poison_f32(c->buf, 2 * c->n);
+    c->kv = (lm_attn_layer_cache){c->buf, c->buf + c->n, Tmax};
+}
+
+/* Run the IB rows of x [IB, L, D] through infer in pieces of len[0..np) tokens at
+ * positions from 0, writing out [IB, L, D] (poisoned first: every row must be written). */
+static void run_pieces(fixture *f, int L, const float *x, const int *len, int np, float *out,
+                       kvbuf *c, lm_attn_layer_ctx *ctx) {
+    float *xb = malloc((size_t)IB * L * D * sizeof(float));
+    float *ob = malloc((size_t)IB * L * D * sizeof(float));
+    lm_poison_f32(out, (int64_t)IB * L * D);
+    int t0 = 0;
+    for (int i = 0; i < np; i++) {
+        const int n = len[i];
+        for (int b = 0; b < IB; b++)
+            memcpy(xb + (size_t)b * n * D, x + ((size_t)b * L + t0) * D,
+                   (size_t)n * D * sizeof(float));
+        lm_poison_f32(ob, (int64_t)IB * n * D);
+        lm_error err = {0};
+        lm_status st = lm_attn_layer_infer(&f->cfg, IB, n, t0, &f->w, xb, ob, &c->kv, ctx, &err);
+        if (st != LM_OK)
+            fprintf(stderr, "%s\n", err.msg);
+        assert_int_equal(st, LM_OK);
+        for (int b = 0; b < IB; b++)
+            memcpy(out + ((size_t)b * L + t0) * D, ob + (size_t)b * n * D,
+                   (size_t)n * D * sizeof(float));
+        t0 += n;
+    }
+    assert_int_equal(t0, L);
+    free(xb);
+    free(ob);
+}
+
+/* Every row of d values of out against ref at tol; returns the worst row rel RMS. */
+static double check_rows(const char *label, const float *out, const float *ref, int64_t rows, int d,
+                         double tol) {
+    double worst = 0.0, worst_abs = 0.0;
+    int ok = 1;
+    for (int64_t r = 0; r < rows; r++) {
+        double *r64 = lm_to_f64(ref + r * d, d);
+        lm_cmp c = lm_compare_f32(out + r * d, r64, d, tol);
+        free(r64);
+        if (!c.pass) {
+            fprintf(stderr, "%s: row %lld rel_rms=%.3g max_abs=%.3g FAIL\n", label, (long long)r,
+                    c.rel_rms, c.max_abs);
+            ok = 0;
+        }
+        worst = c.rel_rms > worst ? c.rel_rms : worst;
+        worst_abs = c.max_abs > worst_abs ? c.max_abs : worst_abs;
+    }
+    printf("%s: %lld rows, worst row rel_rms=%.3g max_abs=%.3g tol=%g %s\n", label, (long long)rows,
+           worst, worst_abs, tol, ok ? "PASS" : "FAIL");
+    assert_true(ok);
+    return worst;
+}
+
+static void test_infer_decode_vs_forward(void **s) {
+    (void)s;
+    for (int pi = 0; pi < 2; pi++)
+        for (int qi = 0; qi < 2; qi++) {
+            const lm_attn_position pos = pi ? LM_POS_ROPE : LM_POS_NOPE;
+            const int P = qi ? 1 : 37, L = P + NDECODE;
+            fixture f;
+            fx_init(&f, 0, pos, 200 + (uint64_t)pi);
+            const int64_t nx = (int64_t)IB * L * D;
+            float *x = malloc((size_t)nx * sizeof(float));
+            float *ref = malloc((size_t)nx * sizeof(float));
+            float *out = malloc((size_t)nx * sizeof(float));
+            fill(x, nx, 300 + (uint64_t)pi, 0, 1);
+            lm_attn_layer_batch b = {IB, L, NULL, 0};
+            lm_error err = {0};
+            assert_int_equal(lm_attn_layer_forward(&f.cfg, &b, &f.w, x, ref, f.ctx, &err), LM_OK);
+            int len[1 + NDECODE];
+            len[0] = P;
+            for (int i = 1; i <= NDECODE; i++)
+                len[i] = 1;
+            kvbuf c;
+            kv_init(&c, L + TSLACK);
+            run_pieces(&f, L, x, len, 1 + NDECODE, out, &c, f.ctx);
+            char label[96];
+            snprintf(label, sizeof label, "  infer %s: prefill %d + %d decode vs forward",
+                     pi ? "rope" : "nope", P, NDECODE);
+            check_rows(label, out, ref, (int64_t)IB * L, D, TOL_INFER);
+            free(c.buf);
+            free(x);
+            free(ref);
+            free(out);
+            fx_free(&f);
+        }
+}
+
+static void test_infer_split_prefill(void **s) {
+    (void)s;
+    const int cases[3][2] = {{1, 36}, {21, 19}, {5, 2}};
+    for (int pi = 0; pi < 2; pi++)
+        for (int ci = 0; ci < 3; ci++) {
+            const lm_attn_position pos = pi ? LM_POS_ROPE : LM_POS_NOPE;
+            const int P1 = cases[ci][0], P2 = cases[ci][1], L = P1 + P2;
+            fixture f;
+            fx_init(&f, 0, pos, 400 + (uint64_t)pi);
+            const int64_t nx = (int64_t)IB * L * D;
+            float *x = malloc((size_t)nx * sizeof(float));
+            float *o1 = malloc((size_t)nx * sizeof(float));
+            float *o2 = malloc((size_t)nx * sizeof(float));
+            fill(x, nx, 500 + (uint64_t)ci, 0, 1);
+            kvbuf c1, c2;
+            kv_init(&c1, L + TSLACK);
+            kv_init(&c2, L + TSLACK);
+            const int one[1] = {L}, two[2] = {P1, P2};
+            run_pieces(&f, L, x, one, 1, o1, &c1, f.ctx);
+            run_pieces(&f, L, x, two, 2, o2, &c2, f.ctx);
+            char label[96];
+            snprintf(label, sizeof label, "  infer %s: prefill %d+%d vs %d, out",
+                     pi ? "rope" : "nope", P1, P2, L);
+            check_rows(label, o2, o1, (int64_t)IB * L, D, TOL_INFER);
+            /* cache rows: positions < L written and equal, positions >= L still NaN */
+            const int64_t Tmax = L + TSLACK;
+            for (int kvi = 0; kvi < 2; kvi++)
+                for (int b = 0; b < IB; b++) {
+                    const float *a = c2.buf + kvi * c2.n + (size_t)b * Tmax * CKV;
+                    const float *r = c1.buf + kvi * c1.n + (size_t)b * Tmax * CKV;
+                    double *r64 = lm_to_f64(r, (int64_t)L * CKV);
+                    snprintf(label, sizeof label, "    %s_cache row %d, positions 0..%d",
+                             kvi ? "v" : "k", b, L - 1);
+                    assert_true(lm_check_f32(label, a, r64, (int64_t)L * CKV, TOL_INFER));
+                    free(r64);
+                    for (int64_t i = (int64_t)L * CKV; i < Tmax * CKV; i++)
+                        assert_true(isnan(a[i]) && isnan(r[i]));
+                }
+            free(c1.buf);
+            free(c2.buf);
+            free(x);
+            free(o1);
+            free(o2);
+            fx_free(&f);
+        }
+}
+
+static void test_infer_threads_deterministic(void **s) {
+    (void)s;
+    for (int pi = 0; pi < 2; pi++) {
+        fixture f;
+        fx_init(&f, 0, pi ? LM_POS_ROPE : LM_POS_NOPE, 600);
+        const int L = 45, len[5] = {37, 1, 5, 1, 1};
+        const int64_t nx = (int64_t)IB * L * D;
+        float *x = malloc((size_t)nx * sizeof(float));
+        float *o[2] = {malloc((size_t)nx * sizeof(float)), malloc((size_t)nx * sizeof(float))};
+        fill(x, nx, 601, 0, 1);
+        kvbuf c[2];
+        for (int r = 0; r < 2; r++) {
+            kv_init(&c[r], L);
+            lm_attn_layer_ctx *ctx = lm_attn_layer_ctx_new();
+            lm_set_num_threads(r + 1);
+            run_pieces(&f, L, x, len, 5, o[r], &c[r], ctx);
+            lm_attn_layer_ctx_free(ctx);
+        }
+        lm_set_num_threads(0);
+        assert_memory_equal(o[0], o[1], (size_t)nx * sizeof(float));
+        assert_memory_equal(c[0].buf, c[1].buf, (size_t)(2 * c[0].n) * sizeof(float));
+        for (int r = 0; r < 2; r++) {
+            free(o[r]);
+            free(c[r].buf);
+        }
+        free(x);
+        fx_free(&f);
+    }
+}
+
+/* infer with the given arguments; expects LM_ERR_INVALID naming `needle` */
+static void expect_invalid_infer(fixture *f, int B, int T, int64_t pos,
+                                 const lm_attn_layer_weights *w, const float *x, float *out,
+                                 lm_attn_layer_cache *kv, const char *needle) {
+    lm_error err = {0};
+    lm_status rc = lm_attn_layer_infer(&f->cfg, B, T, pos, w, x, out, kv, f->ctx, &err);
+    if (rc != LM_ERR_INVALID || !strstr(err.msg, needle))
+        fprintf(stderr, "expected an error naming '%s', got %d: %s\n", needle, (int)rc, err.msg);
+    assert_int_equal(rc, LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, needle));
+}
+
+static void test_infer_invalid(void **s) {
+    (void)s;
+    fixture f;
+    fx_init(&f, 0, LM_POS_ROPE, 700);
+    const int T = 3;
+    const int64_t Tmax = 10, nx = (int64_t)IB * T * D;
+    float *x = malloc((size_t)nx * sizeof(float));
+    float *out = malloc((size_t)nx * sizeof(float));
+    float *o0 = malloc((size_t)nx * sizeof(float));
+    fill(x, nx, 701, 0, 1);
+    lm_poison_f32(out, nx);
+    memcpy(o0, out, (size_t)nx * sizeof(float));
+    kvbuf c;
+    kv_init(&c, Tmax);
+    fill(c.buf, 2 * c.n, 702, 0, 1); /* a cache in use */
+    float *c0 = malloc((size_t)(2 * c.n) * sizeof(float));
+    memcpy(c0, c.buf, (size_t)(2 * c.n) * sizeof(float));
+
+    expect_invalid_infer(&f, IB, T, 8, &f.w, x, out, &c.kv, "Tmax = 10"); /* 8 + 3 > 10 */
+    expect_invalid_infer(&f, IB, T, -1, &f.w, x, out, &c.kv, "pos = -1");
+    expect_invalid_infer(&f, IB, T, 0, &f.w, x, out, NULL, "'kv'");
+    lm_attn_layer_cache bad = c.kv;
+    bad.k_cache = NULL;
+    expect_invalid_infer(&f, IB, T, 0, &f.w, x, out, &bad, "kv.k_cache");
+    bad = c.kv;
+    bad.v_cache = NULL;
+    expect_invalid_infer(&f, IB, T, 0, &f.w, x, out, &bad, "kv.v_cache");
+    bad = c.kv;
+    bad.Tmax = 0;
+    expect_invalid_infer(&f, IB, T, 0, &f.w, x, out, &bad, "kv.Tmax = 0");
+    expect_invalid_infer(&f, IB, 0, 0, &f.w, x, out, &c.kv, "T = 0");
+    expect_invalid_infer(&f, 0, T, 0, &f.w, x, out, &c.kv, "B = 0");
+    expect_invalid_infer(&f, IB, T, 0, &f.w, x, NULL, &c.kv, "'out'");
+    lm_attn_layer_weights w = f.w;
+    w.v_proj = NULL;
+    expect_invalid_infer(&f, IB, T, 0, &w, x, out, &c.kv, "v_proj");
+    x[4] = NAN;
+    expect_invalid_infer(&f, IB, T, 2, &f.w, x, out, &c.kv, "'x'");
+    x[4] = 0.5f;
+    lm_error err = {0};
+    assert_int_equal(lm_attn_layer_infer(&f.cfg, IB, T, 1, &f.w, x, out, &c.kv, NULL, &err),
+                     LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "'ctx'"));
+    assert_memory_equal(o0, out, (size_t)nx * sizeof(float));
+    assert_memory_equal(c0, c.buf, (size_t)(2 * c.n) * sizeof(float));
+    /* the last positions fit exactly */
+    assert_int_equal(lm_attn_layer_infer(&f.cfg, IB, T, Tmax - T, &f.w, x, out, &c.kv, f.ctx, &err),
+                     LM_OK);
+
+    /* a backward after infer needs a new forward */
+    lm_attn_layer_batch b = {IB, T, NULL, 0};
+    float *R = malloc((size_t)nx * sizeof(float));
+    fill(R, nx, 703, 0, 1);
+    assert_int_equal(lm_attn_layer_forward(&f.cfg, &b, &f.w, x, out, f.ctx, &err), LM_OK);
+    assert_int_equal(lm_attn_layer_infer(&f.cfg, IB, 1, 4, &f.w, x, out, &c.kv, f.ctx, &err),
+                     LM_OK);
+    memset(&err, 0, sizeof err);
+    assert_int_equal(lm_attn_layer_backward(&f.cfg, &b, &f.w, x, R, NULL, &f.g, f.ctx, &err),
+                     LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "forward"));
+    assert_int_equal(lm_attn_layer_forward(&f.cfg, &b, &f.w, x, out, f.ctx, &err), LM_OK);
+    assert_int_equal(lm_attn_layer_backward(&f.cfg, &b, &f.w, x, R, NULL, &f.g, f.ctx, &err),
+                     LM_OK);
+    free(R);
+    free(c0);
+    free(c.buf);
+    free(x);
+    free(out);
+    free(o0);
+    fx_free(&f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fd_rope),
@@ -364,6 +652,10 @@ int main(void) {
         cmocka_unit_test(test_packed_vs_alone),
         cmocka_unit_test(test_threads_deterministic),
         cmocka_unit_test(test_invalid),
+        cmocka_unit_test(test_infer_decode_vs_forward),
+        cmocka_unit_test(test_infer_split_prefill),
+        cmocka_unit_test(test_infer_threads_deterministic),
+        cmocka_unit_test(test_infer_invalid),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,6 +1,7 @@
 /* linmoe full-attention layer: the grouped-query softmax attention token mixer of the
  * hybrid model (Kimi Linear's MLA layers replaced by GQA, issue 4 item 2), forward
- * and hand-written backward on the CPU in fp32 (training and prefill).
+ * and hand-written backward on the CPU in fp32 (training), and the inference path
+ * (prefill and decode over a KV cache).
  *
  * Math. With x [N, d] (N = B*T tokens), Cq = Hq*Dh, Ckv = Hkv*Dh, every projection a
  * torch Linear without bias (y = x W^T, W [out, in]):
@@ -41,14 +42,15 @@
  * (allocation failure aborts). On error `out` / `dx` / the gradients are left
  * untouched when the error is found by validation (before any math).
  *
- * TODO(issue 4, item 5): inference decode path (KV cache [B, Tmax, Hkv, Dh] for k and
- * v per layer, one token per step via lm_attention_cache_write and
- * lm_attention_decode); prefill currently runs through lm_attn_layer_forward without
- * filling a cache.
+ * Inference (lm_attn_layer_infer): the same math over B rows that continue from a
+ * caller-owned KV cache holding the (RoPE-rotated) keys and the values of the
+ * positions seen so far (attention.h's lm_attention_cache_write / _decode). Running
+ * a sequence in pieces (a prefill, more prefill, then one token per call) gives the
+ * outputs of one lm_attn_layer_forward over the whole sequence, to fp32 rounding.
  *
- * What this module does not do: the decode step (above), sliding windows, attention
- * bias, partial rotary, bf16, CUDA, the residual and pre-norm around the layer
- * (src/model/), parameter ownership.
+ * What this module does not do: sliding windows, attention bias, partial rotary, bf16,
+ * CUDA, the residual and pre-norm around the layer (src/model/), parameter or cache
+ * ownership, packed documents or per-row positions at inference.
  */
 #ifndef LINMOE_ATTN_LAYER_H
 #define LINMOE_ATTN_LAYER_H
@@ -104,6 +106,45 @@ lm_status lm_attn_layer_backward(const lm_attn_layer_config *c, const lm_attn_la
                                  const lm_attn_layer_weights *w, const float *x, const float *dout,
                                  float *dx, const lm_attn_layer_grads *g, lm_attn_layer_ctx *ctx,
                                  lm_error *err);
+
+/* KV cache of one attention layer for B rows: caller-owned fp32, contiguous. Only
+ * positions 0 .. pos-1 (those written by earlier calls) are read; nothing needs
+ * clearing at the start of a sequence. Per layer 2 * B * Tmax * Hkv * Dh floats. */
+typedef struct {
+    float *k_cache, *v_cache; /* [B, Tmax, Hkv, Dh]; keys stored RoPE-rotated by their
+                                 position (lm_attention_cache_write), values as is */
+    int64_t Tmax;             /* positions the cache holds, >= 1 */
+} lm_attn_layer_cache;
+
+/* Inference (prefill and decode, no backward): out = layer(x) for T >= 1 new tokens of
+ * each of B rows at positions pos .. pos+T-1 (the same pos for every row; positions
+ * 0 .. pos-1 are already in kv). The layer does not advance pos; the caller does.
+ *   x, out  [B, T, d] fp32 (out must not alias x)
+ *   kv      the cache; positions pos .. pos+T-1 are written, the others untouched
+ *   ctx     scratch only (the same grow-only buffers as the forward)
+ * pos == 0: the T keys/values are written to the cache and the causal forward over
+ * the T tokens (lm_attention_forward, lse NULL) gives o. pos > 0: the T keys/values
+ * are written, then each new token t attends over positions 0 .. pos+t by one
+ * lm_attention_decode step (T steps for T > 1: a chunk of prefill continuing a cache
+ * costs T cache reads, fine for the short continuations it is used for).
+ * Outputs equal those of lm_attn_layer_forward over the whole sequence (fp32 rounding,
+ * rel RMS <= 1e-5, tests/test_attn_layer.c). Bitwise identical for any thread count.
+ * The context's buffers grow only on a larger B*T than seen before; the decode op's
+ * own scratch (attention.c) grows with pos, outside this layer's control.
+ * The call overwrites the activations a forward saved in ctx, so a backward after it
+ * needs a new lm_attn_layer_forward first (it returns LM_ERR_INVALID otherwise); a
+ * forward/backward pair after it is unaffected.
+ * Not scanned for finiteness, unlike in the forward: the weights (a decode step would
+ * read them twice; check them once after loading, the forward does) and the cache
+ * (its writer checked what it stored, attention.h).
+ * Errors: LM_ERR_INVALID (message names the field and value) for bad dims (B, T < 1,
+ * the config checks of the forward), pos < 0, pos + T > kv->Tmax, kv->Tmax < 1, a
+ * missing weight, out, ctx, kv or cache tensor, non-finite x; out and kv are then
+ * untouched. An op error after the math began (only with non-finite weights) can
+ * leave positions pos .. pos+T-1 of the cache written. */
+lm_status lm_attn_layer_infer(const lm_attn_layer_config *c, int B, int T, int64_t pos,
+                              const lm_attn_layer_weights *w, const float *x, float *out,
+                              lm_attn_layer_cache *kv, lm_attn_layer_ctx *ctx, lm_error *err);
 
 #ifdef __cplusplus
 }

@@ -1,5 +1,6 @@
 /* linmoe KDA layer: the Kimi Linear token mixer around the KDA op, forward and
- * hand-written backward on the CPU in fp32 (training and prefill).
+ * hand-written backward on the CPU in fp32 (training), and the inference path
+ * (prefill and decode with conv and recurrent states).
  *
  * Math (reference/kda.md §7; Kimi Linear tech report arXiv 2510.26692 §4, Eq. 10,
  * Fig. 3; fla `fla/layers/kda.py` KimiDeltaAttention; vLLM `layers/kda.py`). With
@@ -58,13 +59,15 @@
  * / `dx` / the gradients are left untouched when the error is found by validation
  * (before any math).
  *
- * TODO(issue 4, item 5): inference decode path (conv states [3 x (N, C, W-1)] and the
- * recurrent KDA state [N, H, Dh, Dh], one token per step via lm_short_conv_step and
- * lm_kda_recurrent_forward); prefill currently runs through lm_kda_layer_forward
- * without returning the states.
+ * Inference (lm_kda_layer_infer): the same math over B sequences that continue
+ * from a caller-owned lm_kda_layer_state: the three short-conv states (the last
+ * W-1 conv inputs per channel, layers.h) and the recurrent KDA state S (kda.h).
+ * Running a sequence in pieces (a prefill, more prefill, then one token per call)
+ * gives the outputs of one lm_kda_layer_forward over the whole sequence, to fp32
+ * rounding (the pieces take other op paths: chunked vs recurrent KDA).
  *
- * What this module does not do: the decode step (above), bf16, CUDA, the residual
- * and pre-norm around the layer (src/model/), parameter ownership.
+ * What this module does not do: bf16, CUDA, the residual and pre-norm around the
+ * layer (src/model/), parameter or state ownership, packed documents at inference.
  */
 #ifndef LINMOE_KDA_LAYER_H
 #define LINMOE_KDA_LAYER_H
@@ -135,6 +138,46 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
                                 const lm_kda_layer_weights *w, const float *x, const float *dout,
                                 float *dx, const lm_kda_layer_grads *g, lm_kda_layer_ctx *ctx,
                                 lm_error *err);
+
+/* Inference state of one KDA layer for B sequences: caller-owned fp32, contiguous,
+ * all zeros at the start of a sequence (then only what lm_kda_layer_infer wrote).
+ * C = H*Dh. Per layer this is B * (3*C*(W-1) + H*Dh*Dh) floats. */
+typedef struct {
+    float *conv_q, *conv_k, *conv_v; /* [B, C, W-1] short-conv states (layers.h layout:
+                                        oldest input first); may be NULL when W == 1 */
+    float *state;                    /* [B, H, Dh, Dh] recurrent KDA state S (kda.h
+                                        [N, HV, K, V] with HV = H, K = V = Dh) */
+} lm_kda_layer_state;
+
+/* Inference (prefill and decode, no backward): out = layer(x) for T >= 1 new tokens
+ * of each of B sequences, continuing from the state s and updating it in place.
+ *   x, out  [B, T, d] fp32 (out must not alias x)
+ *   s       see lm_kda_layer_state; on return it holds the state after the T tokens
+ *   ctx     scratch only (the same grow-only buffers as the forward)
+ * T > 1 (prefill): lm_short_conv_forward with initial = final state, and the KDA op by
+ * lm_kda_forward (chunked or recurrent by the measured crossover) from a copy of
+ * s->state (the chunked op does not promise in-place state updates) into s->state.
+ * T == 1 (decode): lm_short_conv_step and lm_kda_recurrent_forward, state in place.
+ * Outputs equal those of lm_kda_layer_forward over the whole sequence (fp32 rounding,
+ * rel RMS <= 1e-5, tests/test_kda_layer.c). Bitwise identical for any thread count.
+ * The context's buffers grow only on a larger B*T (or, for a prefill, B) than seen
+ * before; the recurrent KDA op (decode, and short-state prefills) still takes a
+ * small per-thread buffer per call (src/ops/kda.c), outside this layer's control.
+ * The call overwrites the activations a forward saved in ctx, so a backward after it
+ * needs a new lm_kda_layer_forward first (it returns LM_ERR_INVALID otherwise); a
+ * forward/backward pair after it is unaffected.
+ * Not scanned for finiteness, unlike in the forward: the weights (a decode step would
+ * read them twice; check them once after loading, the forward does) and s->state
+ * (zeros or what an earlier call wrote; the scan would double a decode step's state
+ * traffic). The (small) conv states are scanned.
+ * Errors: LM_ERR_INVALID (message names the field and value) for bad dims (B, T < 1,
+ * the config checks of the forward), a missing weight, out, ctx, s, s->state or
+ * (W > 1) conv state, non-finite x or conv state; out and s are then untouched. An op
+ * error after the math began (only with non-finite weights) can leave s partly
+ * advanced. */
+lm_status lm_kda_layer_infer(const lm_kda_layer_config *c, int B, int T,
+                             const lm_kda_layer_weights *w, const float *x, float *out,
+                             lm_kda_layer_state *s, lm_kda_layer_ctx *ctx, lm_error *err);
 
 #ifdef __cplusplus
 }

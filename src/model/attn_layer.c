@@ -1,6 +1,7 @@
 /* Full-attention layer (GQA token mixer): forward and backward, fp32, on the CPU.
  * Math, layouts and contracts: include/linmoe/attn_layer.h. */
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -47,12 +48,9 @@ void lm_attn_layer_ctx_free(lm_attn_layer_ctx *ctx) {
     free(ctx);
 }
 
-static lm_status validate(const lm_attn_layer_config *c, const lm_attn_layer_batch *b,
-                          const lm_attn_layer_weights *w, const float *x, const char *what,
-                          lm_error *err) {
-    if (!c || !b || !w)
-        return lm_errorf(err, LM_ERR_INVALID,
-                         "attn_layer %s: config, batch and weights are required", what);
+/* Config and token-count checks shared by forward, backward and infer. */
+static lm_status validate_dims(const lm_attn_layer_config *c, int B, int T, const char *what,
+                               lm_error *err) {
     if (c->d < 1)
         return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: d = %d must be >= 1", what, c->d);
     if (c->Hq < 1)
@@ -78,12 +76,27 @@ static lm_status validate(const lm_attn_layer_config *c, const lm_attn_layer_bat
                              "attn_layer %s: rope_theta = %g must be finite and > 0", what,
                              c->rope_theta);
     }
-    if (b->B < 1 || b->T < 1)
-        return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: B = %d, T = %d must be >= 1", what,
-                         b->B, b->T);
+    if (B < 1 || T < 1)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: B = %d, T = %d must be >= 1", what, B,
+                         T);
     if ((int64_t)c->Hq * c->Dh > (1 << 30) / 4)
         return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: Hq*Dh = %lld too large", what,
                          (long long)c->Hq * c->Dh);
+    /* token-row offsets (B*T times the widest row) are formed in int by the projections */
+    const int64_t wide = c->d > c->Hq * c->Dh ? c->d : (int64_t)c->Hq * c->Dh;
+    if ((int64_t)B * T * wide > INT32_MAX)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: B*T = %lld tokens too many", what,
+                         (long long)B * T);
+    return LM_OK;
+}
+
+static lm_status validate(const lm_attn_layer_config *c, const lm_attn_layer_batch *b,
+                          const lm_attn_layer_weights *w, const float *x, const char *what,
+                          lm_error *err) {
+    if (!c || !b || !w)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attn_layer %s: config, batch and weights are required", what);
+    LM_TRY(validate_dims(c, b->B, b->T, what, err));
     if (b->cu_seqlens) {
         if (b->B != 1)
             return lm_errorf(err, LM_ERR_INVALID, "attn_layer %s: B = %d must be 1 with cu_seqlens",
@@ -236,5 +249,101 @@ lm_status lm_attn_layer_backward(const lm_attn_layer_config *c, const lm_attn_la
         lm_model_mm(0, 0, N, d, Ckv, ctx->dk, Ckv, w->k_proj, d, 1, dx, d);
         lm_model_mm(0, 0, N, d, Ckv, ctx->dv, Ckv, w->v_proj, d, 1, dx, d);
     }
+    return LM_OK;
+}
+
+/* Inference. Keys and values of the new tokens go to the cache first, so every new
+ * token finds positions 0..its own there. pos == 0 needs no cache read: the causal
+ * forward over the T tokens is the same attention. pos > 0 runs one decode step per
+ * new token over the cache (a chunked prefill against a cache is not implemented). */
+lm_status lm_attn_layer_infer(const lm_attn_layer_config *c, int B, int T, int64_t pos,
+                              const lm_attn_layer_weights *w, const float *x, float *out,
+                              lm_attn_layer_cache *kv, lm_attn_layer_ctx *ctx, lm_error *err) {
+    if (!c || !w)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer infer: config and weights are required");
+    LM_TRY(validate_dims(c, B, T, "infer", err));
+    if (!out || !ctx || !kv)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attn_layer infer: 'out', 'ctx' and the cache 'kv' are required");
+    if (!kv->k_cache || !kv->v_cache)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attn_layer infer: 'kv.%s' [B, Tmax, Hkv, Dh] is required",
+                         !kv->k_cache ? "k_cache" : "v_cache");
+    if (kv->Tmax < 1)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer infer: kv.Tmax = %lld must be >= 1",
+                         (long long)kv->Tmax);
+    if (pos < 0)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer infer: pos = %lld must be >= 0",
+                         (long long)pos);
+    if (pos > kv->Tmax - T)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attn_layer infer: pos + T = %lld + %d exceeds kv.Tmax = %lld",
+                         (long long)pos, T, (long long)kv->Tmax);
+    if ((int64_t)B * kv->Tmax * c->Hkv * c->Dh > ((int64_t)1 << 40))
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attn_layer infer: cache too large (B*Tmax*Hkv*Dh with Tmax = %lld)",
+                         (long long)kv->Tmax);
+    /* Weights: presence only. A finiteness scan would read every weight a second time
+     * per decode step (the step is bound by that one read); lm_attn_layer_forward
+     * scans them, the caller checks them once after loading. */
+    const struct {
+        const char *name;
+        const float *p;
+    } req[] = {
+        {"q_proj", w->q_proj}, {"k_proj", w->k_proj}, {"v_proj", w->v_proj}, {"o_proj", w->o_proj}};
+    for (size_t i = 0; i < sizeof(req) / sizeof(req[0]); i++)
+        if (!req[i].p)
+            return lm_errorf(err, LM_ERR_INVALID, "attn_layer infer: '%s' is required",
+                             req[i].name);
+    LM_TRY(lm_model_check_finite("attn_layer", "infer", "x", x, (int64_t)B * T * c->d, err));
+
+    const int d = c->d, Cq = c->Hq * c->Dh, Ckv = c->Hkv * c->Dh;
+    const int N = B * T;
+    /* infer reuses the activation buffers: a backward now needs a new forward first */
+    ctx->have_fwd = 0;
+    ctx_carve(ctx, N, Cq, Ckv, c->Hq);
+
+    /* projections */
+    lm_model_mm(0, 1, N, Cq, d, x, d, w->q_proj, d, 0, ctx->q, Cq);
+    lm_model_mm(0, 1, N, Ckv, d, x, d, w->k_proj, d, 0, ctx->k, Ckv);
+    lm_model_mm(0, 1, N, Ckv, d, x, d, w->v_proj, d, 0, ctx->v, Ckv);
+
+    /* k (rotated) and v of the new tokens into the cache at pos .. pos+T-1 */
+    const lm_attn_layer_batch b = {B, T, NULL, 0};
+    lm_attention_config ac;
+    attn_cfg(c, &b, ctx, &ac);
+    LM_TRY(lm_attention_cache_write(&ac, kv->Tmax, pos, ctx->k, ctx->v, kv->k_cache, kv->v_cache,
+                                    err));
+
+    if (pos == 0) {
+        lm_attention_inputs in = {ctx->q, ctx->k, ctx->v};
+        LM_TRY(lm_attention_forward(&ac, &in, ctx->o, NULL, err));
+    } else {
+        lm_attention_config a1;
+        const lm_attn_layer_batch b1 = {B, 1, NULL, 0};
+        attn_cfg(c, &b1, ctx, &a1);
+        for (int t = 0; t < T; t++) {
+            /* decode takes q [B, 1, Hq, Dh] contiguous: with T > 1 the rows of token t
+             * are gathered (into the backward's free dq / d_o scratch) and o scattered */
+            const float *qt = ctx->q;
+            float *ot = ctx->o;
+            if (T > 1) {
+                for (int r = 0; r < B; r++)
+                    memcpy(ctx->dq + (size_t)r * Cq, ctx->q + ((size_t)r * T + t) * Cq,
+                           sizeof(float) * (size_t)Cq);
+                qt = ctx->dq;
+                ot = ctx->d_o;
+            }
+            LM_TRY(lm_attention_decode(&a1, kv->Tmax, pos + t, qt, kv->k_cache, kv->v_cache, ot,
+                                       NULL, err));
+            if (T > 1)
+                for (int r = 0; r < B; r++)
+                    memcpy(ctx->o + ((size_t)r * T + t) * Cq, ctx->d_o + (size_t)r * Cq,
+                           sizeof(float) * (size_t)Cq);
+        }
+    }
+
+    /* output projection */
+    lm_model_mm(0, 1, N, d, Cq, ctx->o, Cq, w->o_proj, Cq, 0, out, d);
     return LM_OK;
 }

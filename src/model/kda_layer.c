@@ -1,6 +1,7 @@
 /* KDA layer (Kimi Linear token mixer): forward and backward, fp32, on the CPU.
  * Math, layouts and contracts: include/linmoe/kda_layer.h. */
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,6 +21,9 @@ struct lm_kda_layer_ctx {
     float *pq, *pk, *pv, *q, *k, *v, *fa, *graw, *braw, *o, *ga, *gate, *rstd, *y;
     /* backward scratch */
     float *dy, *d_o, *dgate, *dq, *dk, *dv, *dg, *dbeta, *dlow;
+    /* inference: a copy of the recurrent state entering a prefill (the chunked op does
+     * not promise that initial_state and final_state may alias) */
+    float *h0;
 };
 
 void lm_kda_layer_config_default(lm_kda_layer_config *c, int d, int H, int Dh) {
@@ -46,12 +50,9 @@ void lm_kda_layer_ctx_free(lm_kda_layer_ctx *ctx) {
     free(ctx);
 }
 
-static lm_status validate(const lm_kda_layer_config *c, const lm_kda_layer_batch *b,
-                          const lm_kda_layer_weights *w, const float *x, const char *what,
-                          lm_error *err) {
-    if (!c || !b || !w)
-        return lm_errorf(err, LM_ERR_INVALID, "kda_layer %s: config, batch and weights are required",
-                         what);
+/* Config and token-count checks shared by forward, backward and infer. */
+static lm_status validate_dims(const lm_kda_layer_config *c, int B, int T, const char *what,
+                               lm_error *err) {
     if (c->d < 1) return lm_errorf(err, LM_ERR_INVALID, "kda_layer %s: d = %d must be >= 1", what, c->d);
     if (c->H < 1) return lm_errorf(err, LM_ERR_INVALID, "kda_layer %s: H = %d must be >= 1", what, c->H);
     if (c->Dh < 1)
@@ -65,35 +66,69 @@ static lm_status validate(const lm_kda_layer_config *c, const lm_kda_layer_batch
     if (c->gate == LM_GATE_BOUNDED && !(c->lower_bound >= -5.0f && c->lower_bound < 0.0f))
         return lm_errorf(err, LM_ERR_INVALID, "kda_layer %s: lower_bound = %g outside [-5, 0)", what,
                          (double)c->lower_bound);
-    if (b->B < 1 || b->T < 1)
-        return lm_errorf(err, LM_ERR_INVALID, "kda_layer %s: B = %d, T = %d must be >= 1", what, b->B,
-                         b->T);
+    if (B < 1 || T < 1)
+        return lm_errorf(err, LM_ERR_INVALID, "kda_layer %s: B = %d, T = %d must be >= 1", what, B,
+                         T);
     if ((int64_t)c->H * c->Dh > (1 << 30) / 4)
         return lm_errorf(err, LM_ERR_INVALID, "kda_layer %s: H*Dh = %lld too large", what,
                          (long long)c->H * c->Dh);
-    const int64_t d = c->d, C = (int64_t)c->H * c->Dh, Dh = c->Dh, H = c->H;
-    LM_TRY(lm_model_check_finite("kda_layer", what, "x", x, (int64_t)b->B * b->T * d, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "q_proj", w->q_proj, C * d, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "k_proj", w->k_proj, C * d, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "v_proj", w->v_proj, C * d, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "q_conv1d", w->q_conv1d, C * c->W, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "k_conv1d", w->k_conv1d, C * c->W, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "v_conv1d", w->v_conv1d, C * c->W, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "f_a_proj", w->f_a_proj, Dh * d, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "f_b_proj", w->f_b_proj, C * Dh, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "A_log", w->A_log, H, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "dt_bias", w->dt_bias, C, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "b_proj", w->b_proj, H * d, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "g_a_proj", w->g_a_proj, Dh * d, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "g_b_proj", w->g_b_proj, C * Dh, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "o_norm", w->o_norm, Dh, err));
-    LM_TRY(lm_model_check_finite("kda_layer", what, "o_proj", w->o_proj, d * C, err));
+    /* token-row offsets (B*T times the widest row) are formed in int by the projections */
+    const int64_t wide = c->d > c->H * c->Dh ? c->d : (int64_t)c->H * c->Dh;
+    if ((int64_t)B * T * wide > INT32_MAX)
+        return lm_errorf(err, LM_ERR_INVALID, "kda_layer %s: B*T = %lld tokens too many", what,
+                         (long long)B * T);
     return LM_OK;
 }
 
-/* Size the context for N tokens and carve the buffers (allocates only on growth). */
-static void ctx_carve(lm_kda_layer_ctx *x, int64_t N, int64_t C, int64_t Dh, int64_t H) {
-    const int64_t need = 17 * N * C + 3 * N * Dh + 3 * N * H + 16 * 32;
+/* The weights with their element counts, in the order of lm_kda_layer_weights. */
+enum { NWEIGHT = 15 };
+typedef struct {
+    const char *name;
+    const float *p;
+    int64_t n;
+} weight_ref;
+
+static void weight_list(const lm_kda_layer_config *c, const lm_kda_layer_weights *w,
+                        weight_ref r[NWEIGHT]) {
+    const int64_t d = c->d, C = (int64_t)c->H * c->Dh, Dh = c->Dh, H = c->H, W = c->W;
+    const weight_ref t[NWEIGHT] = {{"q_proj", w->q_proj, C * d},
+                                   {"k_proj", w->k_proj, C * d},
+                                   {"v_proj", w->v_proj, C * d},
+                                   {"q_conv1d", w->q_conv1d, C * W},
+                                   {"k_conv1d", w->k_conv1d, C * W},
+                                   {"v_conv1d", w->v_conv1d, C * W},
+                                   {"f_a_proj", w->f_a_proj, Dh * d},
+                                   {"f_b_proj", w->f_b_proj, C * Dh},
+                                   {"A_log", w->A_log, H},
+                                   {"dt_bias", w->dt_bias, C},
+                                   {"b_proj", w->b_proj, H * d},
+                                   {"g_a_proj", w->g_a_proj, Dh * d},
+                                   {"g_b_proj", w->g_b_proj, C * Dh},
+                                   {"o_norm", w->o_norm, Dh},
+                                   {"o_proj", w->o_proj, d * C}};
+    memcpy(r, t, sizeof(t));
+}
+
+static lm_status validate(const lm_kda_layer_config *c, const lm_kda_layer_batch *b,
+                          const lm_kda_layer_weights *w, const float *x, const char *what,
+                          lm_error *err) {
+    if (!c || !b || !w)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "kda_layer %s: config, batch and weights are required", what);
+    LM_TRY(validate_dims(c, b->B, b->T, what, err));
+    LM_TRY(lm_model_check_finite("kda_layer", what, "x", x, (int64_t)b->B * b->T * c->d, err));
+    weight_ref r[NWEIGHT];
+    weight_list(c, w, r);
+    for (int i = 0; i < NWEIGHT; i++)
+        LM_TRY(lm_model_check_finite("kda_layer", what, r[i].name, r[i].p, r[i].n, err));
+    return LM_OK;
+}
+
+/* Size the context for N tokens (and n_h0 floats of state copy, inference only) and
+ * carve the buffers (allocates only on growth). */
+static void ctx_carve(lm_kda_layer_ctx *x, int64_t N, int64_t C, int64_t Dh, int64_t H,
+                      int64_t n_h0) {
+    const int64_t need = 17 * N * C + 3 * N * Dh + 3 * N * H + n_h0 + 16 * 32;
     if (need > x->cap) {
         free(x->buf);
         x->buf = LM_MALLOC((size_t)need * sizeof(float));
@@ -128,6 +163,7 @@ static void ctx_carve(lm_kda_layer_ctx *x, int64_t N, int64_t C, int64_t Dh, int
     TAKE(dg, N * C);
     TAKE(dbeta, N * H);
     TAKE(dlow, N * Dh);
+    TAKE(h0, n_h0);
 #undef TAKE
     LM_CHECK(p <= x->buf + x->cap);
 }
@@ -166,7 +202,7 @@ lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
     const int d = c->d, H = c->H, Dh = c->Dh, C = H * Dh;
     const int N = b->B * b->T;
     ctx->have_fwd = 0;
-    ctx_carve(ctx, N, C, Dh, H);
+    ctx_carve(ctx, N, C, Dh, H, 0);
 
     /* q, k, v: projection, short conv + SiLU */
     lm_model_mm(0, 1, N, C, d, x, d, w->q_proj, d, 0, ctx->pq, C);
@@ -293,5 +329,96 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
         lm_model_mm(1, 0, C, d, N, ctx->dy, C, x, d, 0, gpw[i], d);
         if (dx) lm_model_mm(0, 0, N, d, C, ctx->dy, C, pw[i], d, 1, dx, d);
     }
+    return LM_OK;
+}
+
+/* Inference. The math is the forward's, token for token; only the state handling
+ * differs: the short convs start from and write back s->conv_*, the KDA op starts
+ * from s->state and writes its final state there. */
+lm_status lm_kda_layer_infer(const lm_kda_layer_config *c, int B, int T,
+                             const lm_kda_layer_weights *w, const float *x, float *out,
+                             lm_kda_layer_state *s, lm_kda_layer_ctx *ctx, lm_error *err) {
+    if (!c || !w)
+        return lm_errorf(err, LM_ERR_INVALID, "kda_layer infer: config and weights are required");
+    LM_TRY(validate_dims(c, B, T, "infer", err));
+    if (!out || !ctx || !s)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "kda_layer infer: 'out', 'ctx' and the state 's' are required");
+    if (!s->state)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "kda_layer infer: 'state.state' [B, H, Dh, Dh] is required");
+    /* the conv states are small: scanned here, before any of them is updated (the
+     * conv op's own scan would find a bad conv_k after conv_q was advanced) */
+    const char *cname[3] = {"state.conv_q", "state.conv_k", "state.conv_v"};
+    const float *cptr[3] = {s->conv_q, s->conv_k, s->conv_v};
+    for (int i = 0; i < 3 && c->W > 1; i++)
+        LM_TRY(lm_model_check_finite("kda_layer", "infer", cname[i], cptr[i],
+                                     (int64_t)B * c->H * c->Dh * (c->W - 1), err));
+    /* Weights: presence only. A finiteness scan would read every weight a second time
+     * per decode step (the step is bound by that one read); lm_kda_layer_forward
+     * scans them, the caller checks them once after loading. */
+    weight_ref r[NWEIGHT];
+    weight_list(c, w, r);
+    for (int i = 0; i < NWEIGHT; i++)
+        if (!r[i].p)
+            return lm_errorf(err, LM_ERR_INVALID, "kda_layer infer: '%s' is required", r[i].name);
+    LM_TRY(lm_model_check_finite("kda_layer", "infer", "x", x, (int64_t)B * T * c->d, err));
+
+    const int d = c->d, H = c->H, Dh = c->Dh, C = H * Dh;
+    const int N = B * T;
+    const int64_t n_state = (int64_t)B * H * Dh * Dh;
+    /* infer reuses the activation buffers: a backward now needs a new forward first */
+    ctx->have_fwd = 0;
+    ctx_carve(ctx, N, C, Dh, H, T > 1 ? n_state : 0);
+
+    /* q, k, v: projection, short conv + SiLU continuing from the conv states */
+    lm_model_mm(0, 1, N, C, d, x, d, w->q_proj, d, 0, ctx->pq, C);
+    lm_model_mm(0, 1, N, C, d, x, d, w->k_proj, d, 0, ctx->pk, C);
+    lm_model_mm(0, 1, N, C, d, x, d, w->v_proj, d, 0, ctx->pv, C);
+    const float *pin[3] = {ctx->pq, ctx->pk, ctx->pv};
+    const float *cw[3] = {w->q_conv1d, w->k_conv1d, w->v_conv1d};
+    float *cout[3] = {ctx->q, ctx->k, ctx->v};
+    float *cst[3] = {s->conv_q, s->conv_k, s->conv_v};
+    const lm_kda_layer_batch b = {B, T, NULL, 0};
+    for (int i = 0; i < 3; i++) {
+        float *st = c->W > 1 ? cst[i] : NULL;
+        if (T == 1) {
+            LM_TRY(lm_short_conv_step(B, C, c->W, LM_ACT_SILU, pin[i], cw[i], st, cout[i], err));
+        } else {
+            /* initial and final state may alias (layers.h) */
+            lm_short_conv_config sc;
+            conv_cfg(c, &b, &sc);
+            LM_TRY(lm_short_conv_forward(&sc, pin[i], cw[i], st, cout[i], st, err));
+        }
+    }
+
+    /* gate (low rank) and beta */
+    lm_model_mm(0, 1, N, Dh, d, x, d, w->f_a_proj, d, 0, ctx->fa, Dh);
+    lm_model_mm(0, 1, N, C, Dh, ctx->fa, Dh, w->f_b_proj, Dh, 0, ctx->graw, C);
+    lm_model_mm(0, 1, N, H, d, x, d, w->b_proj, d, 0, ctx->braw, H);
+
+    /* the KDA op. The state is not scanned (trusted_state): it is zeros or what an
+     * earlier call wrote, and the scan would double a decode step's state traffic. */
+    lm_kda_config kc;
+    kda_cfg(c, &b, ctx, &kc);
+    kc.trusted_state = 1;
+    lm_kda_inputs in = {ctx->q, ctx->k, ctx->v, ctx->graw, ctx->braw, w->A_log, w->dt_bias, NULL};
+    lm_kda_outputs ko = {ctx->o, s->state};
+    if (T == 1) {
+        in.initial_state = s->state; /* may alias final_state (kda.h) */
+        LM_TRY(lm_kda_recurrent_forward(&kc, &in, &ko, err));
+    } else {
+        /* kda.h promises in-place state updates for the recurrent forward only */
+        memcpy(ctx->h0, s->state, sizeof(float) * (size_t)n_state);
+        in.initial_state = ctx->h0;
+        LM_TRY(lm_kda_forward(&kc, &in, &ko, err));
+    }
+
+    /* gated head-wise RMSNorm, output projection */
+    lm_model_mm(0, 1, N, Dh, d, x, d, w->g_a_proj, d, 0, ctx->ga, Dh);
+    lm_model_mm(0, 1, N, C, Dh, ctx->ga, Dh, w->g_b_proj, Dh, 0, ctx->gate, C);
+    LM_TRY(lm_gated_rmsnorm_forward(N, H, Dh, LM_GATED_RMSNORM_EPS, ctx->o, ctx->gate, w->o_norm,
+                                    ctx->y, NULL, err));
+    lm_model_mm(0, 1, N, d, C, ctx->y, C, w->o_proj, C, 0, out, d);
     return LM_OK;
 }

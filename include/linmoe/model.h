@@ -1,0 +1,146 @@
+/* linmoe model: the hybrid KDA / full-attention MoE language model on the CPU in fp32:
+ * training forward and backward over [B, T] or packed batches, and the inference path
+ * (prefill with the chunked kernels, then decode with the recurrent KDA state, the
+ * short-convolution state and a KV cache for the attention layers).
+ *
+ * Architecture (Kimi Linear, reference/kda.md §7, with GQA in place of MLA; DESIGN.md;
+ * the config fields of model_config.h, the parameters of params.h). Sublayer 2i is
+ * layer i's token mixer (KDA layer: kda_layer.h, or attention layer: attn_layer.h),
+ * sublayer 2i+1 its FFN (dense SwiGLU for i < first_k_dense_replace: layers.h, else
+ * MoE: moe.h). With e = embed_tokens[ids] [N, d], N = B*T tokens:
+ *
+ *   residual = standard (pre-norm):
+ *     h = e;  for each sublayer l:  h = h + f_l(RMSNorm(h; norm_l))
+ *     out = RMSNorm(h; model.norm)
+ *   residual = block_attnres / full_attnres (reference/attnres_ctx.md §1.3, §4.2;
+ *   Attention Residuals, arXiv 2603.15031, Eq. 2-6; S = attnres_block_size, 1 for full):
+ *     src = [e]; part = none
+ *     for l = 0 .. 2L-1:
+ *       if l > 0 and l % S == 0: src.append(part); part = none      (block boundary)
+ *       h_l = AR(src + [part if any]; query_l, norm_l)               (attnres.h)
+ *       o_l = f_l(RMSNorm(h_l; norm_pre_l))
+ *       part = o_l if none else part + o_l
+ *     h = AR(src + [part]; model.attnres_final);  out = RMSNorm(h; model.norm)
+ *     (query_l / norm_l: model.layers.i.attn_res.* for the mixer, mlp_res.* for the
+ *     FFN; norm_pre_l: input_layernorm / post_attention_layernorm; AR eps =
+ *     rms_norm_eps, scale 1. A single source is passed through unchanged.)
+ *   logits = out lm_head^T (lm_head = embed_tokens when tie_word_embeddings)
+ *   loss   = mean over labelled tokens of -log softmax(logits)[label] (nats),
+ *            plus the routers' aux losses when balance = aux_loss.
+ * All RMSNorms use rms_norm_eps; the KDA layer's gated head norm uses 1e-5.
+ *
+ * Packed batches (B = 1 with cu_seqlens): nothing crosses a document boundary; the
+ * KDA state and the short convolution restart, attention is masked per document and
+ * RoPE positions restart at 0 (the layer ops take cu_seqlens); everything else acts
+ * per token.
+ *
+ * Layouts: ids / labels [B, T] int32 row-major (labels: a token id, or
+ * LM_MODEL_IGNORE = -100 for "no target"); logits [B, T, V] fp32; gradients in one
+ * buffer with the layout of the parameter buffer (params.h offsets).
+ *
+ * Threads: OpenMP (lm_set_num_threads); every op below is bitwise thread-count
+ * independent, so are the model's outputs and gradients.
+ *
+ * What this module does not do: the optimizer and the router bias update (trainer),
+ * bf16, CUDA, data loading, sampling.
+ */
+#ifndef LINMOE_MODEL_H
+#define LINMOE_MODEL_H
+
+#include "linmoe/core.h"
+#include "linmoe/moe_router.h"
+#include "linmoe/params.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LM_MODEL_IGNORE (-100)
+
+/* B rows of T tokens, or B == 1 and cu_seqlens [n_cu_seqlens] int64 document offsets
+ * (0 = c_0 <= ... <= c_n = T) for packed documents. */
+typedef struct {
+    int B, T;
+    const int64_t *cu_seqlens;
+    int n_cu_seqlens;
+} lm_model_batch;
+
+typedef struct lm_model lm_model;
+
+/* Build the runtime around the parameters `p` (borrowed: it must outlive the model
+ * and keep its buffer): per-layer contexts, one router state per MoE layer whose
+ * selection bias IS p's mlp.gate.e_score_correction_bias buffer (updates land in the
+ * checkpoint), activation storage for batches of up to max_tokens = B*T tokens, and
+ * a gradient buffer of p->numel floats. Errors: LM_ERR_INVALID (max_tokens < 1, an
+ * invalid config), LM_ERR_NOMEM. */
+lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_error *err);
+void lm_model_free(lm_model *m);
+
+lm_params *lm_model_params(lm_model *m);
+/* Gradient buffer: p->numel floats, tensor t at p->t[t].offset (buffers stay 0). */
+float *lm_model_grads(lm_model *m);
+/* Router state of layer `layer` (NULL for a dense or out-of-range layer). */
+lm_router_state *lm_model_router_state(lm_model *m, int layer);
+/* Routing of layer `layer`'s last forward (NULL for dense / none yet). */
+const lm_route *lm_model_route(const lm_model *m, int layer);
+
+/* Training / eval forward. ids [B*T] in [0, V) (checked, the error names the
+ * position). labels [B*T] (ids or LM_MODEL_IGNORE) or NULL: no loss, no backward.
+ * training = 1: MoE capacity dropping (when configured) and router demand
+ * accumulation; 0: dropless eval. logits [B*T, V] written when not NULL (the loss
+ * never needs them: the cross-entropy is fused and chunked). *loss (may be NULL):
+ * the mean CE in nats (+ aux losses); *n_labels (may be NULL): labelled tokens.
+ * Errors: LM_ERR_INVALID for B*T > max_tokens, bad cu_seqlens, bad ids/labels,
+ * non-finite activations (names the layer); the layer ops' errors. */
+lm_status lm_model_forward(lm_model *m, const lm_model_batch *b, const int32_t *ids,
+                           const int32_t *labels, int training, float *logits, double *loss,
+                           int64_t *n_labels, lm_error *err);
+
+/* Backward of loss_scale * loss of the last forward (which must have had labels).
+ * accumulate = 0 overwrites the gradient buffer, 1 adds to it (micro-batches). */
+lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_error *err);
+
+/* Inspection (tests, evals) of the last forward or infer call, NULL for a bad l:
+ * the input h_l [N, d] of sublayer l (0 <= l < 2L: the AttnRes mix, or the residual
+ * stream before sublayer l), the running block sum after sublayer l (AttnRes modes;
+ * NULL with the standard residual), and the embedding rows e [N, d]. */
+const float *lm_model_sublayer_input(const lm_model *m, int l);
+const float *lm_model_block_partial(const lm_model *m, int l);
+const float *lm_model_embedding_out(const lm_model *m);
+
+/* FLOPs of one training step (forward + backward) per token for sequence length T
+ * (issue 4 item 8): 6 x (matmul parameters touched per token: projections, dense
+ * FFN, shared experts, k routed experts, router, LM head; embedding lookup excluded)
+ * + the KDA op's FLOPs per token (bench kda's formula, forward + backward) + 6*T*d
+ * per attention layer (causal: 12*T*Hq*D/2). */
+double lm_model_train_flops_per_token(const lm_model_config *c, int T);
+
+/* ---------------------------------------------------------------- inference */
+
+/* Per-sequence inference state for B rows of up to max_len tokens: per KDA layer the
+ * conv states [3][B, H*Dh, W-1] and the recurrent state [B, H, Dh, Dh] fp32, per
+ * attention layer the K/V cache [B, max_len, Hkv, D] (RoPE-rotated keys). All rows
+ * advance together (same position). */
+typedef struct lm_model_cache lm_model_cache;
+lm_status lm_model_cache_new(lm_model_cache **out, const lm_model *m, int B, int64_t max_len,
+                             lm_error *err);
+void lm_model_cache_free(lm_model_cache *c);
+/* Back to position 0 (states zeroed). */
+void lm_model_cache_reset(lm_model_cache *c);
+/* Tokens consumed so far per row. */
+int64_t lm_model_cache_pos(const lm_model_cache *c);
+
+/* Feed T new tokens per row (ids [B, T]) through the model, updating the cache:
+ * T > 1 is a prefill (chunked KDA with the cached state as initial state; attention
+ * over the cache), T = 1 a decode step (recurrent KDA, one conv step, cached
+ * attention). MoE without capacity. logits: [B, T, V] for every new token, or with
+ * last_only = 1 [B, V] for the last one; may be NULL. Errors: position + T > max_len,
+ * T * B > the model's max_tokens, bad ids. On error the cache is left unusable
+ * (reset it). */
+lm_status lm_model_infer(lm_model *m, lm_model_cache *c, const int32_t *ids, int T,
+                         int last_only, float *logits, lm_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

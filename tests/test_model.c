@@ -1,0 +1,517 @@
+/* Whole-model tests (include/linmoe/model.h) on configs/tiny.json and variants:
+ *  - central finite differences of the mean cross-entropy for a sample of every
+ *    parameter tensor (every kind: embeddings, KDA projections / conv / A_log /
+ *    dt_bias / norms, attention, dense FFN, router, routed and shared experts,
+ *    AttnRes queries and key-norm gains, final norm, LM head), with the MoE
+ *    selections checked unchanged at +-step;
+ *  - Block AttnRes wiring: with attnres_block_size = 2L every sublayer but the first
+ *    sees exactly two sources (embedding and running sum), checked against a
+ *    hand-built two-source mix in fp64; with a zero query the final aggregation is
+ *    the mean of its sources;
+ *  - packing: documents packed with cu_seqlens give the logits of each document run
+ *    alone;
+ *  - inference: prefill + 64 greedy decode steps with the caches give the logits of
+ *    one full forward at every position;
+ *  - standard and full AttnRes residuals run forward/backward (finite differences on
+ *    a smaller sample), tied embeddings, thread-count independence, bad input.
+ * Parameters are drawn so that every path is non-trivial (see randomize()).
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "linmoe/model.h"
+#include "test_util.h"
+
+#ifndef LM_SOURCE_DIR
+#define LM_SOURCE_DIR "."
+#endif
+
+static void load_tiny(lm_model_config *c) {
+    lm_error err = {0};
+    char warn[256];
+    lm_status st = lm_model_config_load(c, LM_SOURCE_DIR "/configs/tiny.json", warn, sizeof warn,
+                                        &err);
+    if (st != LM_OK) fprintf(stderr, "%s\n", err.msg);
+    assert_int_equal(st, LM_OK);
+}
+
+/* Non-trivial parameters: matrices normal(0, 1/sqrt(fan_in)) (embeddings N(0,1)),
+ * gains 1 + 0.1 N, AttnRes queries 0.3 N (not the zero init), selection biases
+ * 0.05 N; conv weights, A_log and dt_bias keep their init. */
+static void randomize(lm_params *p, uint64_t seed) {
+    lm_params_init_weights(p, seed);
+    lm_rng r;
+    lm_rng_init(&r, seed ^ 0x5eedULL);
+    for (int t = 0; t < p->n; t++) {
+        const lm_param_info *in = &p->t[t];
+        float *x = p->data + in->offset;
+        double std = 0, mean = 0;
+        if (in->init == LM_INIT_NORMAL) {
+            const int is_emb = strstr(in->name, "embed_tokens") != NULL;
+            std = is_emb ? 1.0 : 1.0 / sqrt((double)in->shape[in->ndim - 1]);
+        } else if (in->init == LM_INIT_ONES) {
+            mean = 1;
+            std = 0.1;
+        } else if (in->init == LM_INIT_ZEROS) {
+            std = in->buffer ? 0.05 : 0.3;
+        } else {
+            continue;
+        }
+        for (int64_t i = 0; i < in->numel; i++) x[i] = (float)(mean + std * lm_rng_normal(&r));
+    }
+}
+
+static void fill_ids(int32_t *ids, int64_t n, int V, uint64_t seed) {
+    lm_rng r;
+    lm_rng_init(&r, seed);
+    for (int64_t i = 0; i < n; i++) ids[i] = (int32_t)(lm_rng_u32(&r) % (uint32_t)V);
+}
+
+/* labels = next id within each row (or document), LM_MODEL_IGNORE at the ends */
+static void next_labels(const int32_t *ids, int32_t *lab, int B, int T, const int64_t *cu,
+                        int ncu) {
+    for (int64_t i = 0; i < (int64_t)B * T; i++) lab[i] = LM_MODEL_IGNORE;
+    if (cu) {
+        for (int j = 0; j + 1 < ncu; j++)
+            for (int64_t t = cu[j]; t + 1 < cu[j + 1]; t++) lab[t] = ids[t + 1];
+    } else {
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t + 1 < T; t++) lab[b * T + t] = ids[b * T + t + 1];
+    }
+}
+
+typedef struct {
+    lm_model *m;
+    lm_model_batch b;
+    const int32_t *ids, *labels;
+    int64_t *sel0; /* selections of the unperturbed forward, per MoE layer */
+    int64_t sel_n;
+    int sel_changed;
+} fd_ctx;
+
+static int64_t collect_sel(lm_model *m, int64_t *out) {
+    int64_t n = 0;
+    const int L = lm_model_params(m)->cfg.num_hidden_layers;
+    for (int i = 0; i < L; i++) {
+        const lm_route *r = lm_model_route(m, i);
+        if (!r) continue;
+        for (int64_t j = 0; j < (int64_t)r->T * r->k; j++) {
+            if (out) out[n] = r->topk_idx[j];
+            n++;
+        }
+    }
+    return n;
+}
+
+static double fd_loss(void *vctx) {
+    fd_ctx *c = vctx;
+    lm_error err = {0};
+    double loss = 0;
+    lm_status st = lm_model_forward(c->m, &c->b, c->ids, c->labels, 0, NULL, &loss, NULL, &err);
+    if (st != LM_OK) {
+        fprintf(stderr, "%s\n", err.msg);
+        return NAN;
+    }
+    int64_t *sel = malloc(sizeof(int64_t) * (size_t)(c->sel_n + 1));
+    collect_sel(c->m, sel);
+    if (memcmp(sel, c->sel0, sizeof(int64_t) * (size_t)c->sel_n) != 0) c->sel_changed++;
+    free(sel);
+    return loss;
+}
+
+/* The loss is an fp32 computation (accumulated in fp64 at the end): its rounding
+ * noise is ~1e-6 relative, i.e. ~1e-5 absolute for losses of 5..20, so a central
+ * difference with step 1e-2 carries ~5e-4 x 1e-1 = 5e-5 of noise. */
+#define FD_ABS_FLOOR 5e-5
+
+/* FD over every tensor of the model (samples per tensor), with a per-tensor tol. */
+static void fd_model(lm_model_config *cfg, int B, int T, int samples, double step, double tol) {
+    lm_error err = {0};
+    lm_params p;
+    assert_int_equal(lm_params_init(&p, cfg, &err), LM_OK);
+    randomize(&p, 77);
+    lm_model *m;
+    assert_int_equal(lm_model_new(&m, &p, (int64_t)B * T, &err), LM_OK);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(B * T));
+    int32_t *lab = malloc(sizeof(int32_t) * (size_t)(B * T));
+    fill_ids(ids, B * T, cfg->vocab_size, 5);
+    next_labels(ids, lab, B, T, NULL, 0);
+    fd_ctx c = {m, {B, T, NULL, 0}, ids, lab, NULL, 0, 0};
+    double loss;
+    assert_int_equal(lm_model_forward(m, &c.b, ids, lab, 0, NULL, &loss, NULL, &err), LM_OK);
+    assert_int_equal(lm_model_backward(m, 1.0f, 0, &err), LM_OK);
+    c.sel_n = collect_sel(m, NULL);
+    c.sel0 = malloc(sizeof(int64_t) * (size_t)(c.sel_n + 1));
+    collect_sel(m, c.sel0);
+    float *g = malloc(sizeof(float) * (size_t)p.numel);
+    memcpy(g, lm_model_grads(m), sizeof(float) * (size_t)p.numel);
+    /* Own sampling loop: an entry whose +-step changes any MoE selection makes the
+     * loss non-differentiable there; it is skipped (counted) and another drawn, so
+     * every compared difference has the selections of the base point. */
+    int fails = 0, skipped = 0, compared = 0;
+    lm_rng r;
+    lm_rng_init(&r, 2024);
+    double worst = 0;
+    const char *worst_name = "";
+    for (int t = 0; t < p.n; t++) {
+        const lm_param_info *in = &p.t[t];
+        if (in->buffer) continue;
+        float *w = p.data + in->offset;
+        const float *gr = g + in->offset;
+        const int want = in->numel < samples ? (int)in->numel : samples;
+        float an[64];
+        double fd[64];
+        int got = 0;
+        for (int attempt = 0; got < want && attempt < 8 * want; attempt++) {
+            const int64_t i = in->numel <= samples ? attempt % in->numel
+                                                   : (int64_t)(lm_rng_uniform(&r) * in->numel);
+            if (in->numel <= samples && attempt >= in->numel) break;
+            const float w0 = w[i], wp = (float)(w0 + step), wm = (float)(w0 - step);
+            c.sel_changed = 0;
+            w[i] = wp;
+            const double lp = fd_loss(&c);
+            w[i] = wm;
+            const double lmn = fd_loss(&c);
+            w[i] = w0;
+            if (c.sel_changed) {
+                skipped++;
+                continue;
+            }
+            fd[got] = (lp - lmn) / ((double)wp - (double)wm);
+            an[got] = gr[i];
+            got++;
+        }
+        compared += got;
+        if (got == 0) continue;
+        char label[160];
+        snprintf(label, sizeof label, "  FD %s", in->name);
+        /* pass: rel RMS <= tol, or every difference below the fp32 noise floor of
+         * the difference quotient (FD_ABS_FLOOR) */
+        lm_cmp cm = lm_compare_f32(an, fd, got, tol);
+        if (!cm.pass && !(cm.n_nonfinite == 0 && cm.max_abs <= FD_ABS_FLOOR)) {
+            lm_check_f32(label, an, fd, got, tol);
+            fails++;
+        }
+        if (cm.max_abs > 1e-6 && cm.rel_rms > worst) {
+            worst = cm.rel_rms;
+            worst_name = in->name;
+        }
+    }
+    printf("  model FD (step %.0e, tol %.0e rel RMS per tensor): loss %.6f, %d tensors, %d "
+           "entries compared, %d failed tensors, %d entries skipped for a selection change; "
+           "worst %.2e (%s)\n",
+           step, tol, loss, p.n, compared, fails, skipped, worst, worst_name);
+    assert_int_equal(fails, 0);
+    free(g);
+    free(c.sel0);
+    free(ids);
+    free(lab);
+    lm_model_free(m);
+    lm_params_free(&p);
+}
+
+/* tiny.json: Block AttnRes (S = 4 sublayers), both gates, RoPE + NoPE, dense layer 0,
+ * MoE with a shared expert and a non-zero bias. fp32 model, fp64-accumulated loss,
+ * central differences with step 5e-3; tolerance 1e-2 relative RMS per tensor. */
+static void test_fd_tiny(void **state) {
+    (void)state;
+    lm_model_config cfg;
+    load_tiny(&cfg);
+    fd_model(&cfg, 2, 24, 6, 1e-2, 1e-2);
+}
+
+static void test_fd_standard_full_tied(void **state) {
+    (void)state;
+    lm_model_config cfg;
+    load_tiny(&cfg);
+    cfg.residual = LM_RES_STANDARD;
+    cfg.tie_word_embeddings = 1;
+    fd_model(&cfg, 1, 20, 3, 1e-2, 2e-2);
+    load_tiny(&cfg);
+    cfg.residual = LM_RES_FULL_ATTNRES;
+    cfg.attnres_block_size = 1;
+    fd_model(&cfg, 1, 20, 3, 1e-2, 2e-2);
+}
+
+/* With one block of all 2L sublayers, sublayer l >= 1 sees [e, running sum]. */
+static void test_attnres_two_sources(void **state) {
+    (void)state;
+    lm_model_config cfg;
+    load_tiny(&cfg);
+    cfg.attnres_block_size = 2 * cfg.num_hidden_layers;
+    lm_error err = {0};
+    lm_params p;
+    assert_int_equal(lm_params_init(&p, &cfg, &err), LM_OK);
+    randomize(&p, 3);
+    const int B = 2, T = 17, N = B * T, d = cfg.hidden_size;
+    lm_model *m;
+    assert_int_equal(lm_model_new(&m, &p, N, &err), LM_OK);
+    int32_t ids[2 * 17];
+    fill_ids(ids, N, cfg.vocab_size, 9);
+    lm_model_batch b = {B, T, NULL, 0};
+    assert_int_equal(lm_model_forward(m, &b, ids, NULL, 0, NULL, NULL, NULL, &err), LM_OK);
+    const float *e = lm_model_embedding_out(m);
+    double worst = 0;
+    for (int l = 0; l < 2 * cfg.num_hidden_layers; l++) {
+        const float *h = lm_model_sublayer_input(m, l);
+        double *ref = malloc(sizeof(double) * (size_t)(N * d));
+        char name[160];
+        snprintf(name, sizeof name, "model.layers.%d.%s.query", l / 2,
+                 l % 2 ? "mlp_res" : "attn_res");
+        const float *q = lm_params_get(&p, name);
+        snprintf(name, sizeof name, "model.layers.%d.%s.norm.weight", l / 2,
+                 l % 2 ? "mlp_res" : "attn_res");
+        const float *gw = lm_params_get(&p, name);
+        const float *part = l > 0 ? lm_model_block_partial(m, l - 1) : NULL;
+        for (int n = 0; n < N; n++) {
+            if (!part) { /* first sublayer: the embedding alone, passed through */
+                for (int j = 0; j < d; j++) ref[n * d + j] = e[n * d + j];
+                continue;
+            }
+            const float *C[2] = {e + n * d, part + n * d};
+            double s[2];
+            for (int k = 0; k < 2; k++) {
+                double ms = 0, dot = 0;
+                for (int j = 0; j < d; j++) ms += (double)C[k][j] * C[k][j];
+                const double r = 1.0 / sqrt(ms / d + (double)cfg.rms_norm_eps);
+                for (int j = 0; j < d; j++) dot += (double)q[j] * gw[j] * r * C[k][j];
+                s[k] = dot;
+            }
+            const double mx = s[0] > s[1] ? s[0] : s[1];
+            const double p0 = exp(s[0] - mx), p1 = exp(s[1] - mx), z = p0 + p1;
+            for (int j = 0; j < d; j++) ref[n * d + j] = (p0 * C[0][j] + p1 * C[1][j]) / z;
+        }
+        lm_cmp cmp = lm_compare_f32(h, ref, (int64_t)N * d, 1e-6);
+        if (cmp.rel_rms > worst) worst = cmp.rel_rms;
+        assert_true(cmp.pass);
+        free(ref);
+    }
+    printf("  two-source mix vs hand-built fp64: worst rel RMS %.2e\n", worst);
+    lm_model_free(m);
+    lm_params_free(&p);
+}
+
+/* Packed documents give the logits of each document alone. */
+static void test_packing(void **state) {
+    (void)state;
+    lm_model_config cfg;
+    load_tiny(&cfg);
+    lm_error err = {0};
+    lm_params p;
+    assert_int_equal(lm_params_init(&p, &cfg, &err), LM_OK);
+    randomize(&p, 11);
+    const int64_t cu[] = {0, 7, 8, 8, 29, 45};
+    const int ncu = 6, T = 45, V = cfg.vocab_size;
+    lm_model *m;
+    assert_int_equal(lm_model_new(&m, &p, T, &err), LM_OK);
+    int32_t ids[45];
+    fill_ids(ids, T, V, 21);
+    float *lp = malloc(sizeof(float) * (size_t)T * V), *l1 = malloc(sizeof(float) * (size_t)T * V);
+    lm_model_batch b = {1, T, cu, ncu};
+    assert_int_equal(lm_model_forward(m, &b, ids, NULL, 0, lp, NULL, NULL, &err), LM_OK);
+    double worst = 0;
+    for (int j = 0; j + 1 < ncu; j++) {
+        const int len = (int)(cu[j + 1] - cu[j]);
+        if (len == 0) continue;
+        lm_model_batch bj = {1, len, NULL, 0};
+        assert_int_equal(lm_model_forward(m, &bj, ids + cu[j], NULL, 0, l1, NULL, NULL, &err),
+                         LM_OK);
+        double *ref = lm_to_f64(l1, (int64_t)len * V);
+        lm_cmp c = lm_compare_f32(lp + cu[j] * V, ref, (int64_t)len * V, 1e-5);
+        if (c.rel_rms > worst) worst = c.rel_rms;
+        assert_true(c.pass);
+        free(ref);
+    }
+    printf("  packed vs alone: worst rel RMS %.2e over %d documents\n", worst, ncu - 1);
+    free(lp);
+    free(l1);
+    lm_model_free(m);
+    lm_params_free(&p);
+}
+
+/* Prefill + 64 greedy decode steps == one full forward, at every position. */
+static void infer_case(lm_model_config *cfg, int B, int P, int steps) {
+    lm_error err = {0};
+    lm_params p;
+    assert_int_equal(lm_params_init(&p, cfg, &err), LM_OK);
+    randomize(&p, 13);
+    const int T = P + steps, V = cfg->vocab_size;
+    lm_model *m;
+    assert_int_equal(lm_model_new(&m, &p, (int64_t)B * T, &err), LM_OK);
+    lm_model_cache *kc;
+    assert_int_equal(lm_model_cache_new(&kc, m, B, T, &err), LM_OK);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(B * T));
+    fill_ids(ids, (int64_t)B * T, V, 31);
+    float *inc = malloc(sizeof(float) * (size_t)B * T * V);
+    float *step_logits = malloc(sizeof(float) * (size_t)B * V);
+    int32_t *prompt = malloc(sizeof(int32_t) * (size_t)(B * P));
+    for (int b = 0; b < B; b++) memcpy(prompt + b * P, ids + b * T, sizeof(int32_t) * (size_t)P);
+    float *pre = malloc(sizeof(float) * (size_t)B * P * V);
+    assert_int_equal(lm_model_infer(m, kc, prompt, P, 0, pre, &err), LM_OK);
+    for (int b = 0; b < B; b++)
+        memcpy(inc + (size_t)b * T * V, pre + (size_t)b * P * V, sizeof(float) * (size_t)P * V);
+    for (int s = 0; s < steps; s++) {
+        /* greedy: the next token is the argmax of the previous logits */
+        int32_t nxt[16];
+        for (int b = 0; b < B; b++) {
+            const float *lg = s == 0 ? pre + ((size_t)b * P + P - 1) * V : step_logits + b * V;
+            int best = 0;
+            for (int v = 1; v < V; v++)
+                if (lg[v] > lg[best]) best = v;
+            nxt[b] = best;
+            ids[b * T + P + s] = best;
+        }
+        assert_int_equal(lm_model_infer(m, kc, nxt, 1, 1, step_logits, &err), LM_OK);
+        for (int b = 0; b < B; b++)
+            memcpy(inc + ((size_t)b * T + P + s) * V, step_logits + b * V,
+                   sizeof(float) * (size_t)V);
+    }
+    assert_int_equal(lm_model_cache_pos(kc), T);
+    /* one more token does not fit */
+    int32_t one[16] = {0};
+    assert_int_equal(lm_model_infer(m, kc, one, 1, 1, step_logits, &err), LM_ERR_INVALID);
+    float *full = malloc(sizeof(float) * (size_t)B * T * V);
+    lm_model_batch bb = {B, T, NULL, 0};
+    assert_int_equal(lm_model_forward(m, &bb, ids, NULL, 0, full, NULL, NULL, &err), LM_OK);
+    double *ref = lm_to_f64(full, (int64_t)B * T * V);
+    double worst = 0;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            lm_cmp c = lm_compare_f32(inc + ((size_t)b * T + t) * V, ref + ((size_t)b * T + t) * V,
+                                      V, 1e-5);
+            if (c.rel_rms > worst) worst = c.rel_rms;
+            if (!c.pass) fprintf(stderr, "  row %d position %d: rel RMS %.3e\n", b, t, c.rel_rms);
+            assert_true(c.pass);
+        }
+    printf("  prefill %d + %d decode steps (B = %d) vs full forward: worst rel RMS %.2e per "
+           "position\n",
+           P, steps, B, worst);
+    free(ref);
+    free(full);
+    free(pre);
+    free(prompt);
+    free(step_logits);
+    free(inc);
+    free(ids);
+    lm_model_cache_free(kc);
+    lm_model_free(m);
+    lm_params_free(&p);
+}
+
+static void test_inference(void **state) {
+    (void)state;
+    lm_model_config cfg;
+    load_tiny(&cfg);
+    infer_case(&cfg, 2, 37, 64);
+    cfg.residual = LM_RES_STANDARD;
+    infer_case(&cfg, 1, 5, 64);
+}
+
+/* Outputs and gradients are bitwise identical for 1 and 2 threads. */
+static void test_threads(void **state) {
+    (void)state;
+    lm_model_config cfg;
+    load_tiny(&cfg);
+    lm_error err = {0};
+    lm_params p;
+    assert_int_equal(lm_params_init(&p, &cfg, &err), LM_OK);
+    randomize(&p, 17);
+    const int B = 2, T = 70, N = B * T;
+    lm_model *m;
+    assert_int_equal(lm_model_new(&m, &p, N, &err), LM_OK);
+    int32_t ids[140], lab[140];
+    fill_ids(ids, N, cfg.vocab_size, 41);
+    next_labels(ids, lab, B, T, NULL, 0);
+    lm_model_batch b = {B, T, NULL, 0};
+    float *g1 = malloc(sizeof(float) * (size_t)p.numel);
+    double l1 = 0, l2 = 0;
+    const int saved = lm_get_num_threads();
+    lm_set_num_threads(1);
+    assert_int_equal(lm_model_forward(m, &b, ids, lab, 1, NULL, &l1, NULL, &err), LM_OK);
+    assert_int_equal(lm_model_backward(m, 1.0f, 0, &err), LM_OK);
+    memcpy(g1, lm_model_grads(m), sizeof(float) * (size_t)p.numel);
+    lm_set_num_threads(2);
+    assert_int_equal(lm_model_forward(m, &b, ids, lab, 1, NULL, &l2, NULL, &err), LM_OK);
+    assert_int_equal(lm_model_backward(m, 1.0f, 0, &err), LM_OK);
+    lm_set_num_threads(saved);
+    assert_true(l1 == l2);
+    assert_memory_equal(g1, lm_model_grads(m), sizeof(float) * (size_t)p.numel);
+    /* accumulate = 1 adds: twice the gradient (scale 0.5 + 0.5) */
+    assert_int_equal(lm_model_forward(m, &b, ids, lab, 0, NULL, NULL, NULL, &err), LM_OK);
+    assert_int_equal(lm_model_backward(m, 0.5f, 0, &err), LM_OK);
+    assert_int_equal(lm_model_backward(m, 0.5f, 1, &err), LM_OK);
+    double *ref = lm_to_f64(g1, p.numel);
+    assert_true(lm_check_f32("accumulated half + half", lm_model_grads(m), ref, p.numel, 1e-6));
+    free(ref);
+    free(g1);
+    lm_model_free(m);
+    lm_params_free(&p);
+}
+
+static void test_bad_input(void **state) {
+    (void)state;
+    lm_model_config cfg;
+    load_tiny(&cfg);
+    lm_error err = {0};
+    lm_params p;
+    assert_int_equal(lm_params_init(&p, &cfg, &err), LM_OK);
+    randomize(&p, 19);
+    lm_model *m;
+    assert_int_equal(lm_model_new(&m, &p, 16, &err), LM_OK);
+    int32_t ids[16] = {0}, lab[16] = {0};
+    lm_model_batch b = {1, 16, NULL, 0};
+    ids[5] = 257;
+    assert_int_equal(lm_model_forward(m, &b, ids, NULL, 0, NULL, NULL, NULL, &err),
+                     LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "ids[5] = 257"));
+    ids[5] = 1;
+    lab[3] = -7;
+    assert_int_equal(lm_model_forward(m, &b, ids, lab, 0, NULL, NULL, NULL, &err),
+                     LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "labels[3] = -7"));
+    lm_model_batch big = {2, 16, NULL, 0};
+    assert_int_equal(lm_model_forward(m, &big, ids, NULL, 0, NULL, NULL, NULL, &err),
+                     LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "max_tokens"));
+    const int64_t cu_bad[] = {0, 9, 4, 16};
+    lm_model_batch bc = {1, 16, cu_bad, 4};
+    assert_int_equal(lm_model_forward(m, &bc, ids, NULL, 0, NULL, NULL, NULL, &err),
+                     LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "cu_seqlens[2]"));
+    const int64_t cu_end[] = {0, 9, 15};
+    lm_model_batch be = {1, 16, cu_end, 3};
+    assert_int_equal(lm_model_forward(m, &be, ids, NULL, 0, NULL, NULL, NULL, &err),
+                     LM_ERR_INVALID);
+    /* backward without labels */
+    assert_int_equal(lm_model_forward(m, &b, ids, NULL, 0, NULL, NULL, NULL, &err), LM_OK);
+    assert_int_equal(lm_model_backward(m, 1.0f, 0, &err), LM_ERR_INVALID);
+    /* NaN in a weight is named */
+    float *w = lm_params_get(&p, "model.layers.2.self_attn.q_proj.weight");
+    const float w0 = w[3];
+    w[3] = NAN;
+    assert_int_equal(lm_model_forward(m, &b, ids, NULL, 0, NULL, NULL, NULL, &err),
+                     LM_ERR_INVALID);
+    printf("  NaN weight: %s\n", err.msg);
+    assert_non_null(strstr(err.msg, "layer 2"));
+    w[3] = w0;
+    lm_model_free(m);
+    lm_params_free(&p);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_bad_input),          cmocka_unit_test(test_attnres_two_sources),
+        cmocka_unit_test(test_packing),            cmocka_unit_test(test_inference),
+        cmocka_unit_test(test_threads),            cmocka_unit_test(test_fd_tiny),
+        cmocka_unit_test(test_fd_standard_full_tied),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
