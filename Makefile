@@ -19,6 +19,8 @@ test: all
 bench: all
 	$(BUILD)/linmoe bench kda --json $(BUILD)/bench-kda.json
 	$(BUILD)/linmoe bench moe --json $(BUILD)/bench-moe.json
+	$(BUILD)/linmoe bench attnres --json $(BUILD)/bench-attnres.json
+	$(BUILD)/linmoe bench model --quick --json $(BUILD)/bench-model.json
 
 clean:
 	rm -rf build build-san

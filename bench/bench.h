@@ -24,15 +24,37 @@
 
 /* Options every `linmoe bench TARGET` takes (parsed by tools/linmoe.c). */
 typedef struct {
-    int threads;           /* > 0; the CLI defaults it to the number of cores */
-    int quick;             /* fewer repeats (smoke runs) */
-    const char *json_path; /* NULL: no JSON file */
+    int threads;             /* > 0; the CLI defaults it to the number of cores */
+    int quick;               /* fewer repeats (smoke runs) */
+    const char *json_path;   /* NULL: no JSON file */
+    const char *config_path; /* bench model: the model config (NULL: configs/bench-cpu.json,
+                                searched upward from the working directory and the binary) */
+    int no_peer;             /* bench model: skip the PyTorch reference step */
 } lm_bench_opts;
 
 /* `linmoe bench kda` (bench/bench_kda.c). Returns an exit code (0 ok, 1 failure). */
 int lm_bench_kda(const lm_bench_opts *opts);
 /* `linmoe bench moe` (bench/bench_moe.c). Returns an exit code (0 ok, 1 failure). */
 int lm_bench_moe(const lm_bench_opts *opts);
+/* `linmoe bench attnres` (bench/bench_attnres.c): the AttnRes aggregation forward and
+ * backward against the copy bandwidth measured in the same run. Exit code as above. */
+int lm_bench_attnres(const lm_bench_opts *opts);
+/* `linmoe bench model` (bench/bench_model.c): one training step (forward with labels
+ * + backward) of a model config against the sgemm limit and, when a Python with torch
+ * is found, the PyTorch reference step. Exit code as above. */
+int lm_bench_model(const lm_bench_opts *opts);
+
+/* The 1-minute load average from /proc/loadavg (NAN when unreadable): printed with the
+ * numbers because the machines are shared. */
+static inline double lm_bench_loadavg1(void) {
+    double l = NAN;
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (f) {
+        if (fscanf(f, "%lf", &l) != 1) l = NAN;
+        fclose(f);
+    }
+    return l;
+}
 
 /* ---------------------------------------------------------------- timing */
 

@@ -1,7 +1,7 @@
 /* `linmoe bench kda`: the KDA kernels on the CPU against the machine's limit.
  *
  * The limit is OpenBLAS sgemm 2048x2048x2048 on the same threads, measured in the
- * same run (median of >= 5 after one warmup). Then, at (B,T,H,D) = (1,4096,4,128)
+ * same run (median of >= 5 after one warmup; bench.h lm_bench_sgemm_limit). Then, at (B,T,H,D) = (1,4096,4,128)
  * and (4,2048,4,64) with H == HV and K == V == D, the recurrent forward, the chunked
  * forward and the chunked forward+backward, each for the bounded gate (lower_bound
  * -5, A_log = 0) and the softplus gate (A_log = log U(1,16)), both with dt_bias, the
@@ -197,50 +197,6 @@ static double flops_per_token_head(int mode, double dk, double dv, double C) {
     }
 }
 
-/* ---------------------------------------------------------------- sgemm limit */
-
-typedef struct {
-    int n;
-    float *A, *B, *C;
-} sgemm_ctx;
-
-static int sgemm_run(void *ctx) {
-    sgemm_ctx *s = (sgemm_ctx *)ctx;
-    lm_sgemm(0, 0, s->n, s->n, s->n, 1.0f, s->A, s->n, s->B, s->n, 0.0f, s->C, s->n);
-    return 0;
-}
-
-/* Returns the sgemm GFLOP/s (and fills the record), or a negative value on failure. */
-static double measure_sgemm(int threads, int repeat, lm_bench_record *rec) {
-    sgemm_ctx s = {2048, NULL, NULL, NULL};
-    const int64_t nn = (int64_t)s.n * s.n;
-    s.A = alloc_or_null(nn);
-    s.B = alloc_or_null(nn);
-    s.C = alloc_or_null(nn);
-    double gflops = -1;
-    if (s.A && s.B && s.C) {
-        lm_rng r;
-        lm_rng_init(&r, 12345);
-        fill_normal(s.A, nn, &r);
-        fill_normal(s.B, nn, &r);
-        lm_blas_set_threads(threads);
-        lm_bench_timing t = lm_bench_time(sgemm_run, &s, 1, repeat);
-        const double flop = 2.0 * s.n * (double)s.n * s.n;
-        gflops = flop / (t.median_ms * 1e-3) / 1e9;
-        int64_t shape[3] = {s.n, s.n, s.n};
-        lm_bench_record_init(rec, "sgemm_2048", 3, shape);
-        rec->ms = t.median_ms;
-        rec->gflops = gflops;
-        rec->ratio_to_limit = 1.0;
-    } else {
-        fprintf(stderr, "linmoe bench kda: out of memory allocating the sgemm operands\n");
-    }
-    free(s.A);
-    free(s.B);
-    free(s.C);
-    return gflops;
-}
-
 /* ---------------------------------------------------------------- main */
 
 int lm_bench_kda(const lm_bench_opts *opts) {
@@ -263,12 +219,11 @@ int lm_bench_kda(const lm_bench_opts *opts) {
     lm_bench_table_header(stdout);
 
     lm_bench_record rec;
-    const double limit = measure_sgemm(threads, repeat_sgemm, &rec);
-    /* OpenBLAS's worker threads keep spinning for a while after a call; let them go
-     * to sleep so that they do not compete with the OpenMP threads timed next. */
-    struct timespec nap = {0, 300000000L};
-    nanosleep(&nap, NULL);
+    /* (bench.h; it naps 0.3 s afterwards so that OpenBLAS's spinning worker threads
+     * do not compete with the OpenMP threads timed next) */
+    const double limit = lm_bench_sgemm_limit(threads, repeat_sgemm, &rec);
     if (limit <= 0 || !isfinite(limit)) {
+        fprintf(stderr, "linmoe bench kda: the sgemm limit could not be measured (out of memory)\n");
         lm_bench_json_free(&js);
         return 1;
     }

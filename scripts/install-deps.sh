@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # Installs the Debian/Ubuntu packages that linmoe's build and tests need.
+# `scripts/install-deps.sh --peer` also installs Debian's python3-torch (CPU PyTorch), used
+# only by `linmoe bench model` to time the PyTorch reference step beside linmoe.
 # Idempotent: when everything is already installed it prints nothing and changes
 # nothing. Runs apt-get directly as root, through sudo otherwise (non-interactive
 # sudo when there is no terminal, e.g. in CI).
 set -euo pipefail
 
 pkgs=(build-essential cmake pkg-config libopenblas-dev libcjson-dev libpcre2-dev libcmocka-dev)
+for a in "$@"; do
+    case "$a" in
+    --peer) pkgs+=(python3-torch python3-numpy) ;;
+    *) echo "install-deps: unknown option '$a' (known: --peer)" >&2; exit 2 ;;
+    esac
+done
 
 if ! command -v dpkg-query >/dev/null 2>&1; then
     echo "install-deps: dpkg-query not found; this script supports Debian/Ubuntu." >&2

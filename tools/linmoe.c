@@ -42,7 +42,8 @@ static void usage_main(FILE *f) {
             "\n"
             "subcommands:\n"
             "  op       run one op on tensors from a safetensors file (kda, gdn, moe_router, moe)\n"
-            "  bench    benchmark kernels against the sgemm limit (kda, moe)\n"
+            "  bench    benchmark kernels and the model against the machine's limit\n"
+            "           (kda, moe, attnres, model)\n"
             "  balance-sim  simulate expert load balancing on a synthetic skewed router\n"
             "  info     print a checkpoint's (or --config FILE's) config, parameter counts, tensors\n"
             "  version  print the version\n"
@@ -110,20 +111,34 @@ static void usage_op(FILE *f) {
 
 static void usage_bench(FILE *f) {
     fprintf(f,
-            "usage: %s bench kda|moe [--json FILE] [--threads N] [--quick] [--device cpu|cuda]\n"
+            "usage: %s bench kda|moe|attnres|model [--json FILE] [--threads N] [--quick]\n"
+            "          [--device cpu|cuda] [--config FILE] [--no-peer]\n"
             "\n"
-            "Measures the limit (OpenBLAS sgemm 2048x2048x2048 on the same threads) and then\n"
-            "the KDA recurrent forward, chunked forward and chunked forward+backward for the\n"
-            "bounded and the softplus gate at (B,T,H,D) = (1,4096,4,128) and (4,2048,4,64).\n"
+            "Measures the limit in the same run on the same threads, then the target:\n"
+            "kda: the KDA recurrent forward, chunked forward and chunked forward+backward for\n"
+            "  the bounded and the softplus gate at (B,T,H,D) = (1,4096,4,128) and\n"
+            "  (4,2048,4,64); limit: OpenBLAS sgemm 2048x2048x2048.\n"
             "moe: the MoE layer forward and forward+backward at (T,d,E,k,f,shared) =\n"
-            "(4096,512,64,8,256,1) and (4096,256,16,2,256,1), active-FLOP GFLOP/s.\n"
-            "Prints a table (median of the repeats after one warmup) and the speed ratios.\n"
+            "  (4096,512,64,8,256,1) and (4096,256,16,2,256,1), active-FLOP GFLOP/s; limit sgemm.\n"
+            "attnres: the AttnRes aggregation forward and backward (accumulating) at N = 4096,\n"
+            "  D = 256 and 1024, L = 2, 5, 9, 17 sources; GB/s of the bytes it must move\n"
+            "  against the copy bandwidth (256 MiB, OpenMP) as the limit.\n"
+            "model: one training step (forward with next-token labels + backward) of\n"
+            "  configs/bench-cpu.json (or --config FILE) at its batch_size x seq_len; FLOPs of\n"
+            "  lm_model_train_flops_per_token; limit sgemm; forward/backward split; and the\n"
+            "  PyTorch reference step (scripts/reference/bench_step.py, first of python3 and\n"
+            "  /usr/bin/python3 with torch) on the same threads as the peer: ratio_to_peer =\n"
+            "  its step time / linmoe's (> 1: linmoe faster), null when it is unavailable.\n"
+            "Prints a table (median of the repeats after one warmup).\n"
             "\n"
             "options:\n"
             "  --json FILE    also write the records as JSON to FILE\n"
             "  --threads N    threads for linmoe and OpenBLAS (default: number of cores)\n"
             "  --quick        fewer repeats (smoke test; numbers are noisier)\n"
             "  --device D     cpu (default) or cuda (not built yet)\n"
+            "  --config FILE  model: the model config (default: configs/bench-cpu.json, looked\n"
+            "                 up from the working directory and the binary upward)\n"
+            "  --no-peer      model: skip the PyTorch reference step\n"
             "  --help         this help\n",
             g_prog);
 }
@@ -254,16 +269,23 @@ static int cmd_bench(int argc, char **argv) {
             return LM_EXIT_OK;
         }
     if (argc < 2) {
-        fprintf(stderr, "%s bench: missing target (available: kda, moe)\n", g_prog);
+        fprintf(stderr, "%s bench: missing target (available: kda, moe, attnres, model)\n", g_prog);
         usage_bench(stderr);
         return LM_EXIT_USAGE;
     }
+    static const char *const targets[] = {"kda", "moe", "attnres", "model"};
+    int (*const runners[])(const lm_bench_opts *) = {lm_bench_kda, lm_bench_moe, lm_bench_attnres,
+                                                     lm_bench_model};
     const char *target = argv[1];
-    if (strcmp(target, "kda") != 0 && strcmp(target, "moe") != 0) {
-        fprintf(stderr, "%s bench: unknown target '%s' (available: kda, moe)\n", g_prog, target);
+    int ti = -1;
+    for (int k = 0; k < (int)(sizeof(targets) / sizeof(targets[0])); k++)
+        if (strcmp(target, targets[k]) == 0) ti = k;
+    if (ti < 0) {
+        fprintf(stderr, "%s bench: unknown target '%s' (available: kda, moe, attnres, model)\n",
+                g_prog, target);
         return LM_EXIT_USAGE;
     }
-    lm_bench_opts o = {0, 0, NULL};
+    lm_bench_opts o = {0, 0, NULL, NULL, 0};
     const char *device = "cpu", *threads = NULL;
     for (int i = 2; i < argc; i++) {
         int r;
@@ -271,13 +293,23 @@ static int cmd_bench(int argc, char **argv) {
             o.quick = 1;
             continue;
         }
+        if (strcmp(argv[i], "--no-peer") == 0) {
+            o.no_peer = 1;
+            continue;
+        }
         if ((r = flag_value(argc, argv, &i, "--json", &o.json_path)) != 0 ||
+            (r = flag_value(argc, argv, &i, "--config", &o.config_path)) != 0 ||
             (r = flag_value(argc, argv, &i, "--threads", &threads)) != 0 ||
             (r = flag_value(argc, argv, &i, "--device", &device)) != 0) {
             if (r < 0) return LM_EXIT_USAGE;
             continue;
         }
         return unknown_flag("bench", argv[i]);
+    }
+    if ((o.config_path || o.no_peer) && strcmp(target, "model") != 0) {
+        fprintf(stderr, "%s bench %s: %s applies only to `%s bench model`\n", g_prog, target,
+                o.config_path ? "--config" : "--no-peer", g_prog);
+        return LM_EXIT_USAGE;
     }
     int rc = check_device("bench", device);
     if (rc != 0) return rc;
@@ -287,7 +319,7 @@ static int cmd_bench(int argc, char **argv) {
         o.threads = omp_get_num_procs();
         if (o.threads < 1) o.threads = 1;
     }
-    return strcmp(target, "moe") == 0 ? lm_bench_moe(&o) : lm_bench_kda(&o);
+    return runners[ti](&o);
 }
 
 static int cmd_version(int argc, char **argv) {
