@@ -17,7 +17,7 @@
  *
  * The peer: unless --no-peer, the first of `python3`, `/usr/bin/python3` that can
  * `import torch` runs scripts/reference/bench_step.py --config CFG --threads N
- * --warmup 1 --iters 3 (--quick: 2) after linmoe's steps (one at a time: the two never
+ * --warmup 2 --iters 3 (--quick: 2) after linmoe's steps (one at a time: the two never
  * share the cores), with OMP_NUM_THREADS=N; the LAST stdout line is one JSON object
  * {"peer", "threads", "B", "T", "step_s_median", "step_s"}. ratio_to_peer = peer step
  * time / linmoe step time (> 1: linmoe is faster). When there is no torch, the script
@@ -232,13 +232,13 @@ static void run_peer(const char *cfg_path, int threads, int B, int T, int iters,
     if (have_timeout) snprintf(tprefix, sizeof(tprefix), "/usr/bin/timeout %d ", PEER_TIMEOUT_S);
     char cmd[3 * PATH_CAP + 256];
     snprintf(cmd, sizeof(cmd),
-             "OMP_NUM_THREADS=%d %s'%s' '%s' --config '%s' --threads %d --warmup 1 --iters %d "
+             "OMP_NUM_THREADS=%d %s'%s' '%s' --config '%s' --threads %d --warmup 2 --iters %d "
              "2>'%s'",
              threads, tprefix, py, script_abs, cfg_abs, threads, iters, errpath);
     /* let OpenBLAS's and OpenMP's spinning workers go to sleep before the peer runs */
     struct timespec nap = {0, 300000000L};
     nanosleep(&nap, NULL);
-    printf("peer: %s %s --config %s --threads %d --warmup 1 --iters %d\n", py, PEER_SCRIPT,
+    printf("peer: %s %s --config %s --threads %d --warmup 2 --iters %d\n", py, PEER_SCRIPT,
            cfg_abs, threads, iters);
     fflush(stdout);
     FILE *p = popen(cmd, "r");

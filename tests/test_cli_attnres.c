@@ -297,6 +297,69 @@ static void test_single_source_bf16(void **state) {
     res_free(&R);
 }
 
+
+/* `linmoe op attnres` against fla's naive_attnres (promoted to fp64, autograd for the
+ * gradients): tests/fixtures/attnres_naive.safetensors, written on the GPU machine by
+ * scripts/reference/make_fixtures.sh (L 5, N 37, D 48, a random non-zero query, eps
+ * 1e-6, scale 0.5). The fixture's inputs are copied into a new file (the expected.*
+ * tensors are not op inputs); every output is compared with the fp32 tolerances
+ * (forward 1e-5, gradients 1e-4 relative RMS). */
+static void test_fla_naive_fixture(void **state) {
+    (void)state;
+    lm_error err = {0};
+    lm_safetensors fx;
+    lm_status st = lm_st_read("tests/fixtures/attnres_naive.safetensors", &fx, &err);
+    if (st != LM_OK) print_message("%s\n", err.msg);
+    assert_int_equal(st, LM_OK);
+    lm_st_writer w;
+    lm_st_writer_init(&w);
+    for (int i = 0; i < fx.n_entries; i++) {
+        const lm_st_entry *e = &fx.entries[i];
+        if (strncmp(e->name, "expected.", 9) == 0) continue;
+        assert_int_equal(lm_st_writer_add(&w, e->name, e->dtype, e->ndim, e->shape, e->data,
+                                          &err),
+                         LM_OK);
+    }
+    const char *eps = lm_st_meta(&fx, "eps"), *scale = lm_st_meta(&fx, "scale");
+    assert_non_null(eps);
+    assert_non_null(scale);
+    assert_int_equal(lm_st_writer_meta(&w, "eps", eps, &err), LM_OK);
+    assert_int_equal(lm_st_writer_meta(&w, "scale", scale, &err), LM_OK);
+    const char *in = lm_cli_path("fla_in.safetensors"), *out = lm_cli_path("fla_out.safetensors");
+    lm_writer_save(&w, in);
+    char msg[8192];
+    int rc = lm_run_cli(msg, sizeof msg, "op attnres --in %s --out %s", in, out);
+    if (rc != 0) print_message("linmoe op attnres failed (%d):\n%s\n", rc, msg);
+    assert_int_equal(rc, 0);
+    lm_safetensors got;
+    assert_int_equal(lm_st_read(out, &got, &err), LM_OK);
+    static const char *const names[] = {"o", "dquery", "drms_weight", "dresidual_0",
+                                        "dresidual_1", "dresidual_2", "dresidual_3",
+                                        "dresidual_4"};
+    int ok = 1;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        char en[64];
+        snprintf(en, sizeof en, "expected.%s", names[i]);
+        const lm_st_entry *ge = lm_st_find(&got, names[i]), *ee = lm_st_find(&fx, en);
+        assert_non_null(ge);
+        assert_non_null(ee);
+        float *o = NULL;
+        double *ref = NULL;
+        assert_int_equal(lm_st_to_f32(&got, names[i], &o, &err), LM_OK);
+        assert_int_equal(lm_st_to_f64(&fx, en, &ref, &err), LM_OK);
+        int64_t n = 1;
+        for (int j = 0; j < ee->ndim; j++) n *= ee->shape[j];
+        char label[80];
+        snprintf(label, sizeof label, "  vs fla naive_attnres: %s", names[i]);
+        ok &= lm_check_f32(label, o, ref, n, i == 0 ? 1e-5 : 1e-4);
+        free(o);
+        free(ref);
+    }
+    assert_true(ok);
+    lm_st_free(&got);
+    lm_st_free(&fx);
+}
+
 static void test_help(void **state) {
     (void)state;
     char msg[8192];
@@ -520,6 +583,7 @@ int main(void) {
         cmocka_unit_test(test_backward_f64),
         cmocka_unit_test(test_backward_many_sources),
         cmocka_unit_test(test_single_source_bf16),
+        cmocka_unit_test(test_fla_naive_fixture),
         cmocka_unit_test(test_help),
         cmocka_unit_test(test_missing_residual),
         cmocka_unit_test(test_shape_mismatch),

@@ -84,6 +84,15 @@ lm_router_state *lm_model_router_state(lm_model *m, int layer);
 /* Routing of layer `layer`'s last forward (NULL for dense / none yet). */
 const lm_route *lm_model_route(const lm_model *m, int layer);
 
+/* Change the RoPE base of every RoPE attention layer (a context-extension stage's
+ * rope_theta): sets p->cfg.rope_theta, so a checkpoint saved afterwards records it,
+ * and the value the attention layers use from the next forward / infer on (their
+ * cos/sin tables are rebuilt when the base changes). Keys already rotated into an
+ * inference cache keep the old base: reset caches after a change. With no RoPE
+ * layer only the config value changes. Errors: LM_ERR_INVALID for a non-finite or
+ * non-positive theta (nothing changed). */
+lm_status lm_model_set_rope_theta(lm_model *m, double theta, lm_error *err);
+
 /* Training / eval forward. ids [B*T] in [0, V) (checked, the error names the
  * position). labels [B*T] (ids or LM_MODEL_IGNORE) or NULL: no loss, no backward.
  * training = 1: MoE capacity dropping (when configured) and router demand
@@ -107,6 +116,13 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
 const float *lm_model_sublayer_input(const lm_model *m, int l);
 const float *lm_model_block_partial(const lm_model *m, int l);
 const float *lm_model_embedding_out(const lm_model *m);
+
+/* AttnRes depth weights of the last forward / infer: for sublayer l (0 <= l < 2L;
+ * l = 2L: the final aggregation) the softmax weights averaged over the tokens,
+ * p_mean[j] for source j (0 = embedding, then the completed blocks in order, then the
+ * running block sum when present). Returns the number of sources (<= max_out), 0
+ * with the standard residual or a bad l. */
+int lm_model_attnres_weights(const lm_model *m, int l, double *p_mean, int max_out);
 
 /* FLOPs of one training step (forward + backward) per token for sequence length T
  * (issue 4 item 8): 6 x (matmul parameters touched per token: projections, dense

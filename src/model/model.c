@@ -103,6 +103,17 @@ const lm_route *lm_model_route(const lm_model *m, int layer) {
     return lm_moe_ctx_route(m->ly[layer].mctx);
 }
 
+lm_status lm_model_set_rope_theta(lm_model *m, double theta, lm_error *err) {
+    if (!m) return lm_errorf(err, LM_ERR_INVALID, "model: NULL model");
+    if (!(isfinite(theta) && theta > 0.0 && theta <= 3.0e38))
+        return lm_errorf(err, LM_ERR_INVALID, "model: rope_theta = %g must be finite and > 0",
+                         theta);
+    m->p->cfg.rope_theta = (float)theta;
+    for (int i = 0; i < m->L; i++)
+        if (m->ly[i].kind == LM_LAYER_ATTN) m->ly[i].ac.rope_theta = m->p->cfg.rope_theta;
+    return LM_OK;
+}
+
 const float *lm_model_sublayer_input(const lm_model *m, int l) {
     return m && l >= 0 && l < m->nsub ? m->h[l] : NULL;
 }
@@ -662,6 +673,41 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
     return LM_OK;
 }
 
+/* ---------------------------------------------------------------- depth weights */
+
+int lm_model_attnres_weights(const lm_model *m, int l, double *p_mean, int max_out) {
+    if (!m || !m->run || l < 0 || l > m->nsub || m->N < 1) return 0;
+    int sidx[LM_MAX_LAYERS * 2 + 2];
+    const int ns = ar_sources(m, l, sidx);
+    if (ns > max_out) return 0;
+    const float *q = l == m->nsub ? m->arq_fin : m->ly[l / 2].arq[l % 2];
+    const float *g = l == m->nsub ? m->arn_fin : m->ly[l / 2].arn[l % 2];
+    const int64_t N = m->N, d = m->d;
+    const double eps = m->c->rms_norm_eps;
+    for (int j = 0; j < ns; j++) p_mean[j] = 0;
+    if (ns == 1) {
+        p_mean[0] = 1;
+        return 1;
+    }
+    double s[LM_MAX_LAYERS * 2 + 2];
+    for (int64_t n = 0; n < N; n++) {
+        double mx = -INFINITY, z = 0;
+        for (int j = 0; j < ns; j++) {
+            const float *C = (sidx[j] < 0 ? m->e : m->run[sidx[j]]) + n * d;
+            double ms = 0, dot = 0;
+            for (int64_t k = 0; k < d; k++) {
+                ms += (double)C[k] * C[k];
+                dot += (double)q[k] * g[k] * C[k];
+            }
+            s[j] = dot / sqrt(ms / (double)d + eps);
+            if (s[j] > mx) mx = s[j];
+        }
+        for (int j = 0; j < ns; j++) z += exp(s[j] - mx);
+        for (int j = 0; j < ns; j++) p_mean[j] += exp(s[j] - mx) / z / (double)N;
+    }
+    return ns;
+}
+
 /* ---------------------------------------------------------------- FLOPs */
 
 double lm_model_train_flops_per_token(const lm_model_config *c, int T) {
@@ -781,6 +827,7 @@ lm_status lm_model_infer(lm_model *m, lm_model_cache *c, const int32_t *ids, int
     memcpy(m->ids, ids, (size_t)N * sizeof(int32_t));
     fwd_mode fm = {c->B, T, NULL, 0, 0, c};
     LM_TRY(run_forward(m, &fm, m->ids, err));
+    m->N = N;
     c->pos += T;
     if (!logits) return LM_OK;
     if (!last_only) {
