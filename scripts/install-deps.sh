@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian/Ubuntu packages that linmoe's build and tests need.
+# Installs the Debian/Ubuntu packages that linmoe's build, tests and data scripts need
+# (scripts/fetch-data.sh: node, npm, bzip2, xz; `linmoe plot`: gnuplot).
 # `scripts/install-deps.sh --peer` also installs Debian's python3-torch (CPU PyTorch), used
 # only by `linmoe bench model` to time the PyTorch reference step beside linmoe.
 # Idempotent: when everything is already installed it prints nothing and changes
@@ -7,7 +8,13 @@
 # sudo when there is no terminal, e.g. in CI).
 set -euo pipefail
 
-pkgs=(build-essential cmake pkg-config libopenblas-dev libcjson-dev libpcre2-dev libcmocka-dev)
+pkgs=(build-essential cmake pkg-config libopenblas-dev libcjson-dev libpcre2-dev libcmocka-dev
+    gnuplot-nox bzip2 xz-utils ca-certificates)
+# node + npm run scripts/fetch-data.sh and the tokenizer oracle. Checked by command, not
+# by package: a Node.js from elsewhere (e.g. NodeSource's nodejs, which bundles npm and
+# conflicts with Debian's npm package) is fine and must not be "fixed".
+command -v node >/dev/null 2>&1 || pkgs+=(nodejs)
+command -v npm >/dev/null 2>&1 || pkgs+=(npm)
 for a in "$@"; do
     case "$a" in
     --peer) pkgs+=(python3-torch python3-numpy) ;;

@@ -31,6 +31,17 @@ void lm_cli_balance_sim_usage(FILE *f);
 /* `linmoe info` (tools/info.c); exit codes as in cli.h. */
 int lm_cli_info(int argc, char **argv);
 void lm_cli_info_usage(FILE *f);
+/* Issue 5 subcommands, one file each (tools/<name>.c); exit codes as in cli.h. */
+int lm_cli_tokenize(int argc, char **argv);
+void lm_cli_tokenize_usage(FILE *f);
+int lm_cli_train(int argc, char **argv);
+void lm_cli_train_usage(FILE *f);
+int lm_cli_eval(int argc, char **argv);
+void lm_cli_eval_usage(FILE *f);
+int lm_cli_generate(int argc, char **argv);
+void lm_cli_generate_usage(FILE *f);
+int lm_cli_plot(int argc, char **argv);
+void lm_cli_plot_usage(FILE *f);
 
 static const char *g_prog = "linmoe";
 
@@ -46,11 +57,15 @@ static void usage_main(FILE *f) {
             "           (kda, moe, attnres, model)\n"
             "  balance-sim  simulate expert load balancing on a synthetic skewed router\n"
             "  info     print a checkpoint's (or --config FILE's) config, parameter counts, tensors\n"
+            "  tokenize turn text into token shards (byte or GPT-2 BPE tokenizer)\n"
+            "  train    train a model from a training config (stages, checkpoints, --resume)\n"
+            "  eval     evaluate a checkpoint: bits per byte, passkey accuracy, MoE balance (JSON)\n"
+            "  generate sample text from a checkpoint (prefill + cached decode)\n"
+            "  plot     draw a run's loss, bits/byte, balance and passkey plots (gnuplot)\n"
             "  version  print the version\n"
             "  help     print this help, or `help SUBCOMMAND` for one subcommand\n"
             "\n"
-            "Every subcommand takes --help. train, eval, generate, tokenize and plot\n"
-            "arrive with their issues.\n",
+            "Every subcommand takes --help.\n",
             g_prog);
 }
 
@@ -346,6 +361,11 @@ static int cmd_help(int argc, char **argv) {
     else if (strcmp(s, "version") == 0) usage_version(stdout);
     else if (strcmp(s, "balance-sim") == 0) lm_cli_balance_sim_usage(stdout);
     else if (strcmp(s, "info") == 0) lm_cli_info_usage(stdout);
+    else if (strcmp(s, "tokenize") == 0) lm_cli_tokenize_usage(stdout);
+    else if (strcmp(s, "train") == 0) lm_cli_train_usage(stdout);
+    else if (strcmp(s, "eval") == 0) lm_cli_eval_usage(stdout);
+    else if (strcmp(s, "generate") == 0) lm_cli_generate_usage(stdout);
+    else if (strcmp(s, "plot") == 0) lm_cli_plot_usage(stdout);
     else if (strcmp(s, "help") == 0) usage_main(stdout);
     else {
         fprintf(stderr, "%s help: unknown subcommand '%s' (see `%s --help`)\n", g_prog, s, g_prog);
@@ -368,6 +388,11 @@ int main(int argc, char **argv) {
     if (strcmp(sub, "bench") == 0) return cmd_bench(argc - 1, argv + 1);
     if (strcmp(sub, "balance-sim") == 0) return lm_cli_balance_sim(argc - 1, argv + 1);
     if (strcmp(sub, "info") == 0) return lm_cli_info(argc - 1, argv + 1);
+    if (strcmp(sub, "tokenize") == 0) return lm_cli_tokenize(argc - 1, argv + 1);
+    if (strcmp(sub, "train") == 0) return lm_cli_train(argc - 1, argv + 1);
+    if (strcmp(sub, "eval") == 0) return lm_cli_eval(argc - 1, argv + 1);
+    if (strcmp(sub, "generate") == 0) return lm_cli_generate(argc - 1, argv + 1);
+    if (strcmp(sub, "plot") == 0) return lm_cli_plot(argc - 1, argv + 1);
     if (sub[0] == '-')
         fprintf(stderr, "%s: unknown option '%s' (see `%s --help`)\n", g_prog, sub, g_prog);
     else

@@ -77,6 +77,8 @@ lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_erro
 void lm_model_free(lm_model *m);
 
 lm_params *lm_model_params(lm_model *m);
+/* The max_tokens given to lm_model_new (largest B*T per forward / infer call). */
+int64_t lm_model_max_tokens(const lm_model *m);
 /* Gradient buffer: p->numel floats, tensor t at p->t[t].offset (buffers stay 0). */
 float *lm_model_grads(lm_model *m);
 /* Router state of layer `layer` (NULL for a dense or out-of-range layer). */

@@ -91,6 +91,7 @@ static float *G_of(lm_model *m, const float *param) {
 }
 
 lm_params *lm_model_params(lm_model *m) { return m->p; }
+int64_t lm_model_max_tokens(const lm_model *m) { return m ? m->max_tokens : 0; }
 float *lm_model_grads(lm_model *m) { return m->grads; }
 
 lm_router_state *lm_model_router_state(lm_model *m, int layer) {

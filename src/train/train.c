@@ -1,0 +1,785 @@
+/* The training loop: stages (seq_len, LR schedule, rope_theta, data mix), micro-batch
+ * accumulation, clipping, AdamW, the once-per-step MoE bias update, the NaN/Inf
+ * guard, evals, logs and checkpoints with bit-exact resume. Contracts, config and
+ * run-directory layout: include/linmoe/train.h; walk-through: docs/training.md. */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "linmoe/eval.h"
+#include "linmoe/loader.h"
+#include "linmoe/passkey.h"
+#include "linmoe/shard.h"
+#include "linmoe/tokenizer.h"
+#include "train/train_internal.h"
+
+#define PATHMAX 4096
+
+void lm_train_options_default(lm_train_options *o) {
+    memset(o, 0, sizeof *o);
+    o->progress = -1;
+}
+
+typedef struct {
+    const lm_train_config *c;
+    const lm_train_options *o;
+    char run[PATHMAX];
+    lm_tokenizer *tok;
+    lm_shard train, val, val_sub;
+    int have_train, have_val;
+    lm_params p;
+    int have_p;
+    lm_model *m;
+    lm_adamw opt;
+    int have_opt;
+    lm_loader *ld;
+    lm_loader_batch b;
+    int have_b;
+    lm_train_counters k;
+    FILE *flog, *feval, *fstage;
+    int live; /* live progress line on stderr */
+    int quiet;
+    int line_open; /* a live line is on screen */
+    double ref_flops;
+    double *load;           /* [L * E] per-step demand fractions */
+    lm_router_metrics *met; /* [L] */
+    int E;
+    double last_bpb, last_loss;
+    char last_ckpt[PATHMAX + 64];
+} ctx;
+
+/* ---------------------------------------------------------------- output helpers */
+
+static void say(ctx *x, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void say(ctx *x, const char *fmt, ...) {
+    if (x->quiet)
+        return;
+    if (x->line_open) {
+        fputs("\r\033[K", stderr);
+        x->line_open = 0;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    fflush(stderr);
+}
+
+static void jnum(FILE *f, double v, int prec) {
+    if (isfinite(v))
+        fprintf(f, "%.*g", prec, v);
+    else
+        fputs("null", f);
+}
+
+static void fmt_dur(char *buf, size_t n, double s) {
+    if (!isfinite(s) || s < 0)
+        s = 0;
+    long t = (long)(s + 0.5);
+    if (t >= 3600)
+        snprintf(buf, n, "%ldh%02ldm", t / 3600, (t / 60) % 60);
+    else if (t >= 60)
+        snprintf(buf, n, "%ldm%02lds", t / 60, t % 60);
+    else
+        snprintf(buf, n, "%lds", t);
+}
+
+/* Forward / backward errors that mean "the numbers blew up" (a bad step: the
+ * model's "non-finite value" checks, the router's "NaN/Inf logits"), as opposed to
+ * bad input or internal errors (fatal). */
+static int numeric_error(const char *msg) {
+    return strstr(msg, "non-finite") || strstr(msg, "not finite") || strstr(msg, "NaN") ||
+           strstr(msg, "Inf");
+}
+
+static lm_status mkdir_p(const char *path, lm_error *err) {
+    char buf[PATHMAX];
+    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf)
+        return lm_errorf(err, LM_ERR_INVALID, "run dir: path too long");
+    for (char *q = buf + 1; *q; q++) {
+        if (*q != '/')
+            continue;
+        *q = '\0';
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+            return lm_errorf(err, LM_ERR_IO, "%s: cannot create: %s", buf, strerror(errno));
+        *q = '/';
+    }
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+        return lm_errorf(err, LM_ERR_IO, "%s: cannot create: %s", buf, strerror(errno));
+    return LM_OK;
+}
+
+static lm_status write_text_atomic(const char *path, const char *text, lm_error *err) {
+    char tmp[PATHMAX + 64];
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+    FILE *f = fopen(tmp, "wb");
+    if (!f)
+        return lm_errorf(err, LM_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
+    size_t n = strlen(text);
+    int ok = fwrite(text, 1, n, f) == n;
+    ok = fflush(f) == 0 && ok;
+    ok = fsync(fileno(f)) == 0 && ok;
+    ok = fclose(f) == 0 && ok;
+    if (!ok || rename(tmp, path) != 0) {
+        int e = errno;
+        unlink(tmp);
+        return lm_errorf(err, LM_ERR_IO, "%s: write failed: %s", path, strerror(e));
+    }
+    return LM_OK;
+}
+
+/* Keep the lines of a JSONL log whose integer `key` is <= limit (resume: drop what
+ * an interrupted run wrote after its checkpoint; unparsable half-written lines go). */
+static lm_status filter_jsonl(const char *path, const char *key, int64_t limit, lm_error *err) {
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return LM_OK;
+    char *out = NULL;
+    size_t no = 0, cap = 0;
+    char *line = NULL;
+    size_t lcap = 0;
+    ssize_t len;
+    while ((len = getline(&line, &lcap, f)) > 0) {
+        cJSON *j = cJSON_Parse(line);
+        const cJSON *v = j ? cJSON_GetObjectItemCaseSensitive(j, key) : NULL;
+        int keep =
+            v && cJSON_IsNumber(v) && v->valuedouble <= (double)limit && line[len - 1] == '\n';
+        cJSON_Delete(j);
+        if (!keep)
+            continue;
+        if (no + (size_t)len + 1 > cap) {
+            cap = (no + (size_t)len + 1) * 2;
+            out = realloc(out, cap);
+            LM_CHECK(out != NULL);
+        }
+        memcpy(out + no, line, (size_t)len);
+        no += (size_t)len;
+    }
+    free(line);
+    fclose(f);
+    if (!out) {
+        out = LM_MALLOC(1);
+    }
+    out[no] = '\0';
+    lm_status st = write_text_atomic(path, out, err);
+    free(out);
+    return st;
+}
+
+static lm_status open_log(ctx *x, const char *name, int append, FILE **f, lm_error *err) {
+    char path[PATHMAX + 64];
+    snprintf(path, sizeof path, "%s/%s", x->run, name);
+    *f = fopen(path, append ? "ab" : "wb");
+    if (!*f)
+        return lm_errorf(err, LM_ERR_IO, "%s: cannot open for writing: %s", path, strerror(errno));
+    return LM_OK;
+}
+
+/* ---------------------------------------------------------------- reference rate */
+
+/* The sgemm FLOP/s of this machine on the training threads (best of 3 after a
+ * warmup, 512^3: OpenBLAS is at its peak rate there on a few cores, and it costs
+ * ~10 ms): the denominator of the logged "mfu". */
+static double measure_sgemm(void) {
+    const int n = 512;
+    float *A = LM_MALLOC((size_t)n * n * sizeof(float) * 3);
+    float *B = A + (size_t)n * n, *C = B + (size_t)n * n;
+    for (size_t i = 0; i < (size_t)n * n; i++) {
+        A[i] = (float)((i * 2654435761u) % 1000) * 1e-3f - 0.5f;
+        B[i] = (float)((i * 40503u) % 1000) * 1e-3f - 0.5f;
+    }
+    double best = 1e30;
+    for (int r = 0; r < 4; r++) {
+        double t0 = lm_time_sec();
+        lm_sgemm(0, 0, n, n, n, 1.0f, A, n, B, n, 0.0f, C, n);
+        double t = lm_time_sec() - t0;
+        if (r > 0 && t < best)
+            best = t;
+    }
+    free(A);
+    return 2.0 * n * (double)n * n / best;
+}
+
+/* ---------------------------------------------------------------- stages, evals */
+
+static lm_status apply_stage(ctx *x, int s, lm_error *err) {
+    const lm_train_stage *st = &x->c->stages[s];
+    lm_loader_stage ls = {st->seq_len, st->packing, st->passkey_fraction, st->long_doc_fraction};
+    lm_status r = lm_loader_set_stage(x->ld, &ls, err);
+    if (r != LM_OK) {
+        char buf[sizeof err->msg];
+        snprintf(buf, sizeof buf, "%s", err->msg);
+        return lm_errorf(err, r, "%s: stage '%s' (stages[%d]): %s", x->c->source, st->name, s, buf);
+    }
+    return lm_model_set_rope_theta(x->m, st->rope_theta, err);
+}
+
+static void log_stage(ctx *x, int s) {
+    const lm_train_stage *st = &x->c->stages[s];
+    fprintf(x->fstage,
+            "{\"stage\": %d, \"name\": \"%s\", \"step\": %lld, \"tokens\": %lld, \"seq_len\": %d, "
+            "\"steps\": %lld, \"rope_theta\": ",
+            s, st->name, (long long)x->k.step, (long long)x->k.tokens, st->seq_len,
+            (long long)st->steps);
+    jnum(x->fstage, st->rope_theta, 9);
+    fprintf(x->fstage, ", \"packing\": %s, \"passkey_fraction\": ", st->packing ? "true" : "false");
+    jnum(x->fstage, st->passkey_fraction, 9);
+    fputs(", \"long_doc_fraction\": ", x->fstage);
+    jnum(x->fstage, st->long_doc_fraction, 9);
+    fputs("}\n", x->fstage);
+    fflush(x->fstage);
+    say(x,
+        "stage %d '%s' from step %lld: seq_len %d, %lld steps of %lld tokens, lr %.3g, "
+        "rope_theta %g, %s, passkey %.3g, long docs %.3g",
+        s, st->name, (long long)x->k.step, st->seq_len, (long long)st->steps,
+        (long long)st->step_tokens, st->lr, st->rope_theta, st->packing ? "packed" : "windows",
+        st->passkey_fraction, st->long_doc_fraction);
+}
+
+static lm_status run_eval(ctx *x, lm_error *err) {
+    const lm_train_config *c = x->c;
+    double t0 = lm_time_sec();
+    lm_eval_bpb_result r;
+    memset(&r, 0, sizeof r);
+    LM_TRY(lm_eval_bpb(x->m, x->tok, &x->val_sub, c->eval_seq_len, &r, err));
+    lm_eval_passkey_result pk[LM_TRAIN_MAX_PASSKEY_LENGTHS];
+    for (int i = 0; i < c->n_passkey_lengths; i++)
+        LM_TRY(lm_eval_passkey(x->m, x->tok, &x->val, c->passkey_lengths[i], c->passkey_samples,
+                               c->passkey_seed, &pk[i], err));
+    const int s = (int)x->k.stage;
+    FILE *f = x->feval;
+    fprintf(f,
+            "{\"step\": %lld, \"tokens\": %lld, \"stage\": %d, \"stage_name\": \"%s\", "
+            "\"seq_len\": %d, \"bits_per_byte\": ",
+            (long long)x->k.step, (long long)x->k.tokens, s, c->stages[s].name, c->eval_seq_len);
+    jnum(f, r.bits_per_byte, 9);
+    fputs(", \"nll_nats\": ", f);
+    jnum(f, r.nll_nats, 12);
+    fprintf(f, ", \"bytes\": %lld, \"eval_tokens\": %lld, \"passkey\": [", (long long)r.bytes,
+            (long long)r.tokens);
+    for (int i = 0; i < c->n_passkey_lengths; i++) {
+        fprintf(f, "%s{\"length\": %d, \"samples\": %d, \"correct\": %d, \"accuracy\": ",
+                i ? ", " : "", pk[i].length, pk[i].samples, pk[i].correct);
+        jnum(f, pk[i].accuracy, 9);
+        fputc('}', f);
+    }
+    fputs("]}\n", f);
+    fflush(f);
+    x->last_bpb = r.bits_per_byte;
+    char buf[512];
+    size_t n = (size_t)snprintf(buf, sizeof buf, "eval at step %lld (stage '%s'): %.4f bits/byte",
+                                (long long)x->k.step, c->stages[s].name, r.bits_per_byte);
+    for (int i = 0; i < c->n_passkey_lengths && n < sizeof buf; i++)
+        n += (size_t)snprintf(buf + n, sizeof buf - n, ", passkey@%d %.3f", pk[i].length,
+                              pk[i].accuracy);
+    if (n < sizeof buf)
+        snprintf(buf + n, sizeof buf - n, " (%.1f s)", lm_time_sec() - t0);
+    say(x, "%s", buf);
+    return LM_OK;
+}
+
+/* ---------------------------------------------------------------- one step */
+
+static void reset_router_accumulators(lm_router_state *st) {
+    memset(st->demand, 0, sizeof(double) * (size_t)st->E);
+    memset(st->kept, 0, sizeof(double) * (size_t)st->E);
+    memset(st->qb_accum, 0, sizeof(double) * (size_t)st->E);
+    st->qb_count = 0;
+    st->tokens = st->dropped_assign = st->dropped_tokens = 0;
+    st->aux_loss_sum = 0.0;
+    st->n_micro = 0;
+}
+
+typedef struct {
+    double loss, gnorm, lr, seconds;
+    int skipped;
+    int n_passkey, n_long;
+} step_result;
+
+static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
+    const lm_train_config *c = x->c;
+    const lm_train_stage *st = &c->stages[s];
+    lm_model *m = x->m;
+    const int M = c->micro_batches;
+    const double t0 = lm_time_sec();
+    double loss_sum = 0;
+    int bad = 0;
+    res->n_passkey = res->n_long = 0;
+    res->lr = lm_train_lr(c, x->k.step);
+    for (int mi = 0; mi < M; mi++) {
+        LM_TRY(lm_loader_next(x->ld, st->rows_per_micro, &x->b, err));
+        res->n_passkey += x->b.n_passkey;
+        res->n_long += x->b.n_long;
+        if (bad)
+            continue; /* keep consuming the data of the step */
+        double loss = 0;
+        int64_t nl = 0;
+        lm_status r =
+            lm_model_forward(m, &x->b.batch, x->b.ids, x->b.labels, 1, NULL, &loss, &nl, err);
+        if (r == LM_OK)
+            r = lm_model_backward(m, 1.0f / (float)M, mi > 0, err);
+        if (r != LM_OK) {
+            if (!numeric_error(err->msg))
+                return r;
+            say(x, "step %lld: %s", (long long)x->k.step + 1, err->msg);
+            bad = 1;
+            continue;
+        }
+        if (!isfinite(loss))
+            bad = 1;
+        loss_sum += loss;
+    }
+    res->loss = bad ? NAN : loss_sum / M;
+    float *g = lm_model_grads(m);
+    const int64_t nan_at = x->o->nan_at, nan_n = x->o->nan_count > 0 ? x->o->nan_count : 1;
+    if (!bad && nan_at > 0 && x->k.step + 1 >= nan_at && x->k.step + 1 < nan_at + nan_n)
+        g[x->opt.blk_off[0]] = NAN; /* test hook */
+    res->gnorm = bad ? NAN : lm_adamw_grad_norm(&x->opt, g);
+    if (!isfinite(res->gnorm))
+        bad = 1;
+    const int L = x->p.cfg.num_hidden_layers;
+    if (bad) {
+        for (int i = 0; i < L; i++) {
+            lm_router_state *rs = lm_model_router_state(m, i);
+            if (rs)
+                reset_router_accumulators(rs);
+        }
+        x->k.bad_streak++;
+        x->k.bad_total++;
+    } else {
+        double scale = 1.0;
+        if (c->grad_clip > 0 && res->gnorm > c->grad_clip)
+            scale = c->grad_clip / (res->gnorm + 1e-6);
+        x->k.opt_step++;
+        lm_adamw_step(&x->opt, x->p.data, g, scale, res->lr, c->weight_decay, c->beta1, c->beta2,
+                      c->eps, x->k.opt_step);
+        for (int i = 0; i < L; i++) {
+            lm_router_state *rs = lm_model_router_state(m, i);
+            if (!rs)
+                continue;
+            double tot = 0;
+            for (int e = 0; e < rs->E; e++)
+                tot += rs->demand[e];
+            for (int e = 0; e < rs->E; e++)
+                x->load[(size_t)i * x->E + e] = tot > 0 ? rs->demand[e] / tot : 0;
+            LM_TRY(lm_router_update_bias(&x->p.cfg.moe.router, rs, NULL, NULL, &x->met[i], err));
+        }
+        x->k.bad_streak = 0;
+    }
+    res->skipped = bad;
+    x->k.tokens += st->step_tokens;
+    x->k.step++;
+    res->seconds = lm_time_sec() - t0;
+    return LM_OK;
+}
+
+static void log_step(ctx *x, int s, const step_result *r, double tok_s, double mfu) {
+    const lm_train_config *c = x->c;
+    FILE *f = x->flog;
+    fprintf(f, "{\"step\": %lld, \"tokens\": %lld, \"stage\": %d, \"seq_len\": %d, \"loss\": ",
+            (long long)x->k.step, (long long)x->k.tokens, s, c->stages[s].seq_len);
+    jnum(f, r->loss, 17);
+    fputs(", \"lr\": ", f);
+    jnum(f, r->lr, 9);
+    fputs(", \"grad_norm\": ", f);
+    jnum(f, r->gnorm, 9);
+    fputs(", \"tok_per_s\": ", f);
+    jnum(f, tok_s, 6);
+    fputs(", \"mfu\": ", f);
+    jnum(f, mfu, 6);
+    fprintf(f,
+            ", \"skipped\": %d, \"bad_total\": %lld, \"passkey_rows\": %d, \"long_rows\": %d, "
+            "\"moe\": ",
+            r->skipped, (long long)x->k.bad_total, r->n_passkey, r->n_long);
+    if (r->skipped) {
+        fputs("null}\n", f);
+        fflush(f);
+        return;
+    }
+    fputc('[', f);
+    int first = 1;
+    for (int i = 0; i < x->p.cfg.num_hidden_layers; i++) {
+        lm_router_state *rs = lm_model_router_state(x->m, i);
+        if (!rs)
+            continue;
+        const lm_router_metrics *mt = &x->met[i];
+        fprintf(f, "%s{\"layer\": %d, \"maxvio_batch\": ", first ? "" : ", ", i);
+        jnum(f, mt->maxvio_batch, 6);
+        fputs(", \"maxvio_global\": ", f);
+        jnum(f, mt->maxvio_global, 6);
+        fputs(", \"dropped_frac\": ", f);
+        jnum(f, mt->dropped_assign_frac, 6);
+        fputs(", \"bias_mean\": ", f);
+        jnum(f, mt->bias_mean, 6);
+        fputs(", \"bias_std\": ", f);
+        jnum(f, mt->bias_std, 6);
+        fputs(", \"bias_min\": ", f);
+        jnum(f, mt->bias_min, 6);
+        fputs(", \"bias_max\": ", f);
+        jnum(f, mt->bias_max, 6);
+        fprintf(f, ", \"n_dead\": %d, \"tokens\": %lld, \"load\": [", mt->n_dead,
+                (long long)mt->tokens);
+        for (int e = 0; e < rs->E; e++) {
+            if (e)
+                fputs(", ", f);
+            jnum(f, x->load[(size_t)i * x->E + e], 5);
+        }
+        fputs("]}", f);
+        first = 0;
+    }
+    fputs("]}\n", f);
+    fflush(f);
+}
+
+/* ---------------------------------------------------------------- setup / teardown */
+
+static void ctx_free(ctx *x) {
+    if (x->flog)
+        fclose(x->flog);
+    if (x->feval)
+        fclose(x->feval);
+    if (x->fstage)
+        fclose(x->fstage);
+    if (x->have_b)
+        lm_loader_batch_free(&x->b);
+    lm_loader_free(x->ld);
+    if (x->have_opt)
+        lm_adamw_free(&x->opt);
+    lm_model_free(x->m);
+    if (x->have_p)
+        lm_params_free(&x->p);
+    if (x->have_train)
+        lm_shard_close(&x->train);
+    if (x->have_val)
+        lm_shard_close(&x->val);
+    lm_tokenizer_free(x->tok);
+    free(x->load);
+    free(x->met);
+}
+
+static lm_status open_shard(ctx *x, lm_shard *s, const char *path, const char *key, lm_error *err) {
+    lm_status r = lm_shard_open(s, path, err);
+    if (r == LM_OK)
+        r = lm_shard_validate(s, err);
+    if (r != LM_OK) {
+        char buf[sizeof err->msg];
+        snprintf(buf, sizeof buf, "%s", err->msg);
+        return lm_errorf(err, r, "%s: %s (%s): %s", x->c->source, key, path, buf);
+    }
+    if ((int)s->vocab != lm_tokenizer_vocab_size(x->tok))
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "%s: %s (%s) was written with vocab %u, but the %s tokenizer has %d",
+                         x->c->source, key, path, (unsigned)s->vocab, lm_tokenizer_name(x->tok),
+                         lm_tokenizer_vocab_size(x->tok));
+    return LM_OK;
+}
+
+/* The validation documents within the first max_val_tokens tokens (whole documents). */
+static void make_val_sub(ctx *x) {
+    x->val_sub = x->val;
+    x->val_sub.map = NULL;
+    const int64_t lim = x->c->max_val_tokens;
+    if (lim <= 0 || (uint64_t)lim >= x->val.count)
+        return;
+    const int32_t eot = lm_tokenizer_eot(x->tok);
+    int64_t cut = -1;
+    for (int64_t i = lim - 1; i >= 0 && cut < 0; i--)
+        if (lm_shard_get(&x->val, (uint64_t)i) == eot)
+            cut = i + 1;
+    for (int64_t i = lim; cut < 0 && (uint64_t)i < x->val.count; i++)
+        if (lm_shard_get(&x->val, (uint64_t)i) == eot)
+            cut = i + 1;
+    if (cut > 0)
+        x->val_sub.count = (uint64_t)cut;
+}
+
+/* Model sections equal up to rope_theta (a stage setting) and the bench-only keys. */
+static int same_model(const lm_model_config *a, const lm_model_config *b) {
+    lm_model_config x = *a, y = *b;
+    x.rope_theta = y.rope_theta = 10000.0f;
+    x.seq_len = y.seq_len = x.batch_size = y.batch_size = 0;
+    char *s = lm_model_config_to_json(&x), *t = lm_model_config_to_json(&y);
+    int eq = s && t && strcmp(s, t) == 0;
+    free(s);
+    free(t);
+    return eq;
+}
+
+static lm_status setup(ctx *x, const lm_train_config *c, lm_error *err) {
+    const lm_train_options *o = x->o;
+    const int threads = o->threads > 0 ? o->threads : c->threads;
+    if (threads > 0) {
+        lm_set_num_threads(threads);
+        lm_blas_set_threads(threads);
+    }
+    LM_TRY(lm_tokenizer_open(&x->tok, c->tokenizer, c->tokenizer_dir, err));
+    if (c->model.vocab_size < lm_tokenizer_vocab_size(x->tok))
+        return lm_errorf(err, LM_ERR_INVALID, "%s: model.vocab_size = %d < the tokenizer's %d",
+                         c->source, c->model.vocab_size, lm_tokenizer_vocab_size(x->tok));
+    LM_TRY(open_shard(x, &x->train, c->train_path, "data.train", err));
+    x->have_train = 1;
+    LM_TRY(open_shard(x, &x->val, c->val_path, "data.val", err));
+    x->have_val = 1;
+    make_val_sub(x);
+    return LM_OK;
+}
+
+/* ---------------------------------------------------------------- the run */
+
+static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm_error *err) {
+    const lm_train_options *o = x->o;
+    char ckdir[PATHMAX + 64] = "";
+    if (o->resume) {
+        LM_TRY(lm_train_latest_checkpoint(x->run, ckdir, sizeof ckdir, err));
+    } else {
+        char lp[PATHMAX + 32];
+        snprintf(lp, sizeof lp, "%s/ckpt/latest", x->run);
+        if (access(lp, F_OK) == 0)
+            return lm_errorf(err, LM_ERR_INVALID,
+                             "%s already holds a run (%s exists): pass --resume to continue it, or "
+                             "choose a new run directory",
+                             x->run, lp);
+    }
+    LM_TRY(setup(x, c, err));
+    /* parameters */
+    if (o->resume) {
+        LM_TRY(lm_params_load(&x->p, ckdir, err));
+        x->have_p = 1;
+        if (!same_model(&x->p.cfg, &c->model))
+            return lm_errorf(
+                err, LM_ERR_INVALID,
+                "%s/config.json: the checkpoint's model differs from the model section "
+                "of %s",
+                ckdir, c->source);
+    } else {
+        LM_TRY(lm_params_init(&x->p, &c->model, err));
+        x->have_p = 1;
+        lm_params_init_weights(&x->p, c->model.seed);
+    }
+    int64_t max_tokens = c->eval_seq_len, max_micro = 2;
+    for (int s = 0; s < c->n_stages; s++) {
+        const int64_t t = (int64_t)c->stages[s].rows_per_micro * c->stages[s].seq_len;
+        if (t > max_micro)
+            max_micro = t;
+    }
+    if (max_micro > max_tokens)
+        max_tokens = max_micro;
+    for (int i = 0; i < c->n_passkey_lengths; i++)
+        if (c->passkey_lengths[i] > max_tokens)
+            max_tokens = c->passkey_lengths[i];
+    LM_TRY(lm_model_new(&x->m, &x->p, max_tokens, err));
+    lm_adamw_init(&x->opt, &x->p);
+    x->have_opt = 1;
+    LM_TRY(lm_loader_new(&x->ld, &x->train, x->tok, c->seed, 0, 1, err));
+    LM_TRY(lm_loader_batch_init(&x->b, 1, (int)max_micro, err));
+    x->have_b = 1;
+    const int L = x->p.cfg.num_hidden_layers;
+    x->E = x->p.cfg.moe.router.num_experts > 0 ? x->p.cfg.moe.router.num_experts : 1;
+    x->load = LM_CALLOC((size_t)L * x->E, sizeof(double));
+    x->met = LM_CALLOC((size_t)L, sizeof(lm_router_metrics));
+    /* every stage's data mix and every eval length must work before hours of training */
+    for (int s = 0; s < c->n_stages; s++)
+        LM_TRY(apply_stage(x, s, err));
+    for (int i = 0; i < c->n_passkey_lengths; i++) {
+        lm_passkey_doc d;
+        memset(&d, 0, sizeof d);
+        lm_status r =
+            lm_passkey_make(x->tok, &x->val, c->passkey_lengths[i], c->passkey_seed, 0, &d, err);
+        lm_passkey_doc_free(&d);
+        if (r != LM_OK) {
+            char buf[sizeof err->msg];
+            snprintf(buf, sizeof buf, "%s", err->msg);
+            return lm_errorf(err, r, "%s: eval.passkey_lengths[%d] = %d: %s", c->source, i,
+                             c->passkey_lengths[i], buf);
+        }
+    }
+    /* state */
+    memset(&x->k, 0, sizeof x->k);
+    x->k.version = LM_TRAIN_STATE_VERSION;
+    x->k.stage = -1;
+    lm_loader_state ls;
+    lm_loader_get_state(x->ld, &ls);
+    if (o->resume) {
+        LM_TRY(lm_train_state_load(ckdir, &x->p, &x->opt, x->m, &x->k, &ls, err));
+        if (x->k.stage >= c->n_stages)
+            return lm_errorf(err, LM_ERR_INVALID, "%s: stage %lld but %s has %d stages", ckdir,
+                             (long long)x->k.stage, c->source, c->n_stages);
+        LM_TRY(lm_loader_set_state(x->ld, &ls, err));
+        snprintf(x->last_ckpt, sizeof x->last_ckpt, "%s", ckdir);
+    }
+    if (x->k.stage >= 0)
+        LM_TRY(apply_stage(x, (int)x->k.stage, err));
+    /* run directory and logs */
+    lm_train_ckpt_cleanup(x->run);
+    char path[PATHMAX + 64];
+    snprintf(path, sizeof path, "%s/train_config.json", x->run);
+    LM_TRY(write_text_atomic(path, c->text, err));
+    if (o->resume) {
+        snprintf(path, sizeof path, "%s/log.jsonl", x->run);
+        LM_TRY(filter_jsonl(path, "step", x->k.step, err));
+        snprintf(path, sizeof path, "%s/evals.jsonl", x->run);
+        LM_TRY(filter_jsonl(path, "step", x->k.step, err));
+        snprintf(path, sizeof path, "%s/stages.jsonl", x->run);
+        LM_TRY(filter_jsonl(path, "stage", x->k.stage, err));
+    }
+    LM_TRY(open_log(x, "log.jsonl", o->resume, &x->flog, err));
+    LM_TRY(open_log(x, "evals.jsonl", o->resume, &x->feval, err));
+    LM_TRY(open_log(x, "stages.jsonl", o->resume, &x->fstage, err));
+
+    int64_t stop = c->total_steps;
+    if (o->max_steps > 0 && o->max_steps < stop)
+        stop = o->max_steps;
+    int64_t tp, ta;
+    lm_params_count(&x->p, &tp, &ta);
+    say(x,
+        "%s: %s training %s (%.2fM parameters, %.2fM active), %d stages, %lld steps, "
+        "%d threads%s",
+        x->run, o->resume ? "resuming" : "starting", c->source, tp / 1e6, ta / 1e6, c->n_stages,
+        (long long)c->total_steps, lm_get_num_threads(), o->resume ? "" : "");
+    if (o->resume)
+        say(x, "resumed from %s at step %lld", ckdir, (long long)x->k.step);
+    x->ref_flops = measure_sgemm();
+    const int64_t start_step = x->k.step;
+    double t_train = 0, flops_sum = 0;
+    int64_t tok_run = 0;
+    if (x->k.step >= stop)
+        say(x, "nothing to do: step %lld already reached", (long long)x->k.step);
+    while (x->k.step < stop) {
+        const int s = lm_train_stage_of(c, x->k.step);
+        if (s != x->k.stage) {
+            LM_TRY(apply_stage(x, s, err));
+            x->k.stage = s;
+            log_stage(x, s);
+        }
+        const lm_train_stage *st = &c->stages[s];
+        step_result r;
+        LM_TRY(train_step(x, s, &r, err));
+        const double tok_s = (double)st->step_tokens / r.seconds;
+        const double fpt = lm_model_train_flops_per_token(&x->p.cfg, st->seq_len);
+        const double mfu = fpt * tok_s / x->ref_flops;
+        t_train += r.seconds;
+        tok_run += st->step_tokens;
+        flops_sum += fpt * (double)st->step_tokens;
+        log_step(x, s, &r, tok_s, mfu);
+        x->last_loss = r.loss;
+        if (r.skipped && x->k.bad_streak >= c->max_bad_steps)
+            return lm_errorf(
+                err, LM_ERR_INVALID,
+                "training diverged: %lld non-finite steps in a row (train.max_bad_steps "
+                "= %d) at step %lld; the last checkpoint is %s",
+                (long long)x->k.bad_streak, c->max_bad_steps, (long long)x->k.step,
+                x->last_ckpt[0] ? x->last_ckpt : "(none)");
+        if (r.skipped)
+            say(x, "step %lld skipped: non-finite loss or gradient (%lld in a row)",
+                (long long)x->k.step, (long long)x->k.bad_streak);
+        if (!x->quiet) {
+            const double avg = t_train / (double)(x->k.step - start_step);
+            char eta[32];
+            fmt_dur(eta, sizeof eta, avg * (double)(stop - x->k.step));
+            if (x->live) {
+                fprintf(
+                    stderr,
+                    "\r\033[Kstep %lld/%lld | stage %d %s (%d) | loss %.4f | %.0f tok/s | ETA %s",
+                    (long long)x->k.step, (long long)stop, s, st->name, st->seq_len, r.loss,
+                    tok_run / t_train, eta);
+                fflush(stderr);
+                x->line_open = 1;
+            } else if (x->k.step % c->log_every == 0 || x->k.step == start_step + 1 ||
+                       x->k.step == stop) {
+                say(x,
+                    "step %lld/%lld stage %s seq %d loss %.4f lr %.3e gnorm %.3f %.0f tok/s mfu "
+                    "%.1f%% ETA %s%s",
+                    (long long)x->k.step, (long long)stop, st->name, st->seq_len, r.loss, r.lr,
+                    r.gnorm, tok_s, 100 * mfu, eta, r.skipped ? " (skipped)" : "");
+            }
+        }
+        const int stage_end = x->k.step == st->first_step + st->steps;
+        if (stage_end || (c->eval_every > 0 && x->k.step % c->eval_every == 0))
+            LM_TRY(run_eval(x, err));
+        if ((c->checkpoint_every > 0 && x->k.step % c->checkpoint_every == 0) ||
+            x->k.step == stop) {
+            lm_loader_get_state(x->ld, &ls);
+            const int fail = o->fail_checkpoint_at > 0 && o->fail_checkpoint_at == x->k.step;
+            LM_TRY(lm_train_ckpt_save(x->run, &x->p, &x->opt, x->m, &x->k, &ls, c->text,
+                                      c->keep_last, fail, x->last_ckpt, sizeof x->last_ckpt, err));
+            if (!x->live)
+                say(x, "checkpoint %s", x->last_ckpt);
+        }
+    }
+    if (x->line_open)
+        say(x, "%s", "");
+    out->steps_done = x->k.step;
+    out->steps_run = x->k.step - start_step;
+    out->tokens = x->k.tokens;
+    out->bad_steps = x->k.bad_total;
+    out->train_seconds = t_train;
+    out->tokens_per_s = t_train > 0 ? (double)tok_run / t_train : 0;
+    out->mfu = t_train > 0 ? flops_sum / t_train / x->ref_flops : 0;
+    out->ref_flops = x->ref_flops;
+    out->bits_per_byte = x->last_bpb;
+    out->last_loss = x->last_loss;
+    snprintf(out->checkpoint, sizeof out->checkpoint, "%.4000s", x->last_ckpt);
+    if (out->steps_run > 0)
+        say(x,
+            "done: step %lld, %lld tokens, %.1f s training, %.0f tok/s, mfu %.2f%% (sgemm %.1f "
+            "GFLOP/s), checkpoint %s",
+            (long long)out->steps_done, (long long)out->tokens, t_train, out->tokens_per_s,
+            100 * out->mfu, x->ref_flops / 1e9, out->checkpoint);
+    return LM_OK;
+}
+
+lm_status lm_train_run(const lm_train_config *cin, const lm_train_options *o, lm_train_summary *out,
+                       lm_error *err) {
+    lm_train_summary dummy;
+    if (!out)
+        out = &dummy;
+    memset(out, 0, sizeof *out);
+    out->bits_per_byte = NAN;
+    out->last_loss = NAN;
+    if (!o || !o->run_dir || !o->run_dir[0])
+        return lm_errorf(err, LM_ERR_INVALID, "train: no run directory");
+    ctx x;
+    memset(&x, 0, sizeof x);
+    x.o = o;
+    x.last_bpb = NAN;
+    x.quiet = o->quiet;
+    x.live = !o->quiet && (o->progress == 1 || (o->progress < 0 && isatty(fileno(stderr))));
+    if (snprintf(x.run, sizeof x.run, "%s", o->run_dir) >= (int)sizeof x.run)
+        return lm_errorf(err, LM_ERR_INVALID, "train: run directory path too long");
+    lm_status st = mkdir_p(x.run, err);
+    if (st != LM_OK)
+        return st;
+    lm_train_config saved;
+    memset(&saved, 0, sizeof saved);
+    const lm_train_config *c = cin;
+    if (!c) {
+        if (!o->resume)
+            return lm_errorf(err, LM_ERR_INVALID, "train: no training config (and no --resume)");
+        char dir[PATHMAX + 64];
+        char *text = NULL;
+        LM_TRY(lm_train_latest_checkpoint(x.run, dir, sizeof dir, err));
+        LM_TRY(lm_train_checkpoint_config(dir, &text, err));
+        char label[PATHMAX + 128];
+        snprintf(label, sizeof label, "%s/train_state.safetensors (train_config)", dir);
+        st = lm_train_config_parse(&saved, text, label, err);
+        free(text);
+        if (st != LM_OK)
+            return st;
+        c = &saved;
+    }
+    x.c = c;
+    x.last_loss = NAN;
+    st = run(&x, c, out, err);
+    if (x.line_open)
+        fputc('\n', stderr);
+    ctx_free(&x);
+    lm_train_config_free(&saved);
+    return st;
+}

@@ -1,0 +1,77 @@
+/* Trainer internals shared by the src/train sources: AdamW with a fixed-order gradient norm,
+ * and the checkpoint / train-state files. Not a public API (include/linmoe/train.h). */
+#ifndef LINMOE_TRAIN_INTERNAL_H
+#define LINMOE_TRAIN_INTERNAL_H
+
+#include "linmoe/loader.h"
+#include "linmoe/model.h"
+#include "linmoe/params.h"
+#include "linmoe/train.h"
+
+/* ---------------------------------------------------------------- AdamW */
+
+/* Optimizer state for the parameter buffer of `p`: first and second moments m, v
+ * ([p->numel] fp32 each, one allocation, zero at start), and the block table of the
+ * trainable tensors (params.h buffer flag 0) used by the gradient norm: blocks of at
+ * most LM_ADAMW_BLOCK elements, each summed sequentially in fp64, the block sums
+ * added in table order, so the norm is bitwise the same for any thread count. */
+#define LM_ADAMW_BLOCK 16384
+typedef struct {
+    const lm_params *p;
+    float *m, *v;
+    int64_t nblk;
+    int64_t *blk_off, *blk_len;
+    uint8_t *blk_decay;
+    double *partial;
+} lm_adamw;
+
+void lm_adamw_init(lm_adamw *a, const lm_params *p);
+void lm_adamw_free(lm_adamw *a);
+/* L2 norm of the trainable part of g ([p->numel], params layout), fp64. */
+double lm_adamw_grad_norm(lm_adamw *a, const float *g);
+/* One AdamW step (Loshchilov & Hutter 2019, decoupled weight decay; PyTorch's
+ * torch.optim.AdamW update order) on every trainable tensor, with the gradient
+ * multiplied by gscale (clipping) first and t the 1-based step for the bias
+ * corrections:
+ *   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
+ *   p = p (1 - lr wd [decay flag])  -  lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)
+ * Buffers (MoE selection bias) are never touched. */
+void lm_adamw_step(lm_adamw *a, float *params, const float *g, double gscale, double lr, double wd,
+                   double b1, double b2, double eps, int64_t t);
+
+/* ---------------------------------------------------------------- train state */
+
+/* Counters checkpointed with the optimizer state (train_state.safetensors tensor
+ * "counters", int64, in this order). */
+typedef struct {
+    int64_t step;       /* optimizer-loop steps done (skipped ones included) */
+    int64_t opt_step;   /* AdamW steps applied (bias-correction t) */
+    int64_t tokens;     /* tokens consumed */
+    int64_t bad_streak; /* non-finite steps in a row */
+    int64_t bad_total;  /* non-finite steps in total */
+    int64_t stage;      /* stage whose settings are applied (its start logged) */
+    int64_t version;    /* LM_TRAIN_STATE_VERSION */
+} lm_train_counters;
+#define LM_TRAIN_COUNTERS 7
+#define LM_TRAIN_STATE_VERSION 1
+
+/* Write RUN/ckpt/step-NNNNNNN (model.safetensors + config.json via lm_params_save,
+ * train_state.safetensors) through RUN/ckpt/.tmp-step-NNNNNNN, rename it into
+ * place, replace RUN/ckpt/latest, prune to keep_last. fail_inject: simulate a
+ * write failure of train_state.safetensors (test hook). `dir_out` gets the
+ * checkpoint path. */
+lm_status lm_train_ckpt_save(const char *run_dir, const lm_params *p, const lm_adamw *a,
+                             lm_model *m, const lm_train_counters *k, const lm_loader_state *ls,
+                             const char *config_text, int keep_last, int fail_inject, char *dir_out,
+                             size_t dir_size, lm_error *err);
+
+/* Read train_state.safetensors of checkpoint `dir` into a, m's router states, k,
+ * ls; every tensor is checked (name, dtype, shape) against the model of `p`.
+ * Errors name the file and the tensor. */
+lm_status lm_train_state_load(const char *dir, const lm_params *p, lm_adamw *a, lm_model *m,
+                              lm_train_counters *k, lm_loader_state *ls, lm_error *err);
+
+/* Remove leftover RUN/ckpt/.tmp-* directories of an interrupted checkpoint. */
+void lm_train_ckpt_cleanup(const char *run_dir);
+
+#endif

@@ -1,0 +1,161 @@
+/* `linmoe train`: parse the flags, load the training config and call lm_train_run
+ * (include/linmoe/train.h). No math here. */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "linmoe/train.h"
+
+void lm_cli_train_usage(FILE *f) {
+    fprintf(f,
+            "usage: linmoe train --config FILE --run-dir DIR [--resume] [--max-steps N]\n"
+            "          [--threads N] [--fail-checkpoint-at STEP]\n"
+            "\n"
+            "Trains the model of a training config (format: include/linmoe/train.h,\n"
+            "docs/training.md) through its stages, with evals at every stage end, checkpoints\n"
+            "and logs in DIR:\n"
+            "  DIR/log.jsonl, evals.jsonl, stages.jsonl, train_config.json\n"
+            "  DIR/ckpt/step-NNNNNNN/{model.safetensors, config.json, train_state.safetensors}\n"
+            "  DIR/ckpt/latest (names the newest complete checkpoint)\n"
+            "On a terminal a live progress line is shown; otherwise plain lines every\n"
+            "train.log_every steps. The final summary is printed to stdout as JSON.\n"
+            "\n"
+            "options:\n"
+            "  --config FILE        training config (JSON); optional with --resume (the\n"
+            "                       config saved in the checkpoint is used)\n"
+            "  --run-dir DIR        run directory (created; must not hold a run unless --resume)\n"
+            "  --resume             continue bit-exactly from DIR/ckpt/latest\n"
+            "  --max-steps N        stop once N steps (counted from the start of the run) are\n"
+            "                       done, writing a checkpoint; default: all stages\n"
+            "  --threads N          threads (default: train.threads, else all cores)\n"
+            "  --fail-checkpoint-at STEP  test hook: the checkpoint at STEP fails while being\n"
+            "                       written (the previous checkpoint must stay loadable)\n"
+            "  --help               this help\n"
+            "\n"
+            "exit status: 0 success, 1 bad input or failure, 2 usage error\n");
+}
+
+static int parse_i64(const char *flag, const char *s, int64_t lo, int64_t *out) {
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || !end || *end || end == s || v < lo) {
+        fprintf(stderr, "linmoe train: %s = '%s' is not an integer >= %lld\n", flag, s,
+                (long long)lo);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+int lm_cli_train(int argc, char **argv) {
+    /* argv[0] == "train" */
+    const char *config = NULL, *run_dir = NULL;
+    lm_train_options o;
+    lm_train_options_default(&o);
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            lm_cli_train_usage(stdout);
+            return LM_EXIT_OK;
+        }
+    }
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *val = NULL;
+        static const char *const with_value[] = {
+            "--config", "--run-dir", "--max-steps", "--threads", "--fail-checkpoint-at", NULL};
+        const char *flag = NULL;
+        for (const char *const *f = with_value; *f && !flag; f++) {
+            size_t n = strlen(*f);
+            if (strncmp(a, *f, n) == 0 && (a[n] == '\0' || a[n] == '=')) {
+                flag = *f;
+                if (a[n] == '=') {
+                    val = a + n + 1;
+                } else if (i + 1 < argc) {
+                    val = argv[++i];
+                }
+                if (!val || !*val) {
+                    fprintf(stderr, "linmoe train: option %s needs a value\n", flag);
+                    return LM_EXIT_USAGE;
+                }
+            }
+        }
+        int64_t v = 0;
+        if (!flag && strcmp(a, "--resume") == 0) {
+            o.resume = 1;
+        } else if (!flag) {
+            if (a[0] == '-')
+                fprintf(stderr, "linmoe train: unknown option '%s' (see `linmoe train --help`)\n",
+                        a);
+            else
+                fprintf(stderr,
+                        "linmoe train: unexpected argument '%s' (see `linmoe train --help`)\n", a);
+            return LM_EXIT_USAGE;
+        } else if (strcmp(flag, "--config") == 0) {
+            config = val;
+        } else if (strcmp(flag, "--run-dir") == 0) {
+            run_dir = val;
+        } else if (strcmp(flag, "--max-steps") == 0) {
+            if (parse_i64(flag, val, 1, &v))
+                return LM_EXIT_USAGE;
+            o.max_steps = v;
+        } else if (strcmp(flag, "--threads") == 0) {
+            if (parse_i64(flag, val, 1, &v) || v > 4096)
+                return LM_EXIT_USAGE;
+            o.threads = (int)v;
+        } else if (strcmp(flag, "--fail-checkpoint-at") == 0) {
+            if (parse_i64(flag, val, 1, &v))
+                return LM_EXIT_USAGE;
+            o.fail_checkpoint_at = v;
+        }
+    }
+    if (!run_dir) {
+        fprintf(stderr, "linmoe train: --run-dir DIR is required (see `linmoe train --help`)\n");
+        return LM_EXIT_USAGE;
+    }
+    if (!config && !o.resume) {
+        fprintf(stderr, "linmoe train: --config FILE is required (see `linmoe train --help`)\n");
+        return LM_EXIT_USAGE;
+    }
+    o.run_dir = run_dir;
+    lm_error err = {0};
+    lm_train_config c;
+    memset(&c, 0, sizeof c);
+    if (config && lm_train_config_load(&c, config, &err) != LM_OK) {
+        fprintf(stderr, "linmoe train: %s\n", err.msg);
+        return LM_EXIT_BAD_INPUT;
+    }
+    lm_train_summary s;
+    lm_status st = lm_train_run(config ? &c : NULL, &o, &s, &err);
+    lm_train_config_free(&c);
+    if (st != LM_OK) {
+        fprintf(stderr, "linmoe train: %s\n", err.msg);
+        return LM_EXIT_BAD_INPUT;
+    }
+    printf("{\"steps\": %lld, \"steps_run\": %lld, \"tokens\": %lld, \"bad_steps\": %lld, "
+           "\"train_seconds\": %.3f, \"tok_per_s\": %.1f, \"mfu\": %.5f, \"sgemm_gflops\": %.2f, "
+           "\"last_loss\": ",
+           (long long)s.steps_done, (long long)s.steps_run, (long long)s.tokens,
+           (long long)s.bad_steps, s.train_seconds, s.tokens_per_s, s.mfu, s.ref_flops / 1e9);
+    if (isfinite(s.last_loss))
+        printf("%.6f", s.last_loss);
+    else
+        printf("null");
+    printf(", \"bits_per_byte\": ");
+    if (isfinite(s.bits_per_byte))
+        printf("%.6f", s.bits_per_byte);
+    else
+        printf("null");
+    printf(", \"checkpoint\": \"");
+    for (const char *q = s.checkpoint; *q; q++) {
+        if (*q == '"' || *q == '\\')
+            putchar('\\');
+        putchar(*q);
+    }
+    printf("\"}\n");
+    return LM_EXIT_OK;
+}
