@@ -38,28 +38,33 @@ else
 fi
 ckpt="$RUN/ckpt/$(cat "$RUN/ckpt/latest")"
 
-say "eval (held-out Brown split, passkey retrieval; the trainer's stage-end evals are in $RUN/evals.jsonl)"
-build/linmoe eval --ckpt "$ckpt" --val data/brown/val.bin --seq-len 1024 \
-    --passkey-lengths 256,1024 --passkey-samples 200 --threads "$THREADS" --json "$RUN/eval.json" \
-    >/dev/null
-python3 - "$RUN" <<'EOF' 2>/dev/null || cat "$RUN/eval.json"
+say "eval (held-out Brown split under the pinned protocol; the trainer's stage-end evals incl. passkey are in $RUN/evals.jsonl)"
+seq=$(python3 -c 'import json,sys; print([json.loads(l) for l in open(sys.argv[1]) if l.strip()][-1]["seq_len"])' "$RUN/evals.jsonl")
+build/linmoe eval --ckpt "$ckpt" --val data/brown/val.bin --seq-len "$seq" --passkey-lengths none \
+    --threads "$THREADS" --json "$RUN/eval.json" >/dev/null
+python3 - "$RUN" <<'EOF'
 import json, sys
 run = sys.argv[1]
 e = json.load(open(run + "/eval.json"))
-print("bits per byte (val, %d bytes, windows of %d): %.4f" % (e["bytes"], e["seq_len"], e["bits_per_byte"]))
-for p in e.get("passkey", []):
-    print("passkey @ %d tokens: %d/%d = %.3f" % (p["length"], p["correct"], p["samples"], p["accuracy"]))
-evals = [json.loads(l) for l in open(run + "/evals.jsonl") if l.strip()]
-for v in evals:
-    pk = ", ".join("%d: %.3f" % (p["length"], p["accuracy"]) for p in v.get("passkey", []))
-    print("  trainer eval at step %d (stage %s): bpb %.4f, passkey {%s}" % (v["step"], v["stage"], v["bits_per_byte"], pk))
+print("bits per byte (Brown val, %d bytes, windows of %d tokens): %.4f" % (e["bytes"], e["seq_len"], e["bits_per_byte"]))
+for v in [json.loads(l) for l in open(run + "/evals.jsonl") if l.strip()]:
+    pk = ", ".join("%d tokens: %.3f" % (p["length"], p["accuracy"]) for p in v.get("passkey", []))
+    print("  trainer eval after step %d (end of stage %s): bits/byte %.4f; passkey accuracy {%s}"
+          % (v["step"], v.get("stage_name", v["stage"]), v["bits_per_byte"], pk))
 steps = [json.loads(l) for l in open(run + "/log.jsonl") if l.strip()]
-last = steps[-50:]
-if last and last[-1].get("moe"):
+last = [s for s in steps[-50:] if s.get("moe")]
+if last:
     for i, m in enumerate(last[-1]["moe"]):
         mv = sum(s["moe"][i]["maxvio_batch"] for s in last) / len(last)
         dead = max(s["moe"][i]["n_dead"] for s in last)
-        print("  MoE layer %d: maxvio_batch mean over the last %d steps %.3f, dead experts %d" % (m["layer"], len(last), mv, dead))
+        print("  MoE layer %d: maxvio_batch mean over the last %d steps %.3f, dead experts %d"
+              % (m["layer"], len(last), mv, dead))
+if len(steps) > 1:
+    print("  tokens per step %d; training tokens/s %.0f (mean over steps)"
+          % (steps[-1]["tokens"] - steps[-2]["tokens"], sum(s["tok_per_s"] for s in steps) / len(steps)))
+for a in e.get("attnres", [])[-1:]:
+    print("  AttnRes final aggregation, mean weight per source (embedding, blocks...): "
+          + ", ".join("%.3f" % w for w in a["weights"]))
 EOF
 
 say "plots"
