@@ -20,6 +20,10 @@
  * OUT atomically. Messages go to stderr, prefixed with `prog`. Returns an exit code. */
 int lm_cli_op_kda(const char *prog, lm_kda_kind kind, const char *in_path, const char *out_path);
 
+/* A checkpoint argument (checkpoint dir, run dir, RUN/ckpt or RUN/ckpt/latest) to the
+ * checkpoint directory in out (tools/op_common.c). 0 when resolved; -1: out = arg. */
+int lm_cli_resolve_ckpt(const char *arg, char *out, size_t size);
+
 /* "[d0,d1,...]" into buf (truncated to size). */
 void lm_cli_fmt_shape(char *buf, size_t size, int ndim, const int64_t *shape);
 /* Metadata booleans: true|false (any case) or 1|0. Returns 0 and sets *out, or -1. */

@@ -41,7 +41,8 @@ void lm_cli_eval_usage(FILE *f) {
             "                 (only for AttnRes models)\n"
             "\n"
             "options:\n"
-            "  --ckpt DIR             checkpoint directory (required)\n"
+            "  --ckpt DIR             checkpoint directory, or a run directory (its newest\n"
+            "                         checkpoint, RUN/ckpt/latest) (required)\n"
             "  --val SHARD            validation token shard from `linmoe tokenize` (required)\n"
             "  --tokenizer byte|gpt2  default: byte for vocab_size 257, else gpt2\n"
             "  --gpt2-dir DIR         vocab.json + merges.txt (default data/gpt2)\n"
@@ -211,6 +212,9 @@ int lm_cli_eval(int argc, char **argv) {
     lm_model *m = NULL;
     cJSON *root = NULL;
     int rc = LM_EXIT_BAD_INPUT;
+    char ckpt_buf[4096];
+    lm_cli_resolve_ckpt(ckpt, ckpt_buf, sizeof ckpt_buf);
+    ckpt = ckpt_buf;
     if (lm_params_load(&p, ckpt, &err) != LM_OK) {
         fprintf(stderr, PROG ": %s\n", err.msg);
         return LM_EXIT_BAD_INPUT;

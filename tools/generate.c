@@ -30,7 +30,8 @@ void lm_cli_generate_usage(FILE *f) {
             "at <|endoftext|> (not printed). A summary (tokens, tokens/s) goes to stderr.\n"
             "\n"
             "options:\n"
-            "  --ckpt DIR             checkpoint directory (required)\n"
+            "  --ckpt DIR             checkpoint directory, or a run directory (its newest\n"
+            "                         checkpoint, RUN/ckpt/latest) (required)\n"
             "  --tokenizer byte|gpt2  default: byte for vocab_size 257, else gpt2\n"
             "  --gpt2-dir DIR         vocab.json + merges.txt (default data/gpt2)\n"
             "  --prompt TEXT          prompt text (default: empty)\n"
@@ -214,6 +215,9 @@ int lm_cli_generate(int argc, char **argv) {
 
     lm_error err = {0};
     lm_params p;
+    char ckpt_buf[4096];
+    lm_cli_resolve_ckpt(ckpt, ckpt_buf, sizeof ckpt_buf);
+    ckpt = ckpt_buf;
     if (lm_params_load(&p, ckpt, &err) != LM_OK) {
         fprintf(stderr, PROG ": %s\n", err.msg);
         return LM_EXIT_BAD_INPUT;

@@ -89,6 +89,9 @@ int lm_cli_info(int argc, char **argv) {
         }
         printf("config: %s (no weights)\n", config);
     } else {
+        char dir_buf[4096];
+        lm_cli_resolve_ckpt(dir, dir_buf, sizeof dir_buf);
+        dir = dir_buf;
         if (lm_params_load(&p, dir, &err) != LM_OK) {
             fprintf(stderr, "linmoe info: %s\n", err.msg);
             return LM_EXIT_BAD_INPUT;

@@ -2,8 +2,10 @@
 #include <stdio.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
 
 #include "cli.h"
+#include "linmoe/train.h"
 
 void lm_cli_fmt_shape(char *buf, size_t size, int ndim, const int64_t *shape) {
     size_t used = 0;
@@ -26,5 +28,35 @@ int lm_cli_parse_bool(const char *s, int *out) {
         *out = 0;
         return 0;
     }
+    return -1;
+}
+
+/* A checkpoint argument: a checkpoint directory (holds model.safetensors), a run
+ * directory (RUN/ckpt/latest names the newest checkpoint), a run's ckpt/ directory,
+ * or the `latest` file itself. Writes the checkpoint directory to out. */
+int lm_cli_resolve_ckpt(const char *arg, char *out, size_t size) {
+    char path[4096];
+    struct stat sb;
+    snprintf(path, sizeof path, "%s/model.safetensors", arg);
+    if (stat(path, &sb) == 0) {
+        snprintf(out, size, "%s", arg);
+        return 0;
+    }
+    lm_error err = {0};
+    if (lm_train_latest_checkpoint(arg, out, size, &err) == LM_OK) return 0;
+    /* ARG is RUN/ckpt, or RUN/ckpt/latest */
+    char run[4096];
+    snprintf(run, sizeof run, "%s", arg);
+    size_t n = strlen(run);
+    while (n > 1 && run[n - 1] == '/') run[--n] = '\0';
+    const char *tails[] = {"/ckpt/latest", "/ckpt"};
+    for (int i = 0; i < 2; i++) {
+        size_t t = strlen(tails[i]);
+        if (n > t && strcmp(run + n - t, tails[i]) == 0) {
+            run[n - t] = '\0';
+            if (lm_train_latest_checkpoint(run, out, size, &err) == LM_OK) return 0;
+        }
+    }
+    snprintf(out, size, "%s", arg); /* the loader's error then names the missing file */
     return -1;
 }
