@@ -24,6 +24,14 @@ int lm_cli_op_kda(const char *prog, lm_kda_kind kind, const char *in_path, const
  * checkpoint directory in out (tools/op_common.c). 0 when resolved; -1: out = arg. */
 int lm_cli_resolve_ckpt(const char *arg, char *out, size_t size);
 
+/* Flag parsing shared by the subcommands (tools/op_common.c): `--name VALUE` or
+ * `--name=VALUE` at argv[*i] -> 1 (value in *val), 0 not this flag, -1 missing value
+ * (reported with prog); a decimal integer in [lo, hi] -> 0, else -1 (reported). */
+int lm_cli_flag_val(const char *prog, int argc, char **argv, int *i, const char *name,
+                    const char **val);
+int lm_cli_parse_long(const char *prog, const char *flag, const char *s, long lo, long hi,
+                      long *out);
+
 /* "[d0,d1,...]" into buf (truncated to size). */
 void lm_cli_fmt_shape(char *buf, size_t size, int ndim, const int64_t *shape);
 /* Metadata booleans: true|false (any case) or 1|0. Returns 0 and sets *out, or -1. */

@@ -48,34 +48,11 @@ void lm_cli_generate_usage(FILE *f) {
 }
 
 static int flag_val(int argc, char **argv, int *i, const char *name, const char **val) {
-    const char *a = argv[*i];
-    const size_t n = strlen(name);
-    if (strncmp(a, name, n) != 0)
-        return 0;
-    if (a[n] == '=' && a[n + 1]) {
-        *val = a + n + 1;
-        return 1;
-    }
-    if (a[n] == '\0' && *i + 1 < argc) {
-        *val = argv[++*i];
-        return 1;
-    }
-    if (a[n] != '\0' && a[n] != '=')
-        return 0;
-    fprintf(stderr, PROG ": option %s needs a value\n", name);
-    return -1;
+    return lm_cli_flag_val(PROG, argc, argv, i, name, val);
 }
 
 static int parse_long(const char *flag, const char *s, long lo, long hi, long *out) {
-    char *end = NULL;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (end == s || *end != '\0' || errno != 0 || v < lo || v > hi) {
-        fprintf(stderr, PROG ": %s '%s' is not an integer in [%ld, %ld]\n", flag, s, lo, hi);
-        return -1;
-    }
-    *out = v;
-    return 0;
+    return lm_cli_parse_long(PROG, flag, s, lo, hi, out);
 }
 
 static int parse_double(const char *flag, const char *s, double lo, double hi, double *out) {

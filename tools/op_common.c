@@ -1,5 +1,8 @@
-/* Small helpers shared by the op runners (tools/op_*.c). */
+/* Small helpers shared by the subcommands (tools/): metadata booleans, shapes,
+ * checkpoint arguments, flag values. */
+#include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <sys/stat.h>
@@ -59,4 +62,41 @@ int lm_cli_resolve_ckpt(const char *arg, char *out, size_t size) {
     }
     snprintf(out, size, "%s", arg); /* the loader's error then names the missing file */
     return -1;
+}
+
+/* `--name VALUE` / `--name=VALUE` at argv[*i]: 1 matched (value in *val, *i advanced
+ * past a separate value), 0 not this flag, -1 value missing (reported as
+ * "PROG: option NAME needs a value"). */
+int lm_cli_flag_val(const char *prog, int argc, char **argv, int *i, const char *name,
+                    const char **val) {
+    const char *a = argv[*i];
+    const size_t n = strlen(name);
+    if (strncmp(a, name, n) != 0)
+        return 0;
+    if (a[n] == '=' && a[n + 1]) {
+        *val = a + n + 1;
+        return 1;
+    }
+    if (a[n] == '\0' && *i + 1 < argc) {
+        *val = argv[++*i];
+        return 1;
+    }
+    if (a[n] != '\0' && a[n] != '=')
+        return 0;
+    fprintf(stderr, "%s: option %s needs a value\n", prog, name);
+    return -1;
+}
+
+/* A decimal integer in [lo, hi]: 0 and *out set, or -1 with a message naming the flag. */
+int lm_cli_parse_long(const char *prog, const char *flag, const char *s, long lo, long hi,
+                      long *out) {
+    char *end = NULL;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (end == s || *end != '\0' || errno != 0 || v < lo || v > hi) {
+        fprintf(stderr, "%s: %s '%s' is not an integer in [%ld, %ld]\n", prog, flag, s, lo, hi);
+        return -1;
+    }
+    *out = v;
+    return 0;
 }
