@@ -1,0 +1,83 @@
+/* linmoe KDA / GDN on NVIDIA GPUs (CUDA C, sm_90a): the chunked forward of the gated
+ * delta rule with bf16 inputs and outputs, fp32 accumulation and an fp32 state.
+ *
+ * Same math, layouts and configuration as include/linmoe/kda.h (lm_kda_config is
+ * reused): reference/kda.md §1.2-1.3 (recurrence, gates), §2.1 (WY / UT chunk form),
+ * §3 (16-token sub-tiles); Kimi Linear tech report (arXiv 2510.26692) Eqs. 6-9.
+ *
+ * Layouts (row-major, innermost last, device memory):
+ *   q, k            [B, T, H, K]     bf16
+ *   v, o            [B, T, HV, V]    bf16
+ *   g               KDA: [B, T, HV, K]   GDN: [B, T, HV]   bf16 (the gate input)
+ *   beta            [B, T, HV]       bf16
+ *   A_log           [HV]             fp32 (optional)
+ *   dt_bias         KDA: [HV*K]  GDN: [HV]   fp32 (optional)
+ *   initial_state, final_state   [N, HV, K, V]   fp32 (optional)
+ *   cu_seqlens      host int64 [N+1] in the config, only with B == 1 (packed varlen)
+ *
+ * Algorithm (this version, v1; docs/perf-notes.md has its numbers):
+ *   kernel 1, one CTA per (64-token chunk, value head): gate activation, per-channel
+ *     cumulative log-decay G, in-kernel l2norm / sigmoid, Akk and Aqk on 16-token
+ *     sub-tiles (off-diagonal tiles factor exp(G_i - G_j) through the end of the
+ *     earlier tile, both factors <= 1, so any gate is safe; diagonal tiles use the
+ *     per-pair exponent), the unit lower-triangular inverse by substitution, then
+ *     w, u, the decayed q / k and exp(G_last), all to an fp32 workspace;
+ *   kernel 2, one CTA per (sequence, value head, 32-column slice of V): the
+ *     inter-chunk recurrence over the chunks in order (the delta rule is
+ *     column-separable in V), state in shared memory, o written as bf16.
+ *   Arithmetic is fp32 on the CUDA cores (no tensor cores yet).
+ *
+ * Limits: K <= 128, V <= 128 (LM_ERR_UNSUPPORTED otherwise). chunk_size and diag
+ * of the config are accepted and do not change the result beyond rounding (the
+ * kernels always use 64-token chunks with the safe sub-tile factorisation).
+ *
+ * Errors: LM_ERR_INVALID for a bad configuration (the same checks as
+ * lm_kda_validate minus the finiteness scan of device data), LM_ERR_UNSUPPORTED
+ * when linmoe was built without CUDA or no device is present, LM_ERR_IO for a
+ * CUDA runtime error (message names the call and the CUDA error string).
+ */
+#ifndef LINMOE_KDA_CUDA_H
+#define LINMOE_KDA_CUDA_H
+
+#include "linmoe/kda.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    const void *q, *k, *v, *g, *beta; /* bf16 device pointers */
+    const float *A_log, *dt_bias;     /* fp32 device pointers or NULL */
+    const float *initial_state;       /* fp32 device pointer or NULL (zeros) */
+} lm_kda_cuda_inputs;
+
+typedef struct {
+    void *o;            /* bf16 [B,T,HV,V], required */
+    float *final_state; /* fp32 [N,HV,K,V] or NULL */
+} lm_kda_cuda_outputs;
+
+/* Number of CUDA devices usable by linmoe (0 when built without CUDA, or when the
+ * driver reports none). Never fails. */
+int lm_cuda_device_count(void);
+
+/* The chunked forward on the current device and the default stream; synchronous
+ * (returns after the kernels finished, so errors are reported here). Scratch is
+ * a device workspace kept between calls and grown on demand. */
+lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cuda_inputs *in,
+                                    lm_kda_cuda_outputs *out, lm_error *err);
+
+/* Device memory for callers written in C (tests, the op runner, benchmarks):
+ * plain cudaMalloc / cudaMemcpy (synchronous). Errors: LM_ERR_NOMEM (allocation),
+ * LM_ERR_IO (copy), LM_ERR_UNSUPPORTED without CUDA. lm_cuda_free(NULL) is a no-op. */
+lm_status lm_cuda_alloc(void **ptr, size_t bytes, lm_error *err);
+void lm_cuda_free(void *ptr);
+lm_status lm_cuda_upload(void *dst, const void *src, size_t bytes, lm_error *err);
+lm_status lm_cuda_download(void *dst, const void *src, size_t bytes, lm_error *err);
+
+/* Frees the cached device workspace (optional; at exit the driver frees it). */
+void lm_kda_cuda_release(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Build linmoe with its CUDA kernels here (local nvcc, sm_90a) and pack what the GPU
+# machine needs into build-gpu/: the CLI, the CUDA test binaries and the shared
+# libraries they load that a bare CUDA image may lack (cmocka, OpenMP runtime,
+# OpenBLAS, cJSON, PCRE2 and their runtime dependencies). The GPU machine has no
+# network and none of the Debian -dev packages, so the binaries travel instead
+# (device tool: carry ["build-gpu"]); scripts/gpu/test.sh and bench.sh run them.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+OUT=build-gpu
+cmake -S . -B "$OUT/cmake" -DCMAKE_BUILD_TYPE=Release -DLINMOE_NATIVE=OFF >/dev/null
+cmake --build "$OUT/cmake" -j "$(nproc)" --target linmoe_cli test_kda_cuda >/dev/null
+mkdir -p "$OUT/lib"
+cp "$OUT/cmake/linmoe" "$OUT/cmake/test_kda_cuda" "$OUT/"
+for bin in "$OUT/linmoe" "$OUT/test_kda_cuda"; do
+    ldd "$bin" | awk '/=> \//{print $3}' | while read -r lib; do
+        case "$(basename "$lib")" in
+            libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libstdc++*|libgcc_s*) ;;
+            *) cp -L "$lib" "$OUT/lib/" ;;
+        esac
+    done
+done
+du -sh "$OUT/linmoe" "$OUT/test_kda_cuda" "$OUT/lib"

@@ -1,0 +1,36 @@
+/* linmoe built without CUDA: the CUDA entry points report LM_ERR_UNSUPPORTED
+ * (include/linmoe/kda_cuda.h). Compiled only when CMake finds no CUDA compiler. */
+#include "linmoe/kda_cuda.h"
+
+int lm_cuda_device_count(void) { return 0; }
+
+lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cuda_inputs *in,
+                                    lm_kda_cuda_outputs *out, lm_error *err) {
+    (void)c;
+    (void)in;
+    (void)out;
+    return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                     "kda cuda: this linmoe was built without CUDA (no nvcc found by CMake)");
+}
+
+void lm_kda_cuda_release(void) {}
+
+lm_status lm_cuda_alloc(void **ptr, size_t bytes, lm_error *err) {
+    (void)bytes;
+    if (ptr)
+        *ptr = NULL;
+    return lm_errorf(err, LM_ERR_UNSUPPORTED, "cuda: this linmoe was built without CUDA");
+}
+
+void lm_cuda_free(void *ptr) { (void)ptr; }
+
+lm_status lm_cuda_upload(void *dst, const void *src, size_t bytes, lm_error *err) {
+    (void)dst;
+    (void)src;
+    (void)bytes;
+    return lm_errorf(err, LM_ERR_UNSUPPORTED, "cuda: this linmoe was built without CUDA");
+}
+
+lm_status lm_cuda_download(void *dst, const void *src, size_t bytes, lm_error *err) {
+    return lm_cuda_upload(dst, src, bytes, err);
+}
