@@ -101,7 +101,7 @@ static void fx_open(fixture *f, uint64_t seed, int rank, int world) {
 
 static void fx_stage(fixture *f, int S, int packing, double pf, double lf) {
     lm_error err = {0};
-    lm_loader_stage s = {S, packing, pf, lf};
+    lm_loader_stage s = {S, packing, pf, lf, 0};
     lm_status st = lm_loader_set_stage(f->ld, &s, &err);
     if (st != LM_OK)
         fprintf(stderr, "%s\n", err.msg);
@@ -478,25 +478,91 @@ static void test_windows_and_mix(void **state) {
     fx_close(&f);
 }
 
+
+/* Repeat rows: [EOT, s, s, s, ...] with s a span of 8..S/4 tokens of one document,
+ * labels shifted by one, the last IGNORE; mixed at the configured fraction. */
+static void test_repeat_rows(void **state) {
+    (void)state;
+    const int S = 128;
+    for (int pack = 0; pack <= 1; pack++) {
+        fixture f;
+        fx_open(&f, 5, 0, 1);
+        lm_error err = {0};
+        lm_loader_stage st = {S, pack, 0, 0, 1.0};
+        assert_int_equal(lm_loader_set_stage(f.ld, &st, &err), LM_OK);
+        for (int r = 0; r < 40; r++) {
+            fx_next(&f, 1);
+            const lm_loader_batch *b = &f.b;
+            assert_int_equal(b->n_repeat, 1);
+            assert_int_equal(b->n_passkey + b->n_long, 0);
+            assert_int_equal(b->ids[0], EOT);
+            for (int j = 0; j + 1 < S; j++)
+                assert_int_equal(b->labels[j], b->ids[j + 1]);
+            assert_int_equal(b->labels[S - 1], LM_MODEL_IGNORE);
+            if (pack) {
+                assert_int_equal(b->batch.n_cu_seqlens, 2);
+                assert_int_equal(b->batch.cu_seqlens[1], S);
+            }
+            int period = 0;
+            for (int m = 1; m <= S / 4 && !period; m++) {
+                int ok = 1;
+                for (int j = 1; j + m < S && ok; j++)
+                    ok = b->ids[j + m] == b->ids[j];
+                if (ok)
+                    period = m;
+            }
+            assert_true(period >= 1 && period <= S / 4); /* the span repeats */
+            int m = 8;                                     /* some span of >= 8 tokens is prose */
+            assert_true(find_in_shard(b->ids + 1, m) >= 0);
+            for (int j = 1; j < S; j++)
+                assert_int_not_equal(b->ids[j], EOT);
+        }
+        fx_close(&f);
+    }
+    /* the mix: about 30 % repeat rows, 20 % passkey rows */
+    fixture f;
+    fx_open(&f, 6, 0, 1);
+    lm_error err = {0};
+    lm_loader_stage st = {256, 1, 0.2, 0, 0.3};
+    assert_int_equal(lm_loader_set_stage(f.ld, &st, &err), LM_OK);
+    int nrep = 0, npk = 0;
+    for (int r = 0; r < 400; r++) {
+        fx_next(&f, 1);
+        nrep += f.b.n_repeat;
+        npk += f.b.n_passkey;
+    }
+    assert_true(nrep > 90 && nrep < 150);
+    assert_true(npk > 50 && npk < 110);
+    fx_close(&f);
+}
+
 static void test_errors(void **state) {
     (void)state;
     lm_error err = {0};
     fixture f;
     fx_open(&f, 1, 0, 1);
-    lm_loader_stage s = {1, 1, 0, 0};
+    lm_loader_stage s = {1, 1, 0, 0, 0};
     assert_int_equal(lm_loader_set_stage(f.ld, &s, &err), LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "seq_len = 1"));
-    s = (lm_loader_stage){64, 1, 0.7, 0.5};
+    s = (lm_loader_stage){64, 1, 0.7, 0.5, 0};
     assert_int_equal(lm_loader_set_stage(f.ld, &s, &err), LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "exceeds 1"));
-    s = (lm_loader_stage){4096, 1, 0, 0.1};
+    s = (lm_loader_stage){4096, 1, 0, 0.1, 0};
     assert_int_equal(lm_loader_set_stage(f.ld, &s, &err), LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "seq_len = 4096"));
     assert_non_null(strstr(err.msg, g_shard));
-    s = (lm_loader_stage){100000, 0, 0, 0};
+    s = (lm_loader_stage){100000, 0, 0, 0, 0};
     assert_int_equal(lm_loader_set_stage(f.ld, &s, &err), LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "random windows"));
-    s = (lm_loader_stage){8, 1, 0.5, 0}; /* too short for a passkey document */
+    s = (lm_loader_stage){8, 1, 0.5, 0, 0}; /* too short for a passkey document */
+    assert_int_not_equal(lm_loader_set_stage(f.ld, &s, &err), LM_OK);
+    s = (lm_loader_stage){64, 1, 0.4, 0.3, 0.4};
+    assert_int_equal(lm_loader_set_stage(f.ld, &s, &err), LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "repeat_fraction = 1.1 exceeds 1"));
+    s = (lm_loader_stage){64, 1, 0, 0, -0.5};
+    assert_int_equal(lm_loader_set_stage(f.ld, &s, &err), LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "repeat_fraction = -0.5"));
+    s = (lm_loader_stage){8, 1, 0, 0, 0.5};
     assert_int_not_equal(lm_loader_set_stage(f.ld, &s, &err), LM_OK);
     /* no stage yet on a fresh loader */
     lm_loader *l2 = NULL;
@@ -518,7 +584,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_packing_stream),  cmocka_unit_test(test_rows_per_call),
         cmocka_unit_test(test_resume),          cmocka_unit_test(test_ranks),
-        cmocka_unit_test(test_windows_and_mix), cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_windows_and_mix), cmocka_unit_test(test_repeat_rows),
+        cmocka_unit_test(test_errors),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -12,6 +12,15 @@
  *       labels ids[1..S) then LM_MODEL_IGNORE (trained on the whole document).
  *   u < passkey_fraction + long_doc_fraction  long-document row: a document with
  *       n >= S, chosen uniformly among those, at a uniformly random start a.
+ *   u < passkey_fraction + long_doc_fraction + repeat_fraction
+ *                                             repeat row (the copy / induction task):
+ *       a span s of m consecutive tokens of one document (document uniform over all,
+ *       m uniform in [8, max(8, S/4)], cut to the document's length, start uniform),
+ *       repeated: ids = [EOT, s, s, s, ...] cut to S tokens, labels = ids[1..S) then
+ *       LM_MODEL_IGNORE. Every repeat after the first is predictable only by copying
+ *       from context, which is how a small model acquires the induction mechanism
+ *       that passkey retrieval needs (Olsson et al. 2022, "In-context Learning and
+ *       Induction Heads"). One piece (packing) or one row (windows).
  *   otherwise                                 stream row (below).
  *
  * Mode packing = 0 (random windows): a stream row is S+1 consecutive shard tokens w
@@ -46,7 +55,7 @@
  * counter, document cursor) carries over, so a stage change continues the stream.
  *
  * Errors (LM_ERR_INVALID, naming the shard and the value): S < 2, fractions
- * outside [0, 1] or summing above 1, a window mode shard shorter than S+1 tokens,
+ * outside [0, 1] or summing above 1, repeat_fraction > 0 with S < 10, a window mode shard shorter than S+1 tokens,
  * fewer documents than ranks, no document of >= S tokens when long_doc_fraction > 0,
  * a passkey document that cannot be made at length S (passkey.h), a state that does
  * not fit the shard.
@@ -74,7 +83,8 @@ typedef struct {
     int seq_len;              /* S >= 2 */
     int packing;              /* 1 document packing, 0 random windows */
     double passkey_fraction;  /* of rows, in [0, 1] */
-    double long_doc_fraction; /* of rows, in [0, 1]; sum with passkey_fraction <= 1 */
+    double long_doc_fraction; /* of rows, in [0, 1] */
+    double repeat_fraction;   /* of rows, in [0, 1]; the three fractions sum to <= 1 */
 } lm_loader_stage;
 
 /* Everything needed to continue the stream (checkpointed as LM_LOADER_STATE_WORDS
@@ -117,7 +127,7 @@ typedef struct {
     int32_t *labels;      /* [B*T]: token ids or LM_MODEL_IGNORE */
     int64_t *cu;          /* [max_rows*max_seq_len + 1] piece offsets (packing) */
     int64_t cap_tokens;
-    int rows, n_passkey, n_long; /* composition of the last batch */
+    int rows, n_passkey, n_long, n_repeat; /* composition of the last batch */
     int64_t n_labels;            /* labelled positions of the last batch */
 } lm_loader_batch;
 

@@ -47,7 +47,9 @@
  *      "rope_theta": 0,        RoPE base for this stage (0 = the model's)
  *      "packing": true,        document packing (true) or random windows (loader.h)
  *      "passkey_fraction": 0,  rows replaced by passkey documents of seq_len tokens
- *      "long_doc_fraction": 0} rows from documents of >= seq_len tokens
+ *      "long_doc_fraction": 0, rows from documents of >= seq_len tokens
+ *      "repeat_fraction": 0}   rows holding one span of a document repeated (the
+ *                              copy task that teaches in-context copying; loader.h)
  *   ],
  *   "eval": {
  *     "seq_len": 0,            bits-per-byte window (0 = the last stage's seq_len)
@@ -109,7 +111,7 @@ typedef struct {
     int warmup_steps;
     double rope_theta; /* effective (the model's when not given) */
     int packing;
-    double passkey_fraction, long_doc_fraction;
+    double passkey_fraction, long_doc_fraction, repeat_fraction;
     /* derived */
     int64_t step_tokens; /* tokens per optimizer step */
     int rows_per_step, rows_per_micro;

@@ -155,10 +155,18 @@ lm_status lm_loader_set_stage(lm_loader *l, const lm_loader_stage *s, lm_error *
     if (!(s->long_doc_fraction >= 0 && s->long_doc_fraction <= 1))
         return lm_errorf(err, LM_ERR_INVALID, "loader: long_doc_fraction = %g (want [0, 1])",
                          s->long_doc_fraction);
-    if (s->passkey_fraction + s->long_doc_fraction > 1.0 + 1e-12)
+    if (!(s->repeat_fraction >= 0 && s->repeat_fraction <= 1))
+        return lm_errorf(err, LM_ERR_INVALID, "loader: repeat_fraction = %g (want [0, 1])",
+                         s->repeat_fraction);
+    if (s->passkey_fraction + s->long_doc_fraction + s->repeat_fraction > 1.0 + 1e-12)
+        return lm_errorf(
+            err, LM_ERR_INVALID,
+            "loader: passkey_fraction + long_doc_fraction + repeat_fraction = %g exceeds 1",
+            s->passkey_fraction + s->long_doc_fraction + s->repeat_fraction);
+    if (s->repeat_fraction > 0 && s->seq_len < 10)
         return lm_errorf(err, LM_ERR_INVALID,
-                         "loader: passkey_fraction + long_doc_fraction = %g exceeds 1",
-                         s->passkey_fraction + s->long_doc_fraction);
+                         "loader: repeat_fraction = %g needs seq_len >= 10, got %d",
+                         s->repeat_fraction, s->seq_len);
     if (!s->packing && (int64_t)l->sh->count < (int64_t)s->seq_len + 1)
         return lm_errorf(
             err, LM_ERR_INVALID,
@@ -278,7 +286,7 @@ lm_status lm_loader_next(lm_loader *l, int rows, lm_loader_batch *b, lm_error *e
     if (pack)
         b->cu[ncu++] = 0;
     b->rows = rows;
-    b->n_passkey = b->n_long = 0;
+    b->n_passkey = b->n_long = b->n_repeat = 0;
     for (int r = 0; r < rows; r++) {
         int32_t *ids = b->ids + (int64_t)r * S, *lab = b->labels + (int64_t)r * S;
         const int64_t base = (int64_t)r * S;
@@ -321,6 +329,25 @@ lm_status lm_loader_next(lm_loader *l, int rows, lm_loader_batch *b, lm_error *e
                 }
             }
             b->n_long++;
+        } else if (u < l->stage.passkey_fraction + l->stage.long_doc_fraction +
+                           l->stage.repeat_fraction) {
+            const int64_t d = (int64_t)(r64 % (uint64_t)l->ndocs);
+            const int64_t n = l->doc_len[d];
+            const int mmax = S / 4 > 8 ? S / 4 : 8;
+            int64_t m = 8 + below32(w[1], mmax - 8 + 1);
+            if (m > n)
+                m = n;
+            const int64_t a = (int64_t)((r64 / (uint64_t)l->ndocs) % (uint64_t)(n - m + 1));
+            ids[0] = l->eot;
+            for (int j = 1; j < S; j++) {
+                const int32_t t = doc_tok(l, d, a + (j - 1) % m);
+                ids[j] = t;
+                lab[j - 1] = t;
+            }
+            lab[S - 1] = LM_MODEL_IGNORE;
+            if (pack)
+                b->cu[ncu++] = base + S;
+            b->n_repeat++;
         } else if (!pack) {
             const uint64_t o = r64 % (l->sh->count - (uint64_t)S); /* [0, count-S-1] */
             for (int j = 0; j < S; j++) {

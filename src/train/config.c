@@ -157,7 +157,7 @@ static const char *const k_train[] = {
     "keep_last",    "max_bad_steps", "threads",    NULL};
 static const char *const k_stage[] = {"name",    "seq_len",          "tokens",
                                       "lr",      "warmup_steps",     "rope_theta",
-                                      "packing", "passkey_fraction", "long_doc_fraction",
+                                      "packing", "passkey_fraction", "long_doc_fraction", "repeat_fraction",
                                       NULL};
 static const char *const k_eval[] = {"seq_len",      "passkey_lengths", "passkey_samples",
                                      "passkey_seed", "max_val_tokens",  NULL};
@@ -262,10 +262,16 @@ static lm_status parse_stage(pctx *p, lm_train_config *c, const cJSON *so, int i
     LM_TRY(get_bool(p, so, pre, "packing", &s->packing));
     LM_TRY(get_num(p, so, pre, "passkey_fraction", 0, 0, 1, 0, &s->passkey_fraction, NULL));
     LM_TRY(get_num(p, so, pre, "long_doc_fraction", 0, 0, 1, 0, &s->long_doc_fraction, NULL));
-    if (s->passkey_fraction + s->long_doc_fraction > 1.0 + 1e-12)
+    LM_TRY(get_num(p, so, pre, "repeat_fraction", 0, 0, 1, 0, &s->repeat_fraction, NULL));
+    if (s->passkey_fraction + s->long_doc_fraction + s->repeat_fraction > 1.0 + 1e-12)
         return lm_errorf(p->err, LM_ERR_INVALID,
-                         "%s: '%spasskey_fraction' + '%slong_doc_fraction' = %g exceeds 1",
-                         p->label, pre, pre, s->passkey_fraction + s->long_doc_fraction);
+                         "%s: '%spasskey_fraction' + '%slong_doc_fraction' + '%srepeat_fraction' "
+                         "= %g exceeds 1",
+                         p->label, pre, pre, pre,
+                         s->passkey_fraction + s->long_doc_fraction + s->repeat_fraction);
+    if (s->repeat_fraction > 0 && s->seq_len < 10)
+        return lm_errorf(p->err, LM_ERR_INVALID, "%s: '%srepeat_fraction' = %g needs seq_len >= 10",
+                         p->label, pre, s->repeat_fraction);
     /* derived sizes */
     if (c->batch_tokens > 0) {
         if (c->batch_tokens % s->seq_len != 0)

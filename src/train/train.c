@@ -211,7 +211,8 @@ static double measure_sgemm(void) {
 
 static lm_status apply_stage(ctx *x, int s, lm_error *err) {
     const lm_train_stage *st = &x->c->stages[s];
-    lm_loader_stage ls = {st->seq_len, st->packing, st->passkey_fraction, st->long_doc_fraction};
+    lm_loader_stage ls = {st->seq_len, st->packing, st->passkey_fraction, st->long_doc_fraction,
+                          st->repeat_fraction};
     lm_status r = lm_loader_set_stage(x->ld, &ls, err);
     if (r != LM_OK) {
         char buf[sizeof err->msg];
@@ -233,14 +234,16 @@ static void log_stage(ctx *x, int s) {
     jnum(x->fstage, st->passkey_fraction, 9);
     fputs(", \"long_doc_fraction\": ", x->fstage);
     jnum(x->fstage, st->long_doc_fraction, 9);
+    fputs(", \"repeat_fraction\": ", x->fstage);
+    jnum(x->fstage, st->repeat_fraction, 9);
     fputs("}\n", x->fstage);
     fflush(x->fstage);
     say(x,
         "stage %d '%s' from step %lld: seq_len %d, %lld steps of %lld tokens, lr %.3g, "
-        "rope_theta %g, %s, passkey %.3g, long docs %.3g",
+        "rope_theta %g, %s, passkey %.3g, long docs %.3g, repeats %.3g",
         s, st->name, (long long)x->k.step, st->seq_len, (long long)st->steps,
         (long long)st->step_tokens, st->lr, st->rope_theta, st->packing ? "packed" : "windows",
-        st->passkey_fraction, st->long_doc_fraction);
+        st->passkey_fraction, st->long_doc_fraction, st->repeat_fraction);
 }
 
 static lm_status run_eval(ctx *x, lm_error *err) {
@@ -300,7 +303,7 @@ static void reset_router_accumulators(lm_router_state *st) {
 typedef struct {
     double loss, gnorm, lr, seconds;
     int skipped;
-    int n_passkey, n_long;
+    int n_passkey, n_long, n_repeat;
 } step_result;
 
 static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
@@ -311,12 +314,13 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
     const double t0 = lm_time_sec();
     double loss_sum = 0;
     int bad = 0;
-    res->n_passkey = res->n_long = 0;
+    res->n_passkey = res->n_long = res->n_repeat = 0;
     res->lr = lm_train_lr(c, x->k.step);
     for (int mi = 0; mi < M; mi++) {
         LM_TRY(lm_loader_next(x->ld, st->rows_per_micro, &x->b, err));
         res->n_passkey += x->b.n_passkey;
         res->n_long += x->b.n_long;
+        res->n_repeat += x->b.n_repeat;
         if (bad)
             continue; /* keep consuming the data of the step */
         double loss = 0;
