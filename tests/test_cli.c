@@ -20,6 +20,7 @@
 
 #include "linmoe/core.h"
 #include "linmoe/kda.h"
+#include "linmoe/kda_cuda.h"
 #include "linmoe/safetensors.h"
 
 /* ---------------------------------------------------------------- temp dir */
@@ -784,13 +785,21 @@ static void test_device_cuda(void **state) {
     write_input(in, &s, &d);
     data_free(&d);
     char msg[8192];
+    /* on a machine without a GPU (CI) the CUDA path fails cleanly; with one, it runs */
     int rc = lm_run_cli(msg, sizeof msg, "op kda --in %s --out %s --device cuda", in, out);
+    if (lm_cuda_device_count() < 1) {
+        assert_clean_failure(rc, msg, 0);
+        lm_assert_says(msg, "--device cuda: ");
+        assert_false(file_exists(out));
+    } else {
+        assert_int_equal(rc, 0);
+    }
+    rc = lm_run_cli(msg, sizeof msg, "op moe --in %s --out %s --device cuda", in, out);
     assert_clean_failure(rc, msg, 0);
-    lm_assert_says(msg, "CUDA backend not built yet (arrives with the CUDA issue)");
-    assert_false(file_exists(out));
+    lm_assert_says(msg, "CUDA kernels exist for `op kda` / `op gdn` (forward) only so far");
     rc = lm_run_cli(msg, sizeof msg, "bench kda --device cuda");
     assert_clean_failure(rc, msg, 0);
-    lm_assert_says(msg, "CUDA backend not built yet");
+    lm_assert_says(msg, "scripts/gpu/bench.sh");
     rc = lm_run_cli(msg, sizeof msg, "op kda --in %s --out %s --device tpu", in, out);
     assert_clean_failure(rc, msg, 2);
     lm_assert_says(msg, "unknown device 'tpu'");

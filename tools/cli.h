@@ -18,7 +18,10 @@
 /* `linmoe op kda|gdn --in IN --out OUT` on the CPU (tools/op_kda.c). Reads IN,
  * validates it, runs the op (and its backward when IN holds `do` or `dht`), writes
  * OUT atomically. Messages go to stderr, prefixed with `prog`. Returns an exit code. */
-int lm_cli_op_kda(const char *prog, lm_kda_kind kind, const char *in_path, const char *out_path);
+/* use_cuda: run the forward on the GPU (include/linmoe/kda_cuda.h; inputs rounded to
+ * bf16, o returned as the bf16 values in fp32); the backward stays on the CPU. */
+int lm_cli_op_kda(const char *prog, lm_kda_kind kind, const char *in_path, const char *out_path,
+                  int use_cuda);
 
 /* A checkpoint argument (checkpoint dir, run dir, RUN/ckpt or RUN/ckpt/latest) to the
  * checkpoint directory in out (tools/op_common.c). 0 when resolved; -1: out = arg. */

@@ -95,7 +95,8 @@ static void usage_op(FILE *f) {
             "options:\n"
             "  --in FILE      input safetensors file (required)\n"
             "  --out FILE     output safetensors file (required)\n"
-            "  --device D     cpu (default) or cuda (not built yet)\n"
+            "  --device D     cpu (default) or cuda (kda / gdn forward on an NVIDIA GPU, bf16\n"
+            "                 inputs and output, fp32 state; include/linmoe/kda_cuda.h)\n"
             "  --help         this help\n"
             "\n"
             "%s op moe_router: IN logits [T,E]; e_score_correction_bias [E] (optional, 0);\n"
@@ -150,7 +151,7 @@ static void usage_bench(FILE *f) {
             "  --json FILE    also write the records as JSON to FILE\n"
             "  --threads N    threads for linmoe and OpenBLAS (default: number of cores)\n"
             "  --quick        fewer repeats (smoke test; numbers are noisier)\n"
-            "  --device D     cpu (default) or cuda (not built yet)\n"
+            "  --device D     cpu (default); cuda: see scripts/gpu/bench.sh (GPU machine)\n"
             "  --config FILE  model: the model config (default: configs/bench-cpu.json, looked\n"
             "                 up from the working directory and the binary upward)\n"
             "  --no-peer      model: skip the PyTorch reference step\n"
@@ -199,12 +200,22 @@ static int unknown_flag(const char *sub, const char *a) {
     return LM_EXIT_USAGE;
 }
 
-/* Returns 0 for cpu, LM_EXIT_USAGE for an unknown device, LM_EXIT_BAD_INPUT for cuda. */
+/* Returns 0 for cpu, LM_EXIT_USAGE for an unknown device, LM_EXIT_BAD_INPUT for cuda
+ * (callers that have a CUDA path check for "cuda" before calling this). */
 static int check_device(const char *sub, const char *dev) {
     if (strcmp(dev, "cpu") == 0) return 0;
     if (strcmp(dev, "cuda") == 0) {
-        fprintf(stderr, "%s %s: --device cuda: CUDA backend not built yet (arrives with the CUDA issue)\n",
-                g_prog, sub);
+        if (strcmp(sub, "bench") == 0)
+            fprintf(stderr,
+                    "%s bench: --device cuda: the GPU benchmark runs on the GPU machine beside fla "
+                    "in one process: scripts/gpu/pack.sh here, then scripts/gpu/bench.sh there "
+                    "(docs/perf-notes.md)\n",
+                    g_prog);
+        else
+            fprintf(stderr,
+                    "%s %s: --device cuda: CUDA kernels exist for `op kda` / `op gdn` (forward) "
+                    "only so far\n",
+                    g_prog, sub);
         return LM_EXIT_BAD_INPUT;
     }
     fprintf(stderr, "%s %s: unknown device '%s' (expected cpu or cuda)\n", g_prog, sub, dev);
@@ -250,7 +261,8 @@ static int cmd_op(int argc, char **argv) {
         }
         return unknown_flag("op", argv[i]);
     }
-    int rc = check_device("op", device);
+    const int cuda = strcmp(device, "cuda") == 0 && (strcmp(name, "kda") == 0 || strcmp(name, "gdn") == 0);
+    int rc = cuda ? 0 : check_device("op", device);
     if (rc != 0) return rc;
     if (!in || !out) {
         fprintf(stderr, "%s op %s: missing %s (see `%s op --help`)\n", g_prog, name,
@@ -262,7 +274,7 @@ static int cmd_op(int argc, char **argv) {
     if (moe) return moe == 1 ? lm_cli_op_moe_router(prog, in, out) : lm_cli_op_moe(prog, in, out);
     if (strcmp(name, "attnres") == 0) return lm_cli_op_attnres(prog, in, out);
     if (strcmp(name, "attention") == 0) return lm_cli_op_attention(prog, in, out);
-    return lm_cli_op_kda(prog, kind, in, out);
+    return lm_cli_op_kda(prog, kind, in, out, cuda);
 }
 
 static int parse_threads(const char *s, int *out) {

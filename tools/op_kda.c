@@ -18,6 +18,7 @@
 #include "cli.h"
 #include "linmoe/core.h"
 #include "linmoe/kda.h"
+#include "linmoe/kda_cuda.h"
 #include "linmoe/safetensors.h"
 
 /* Tensor names the op reads, in the order they are checked. */
@@ -39,6 +40,7 @@ static const char *const k_meta_keys[] = {"gate",
 typedef struct {
     const char *prog;
     const char *in_path;
+    int use_cuda;
     lm_safetensors st;
     const lm_st_entry *e[T_COUNT];
     float *f[T_COUNT]; /* fp32 copies of the float tensors */
@@ -335,6 +337,75 @@ static int add_out(const op_ctx *x, lm_st_writer *w, const char *name, int n, co
     return 0;
 }
 
+/* The forward on the GPU: inputs rounded to bf16 and uploaded, o (bf16) and the fp32
+ * final state copied back into x->o / x->ht as fp32. */
+static int run_cuda(op_ctx *x, const lm_kda_inputs *in, int64_t nq, int64_t nv, int64_t ng,
+                    int64_t nb, int64_t ns) {
+    lm_error err = {LM_OK, ""};
+    const int HV = x->c.HV, GK = x->c.kind == LM_GDN ? 1 : x->c.K;
+    const float *src[5] = {in->q, in->k, in->v, in->g, in->beta};
+    const int64_t cnt[5] = {nq, nq, nv, ng, nb};
+    void *dev[5] = {0}, *d_o = NULL;
+    float *d_A = NULL, *d_bias = NULL, *d_h0 = NULL, *d_ht = NULL;
+    uint16_t *h = NULL;
+    int rc = 0;
+    for (int t = 0; t < 5 && !rc; t++) {
+        h = (uint16_t *)malloc((size_t)(cnt[t] > 0 ? cnt[t] : 1) * sizeof(uint16_t));
+        if (!h) {
+            rc = fail(x, "out of memory converting inputs to bf16");
+            break;
+        }
+        for (int64_t i = 0; i < cnt[t]; i++)
+            h[i] = lm_f32_to_bf16(src[t][i]);
+        if (lm_cuda_alloc(&dev[t], (size_t)cnt[t] * 2, &err) != LM_OK ||
+            lm_cuda_upload(dev[t], h, (size_t)cnt[t] * 2, &err) != LM_OK)
+            rc = fail(x, "%s", err.msg);
+        free(h);
+        h = NULL;
+    }
+    if (!rc && in->A_log &&
+        (lm_cuda_alloc((void **)&d_A, sizeof(float) * HV, &err) != LM_OK ||
+         lm_cuda_upload(d_A, in->A_log, sizeof(float) * HV, &err) != LM_OK))
+        rc = fail(x, "%s", err.msg);
+    if (!rc && in->dt_bias &&
+        (lm_cuda_alloc((void **)&d_bias, sizeof(float) * HV * GK, &err) != LM_OK ||
+         lm_cuda_upload(d_bias, in->dt_bias, sizeof(float) * HV * GK, &err) != LM_OK))
+        rc = fail(x, "%s", err.msg);
+    if (!rc && in->initial_state &&
+        (lm_cuda_alloc((void **)&d_h0, sizeof(float) * ns, &err) != LM_OK ||
+         lm_cuda_upload(d_h0, in->initial_state, sizeof(float) * ns, &err) != LM_OK))
+        rc = fail(x, "%s", err.msg);
+    if (!rc && (lm_cuda_alloc(&d_o, (size_t)nv * 2, &err) != LM_OK ||
+                lm_cuda_alloc((void **)&d_ht, sizeof(float) * ns, &err) != LM_OK))
+        rc = fail(x, "%s", err.msg);
+    if (!rc) {
+        lm_kda_cuda_inputs ci = {dev[0], dev[1], dev[2], dev[3], dev[4], d_A, d_bias, d_h0};
+        lm_kda_cuda_outputs co = {d_o, d_ht};
+        if (lm_kda_cuda_chunk_forward(&x->c, &ci, &co, &err) != LM_OK)
+            rc = fail(x, "%s", err.msg);
+    }
+    if (!rc) {
+        h = (uint16_t *)malloc((size_t)(nv > 0 ? nv : 1) * sizeof(uint16_t));
+        if (!h)
+            rc = fail(x, "out of memory reading o back");
+        else if (lm_cuda_download(h, d_o, (size_t)nv * 2, &err) != LM_OK ||
+                 lm_cuda_download(x->ht, d_ht, sizeof(float) * ns, &err) != LM_OK)
+            rc = fail(x, "%s", err.msg);
+        else
+            for (int64_t i = 0; i < nv; i++)
+                x->o[i] = lm_bf16_to_f32(h[i]);
+        free(h);
+    }
+    for (int t = 0; t < 5; t++)
+        lm_cuda_free(dev[t]);
+    lm_cuda_free(d_A);
+    lm_cuda_free(d_bias);
+    lm_cuda_free(d_h0);
+    lm_cuda_free(d_o);
+    lm_cuda_free(d_ht);
+    return rc;
+}
+
 static int run(op_ctx *x, const char *out_path) {
     lm_error err = {LM_OK, ""};
     if (lm_st_read(x->in_path, &x->st, &err) != LM_OK) {
@@ -395,7 +466,24 @@ static int run(op_ctx *x, const char *out_path) {
     lm_kda_outputs out = {x->o, x->ht};
     const int backward = x->e[T_DO] != NULL || x->e[T_DHT] != NULL;
 
-    if (!backward) {
+    if (x->use_cuda) {
+        if (backward)
+            return fail(x, "--device cuda: the CUDA backward is not built yet (forward only; "
+                           "drop 'do' / 'dht' or run on the CPU)");
+        if (lm_cuda_device_count() < 1)
+            return fail(x, "--device cuda: %s",
+#ifdef LM_HAVE_CUDA
+                        "no CUDA device found"
+#else
+                        "this linmoe was built without CUDA (no nvcc found by CMake)"
+#endif
+            );
+        const int64_t GK = x->c.kind == LM_GDN ? 1 : K;
+        const int64_t nq = (int64_t)B * T * H * K, nv = (int64_t)B * T * HV * V,
+                      ng = (int64_t)B * T * HV * GK, nb = (int64_t)B * T * HV,
+                      ns = N * HV * (int64_t)K * V;
+        if ((rc = run_cuda(x, &in, nq, nv, ng, nb, ns)) != 0) return rc;
+    } else if (!backward) {
         if (lm_kda_forward(&x->c, &in, &out, &err) != LM_OK) return fail(x, "%s", err.msg);
     } else {
         const lm_st_entry *const *e = x->e;
@@ -452,10 +540,12 @@ static int run(op_ctx *x, const char *out_path) {
     return rc;
 }
 
-int lm_cli_op_kda(const char *prog, lm_kda_kind kind, const char *in_path, const char *out_path) {
+int lm_cli_op_kda(const char *prog, lm_kda_kind kind, const char *in_path, const char *out_path,
+                  int use_cuda) {
     op_ctx x;
     memset(&x, 0, sizeof(x));
     x.prog = prog;
+    x.use_cuda = use_cuda;
     x.in_path = in_path;
     lm_kda_config_default(&x.c, 1, 1, 1, 1, 1, 1);
     x.c.kind = kind;

@@ -74,6 +74,19 @@ void lm_cuda_free(void *ptr);
 lm_status lm_cuda_upload(void *dst, const void *src, size_t bytes, lm_error *err);
 lm_status lm_cuda_download(void *dst, const void *src, size_t bytes, lm_error *err);
 
+/* Flat entry point for FFI callers (Python ctypes in scripts/gpu/bench_kda.py, which
+ * runs linmoe beside fla in one process on the same torch tensors): the fields of
+ * lm_kda_config as scalars, device pointers as in lm_kda_cuda_inputs/outputs
+ * (A_log, dt_bias, h0, ht may be NULL), cu_seqlens a host pointer or NULL, gate an
+ * lm_gate_mode, kind an lm_kda_kind, lower_bound 0 = none. Returns the status; on
+ * error the message is copied to errbuf (errlen bytes, NUL-terminated). */
+int lm_kda_cuda_forward_flat(int B, int T, int H, int HV, int K, int V, const int64_t *cu_seqlens,
+                             int n_cu_seqlens, int kind, int gate, float lower_bound, float scale,
+                             int use_qk_l2norm_in_kernel, int use_beta_sigmoid_in_kernel,
+                             const void *q, const void *k, const void *v, const void *g,
+                             const void *beta, const float *A_log, const float *dt_bias,
+                             const float *h0, void *o, float *ht, char *errbuf, int errlen);
+
 /* Frees the cached device workspace (optional; at exit the driver frees it). */
 void lm_kda_cuda_release(void);
 

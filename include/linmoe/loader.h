@@ -7,20 +7,29 @@
  * document's tokens without its separator, empty documents are skipped. Rows have
  * S = seq_len tokens. Every row is one of three kinds, drawn per row (u uniform in
  * [0, 1) from the row's random draw):
- *   u < passkey_fraction                      passkey row: passkey.h document
- *       (seed, index) of exactly S tokens (filler from this shard); input ids[0..S),
- *       labels ids[1..S) then LM_MODEL_IGNORE (trained on the whole document).
+ *   u < passkey_fraction                      passkey row: passkey.h documents
+ *       (seed, index) of exactly Lp = passkey_length tokens (default S; filler from
+ *       this shard), floor(S / Lp) of them, each its own piece: input ids, labels
+ *       ids shifted by one then LM_MODEL_IGNORE (trained on the whole document);
+ *       a remainder becomes a pad piece of EOTs with IGNORE labels. Short passkey
+ *       documents early in training are a curriculum: the key sits a few dozen
+ *       tokens back and the prose around it is a small part of the row.
  *   u < passkey_fraction + long_doc_fraction  long-document row: a document with
  *       n >= S, chosen uniformly among those, at a uniformly random start a.
  *   u < passkey_fraction + long_doc_fraction + repeat_fraction
  *                                             repeat row (the copy / induction task):
- *       a span s of m consecutive tokens of one document (document uniform over all,
- *       m uniform in [8, max(8, S/4)], cut to the document's length, start uniform),
- *       repeated: ids = [EOT, s, s, s, ...] cut to S tokens, labels = ids[1..S) then
- *       LM_MODEL_IGNORE. Every repeat after the first is predictable only by copying
- *       from context, which is how a small model acquires the induction mechanism
- *       that passkey retrieval needs (Olsson et al. 2022, "In-context Learning and
- *       Induction Heads"). One piece (packing) or one row (windows).
+ *       a span X of m tokens (m uniform in [8, 24], at most (S-1)/2), each drawn
+ *       independently from the shard's unigram distribution (the token at a
+ *       uniformly random offset; an EOT gives the next non-EOT token), inserted R
+ *       times (R uniform in [2, 8], at most (S-1)/m) into prose: ids = [EOT, P_0, X,
+ *       P_1, X, ..., X, P_R], the P_r consecutive non-EOT shard tokens from a random
+ *       offset, their lengths set by R sorted uniform cut points of the S-1-R*m
+ *       prose positions; labels = ids[1..S) then LM_MODEL_IGNORE. Every copy of X
+ *       after the first is predictable only by copying from context, anywhere in a
+ *       row of prose, which is the induction mechanism passkey retrieval needs
+ *       (Olsson et al. 2022, "In-context Learning and Induction Heads"); a small
+ *       model does not acquire it from a few million tokens of prose alone. One
+ *       piece (packing) or one row (windows).
  *   otherwise                                 stream row (below).
  *
  * Mode packing = 0 (random windows): a stream row is S+1 consecutive shard tokens w
@@ -85,6 +94,8 @@ typedef struct {
     double passkey_fraction;  /* of rows, in [0, 1] */
     double long_doc_fraction; /* of rows, in [0, 1] */
     double repeat_fraction;   /* of rows, in [0, 1]; the three fractions sum to <= 1 */
+    int passkey_length;       /* passkey documents of this many tokens, packed S / length
+                                 to a row (then a pad piece); 0 = seq_len. Packing only. */
 } lm_loader_stage;
 
 /* Everything needed to continue the stream (checkpointed as LM_LOADER_STATE_WORDS
@@ -126,6 +137,7 @@ typedef struct {
     int32_t *ids;         /* [B*T] */
     int32_t *labels;      /* [B*T]: token ids or LM_MODEL_IGNORE */
     int64_t *cu;          /* [max_rows*max_seq_len + 1] piece offsets (packing) */
+    int32_t *span;        /* scratch for a repeat row's span */
     int64_t cap_tokens;
     int rows, n_passkey, n_long, n_repeat; /* composition of the last batch */
     int64_t n_labels;            /* labelled positions of the last batch */

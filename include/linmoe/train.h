@@ -48,8 +48,10 @@
  *      "packing": true,        document packing (true) or random windows (loader.h)
  *      "passkey_fraction": 0,  rows replaced by passkey documents of seq_len tokens
  *      "long_doc_fraction": 0, rows from documents of >= seq_len tokens
- *      "repeat_fraction": 0}   rows holding one span of a document repeated (the
- *                              copy task that teaches in-context copying; loader.h)
+ *      "repeat_fraction": 0,   rows of prose with a random span inserted 2-8 times
+ *                              (the copy task that teaches in-context copying; loader.h)
+ *      "passkey_length": 0}    passkey documents of this many tokens, several packed
+ *                              to a row (a curriculum; 0 = seq_len; packing only)
  *   ],
  *   "eval": {
  *     "seq_len": 0,            bits-per-byte window (0 = the last stage's seq_len)
@@ -112,6 +114,7 @@ typedef struct {
     double rope_theta; /* effective (the model's when not given) */
     int packing;
     double passkey_fraction, long_doc_fraction, repeat_fraction;
+    int passkey_length; /* 0 = seq_len */
     /* derived */
     int64_t step_tokens; /* tokens per optimizer step */
     int rows_per_step, rows_per_micro;

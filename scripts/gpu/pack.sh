@@ -21,3 +21,7 @@ for bin in "$OUT/linmoe" "$OUT/test_kda_cuda"; do
     done
 done
 du -sh "$OUT/linmoe" "$OUT/test_kda_cuda" "$OUT/lib"
+# the FFI library for scripts/gpu/bench_kda.py (linmoe beside fla in one process)
+nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode arch=compute_90a,code=sm_90a -Iinclude \
+    src/ops/cuda/kda_fwd.cu src/core/errors.c -o "$OUT/liblinmoe_cuda.so"
+ls -la "$OUT/liblinmoe_cuda.so"

@@ -36,6 +36,8 @@ static uint64_t key_of(uint64_t seed, uint64_t tag) { return mix64(mix64(seed) ^
 #define TAG_ROWS 0x726f7773ull    /* "rows" */
 #define TAG_PERM 0x7065726dull    /* "perm" */
 #define TAG_PASSKEY 0x706b6579ull /* "pkey" */
+#define TAG_REPEAT 0x72657074ull  /* "rept" */
+#define LM_REPEAT_MAX_SPAN 64
 
 /* uniform integer in [0, n) from a 32-bit word (n < 2^32) */
 static int64_t below32(uint32_t w, int64_t n) {
@@ -43,6 +45,33 @@ static int64_t below32(uint32_t w, int64_t n) {
 }
 
 static int32_t tok_at(const lm_loader *l, int64_t i) { return lm_shard_get(l->sh, (uint64_t)i); }
+
+/* A counter-based stream of 32-bit draws: Philox blocks (key, base + k), k = 0, 1, ... */
+typedef struct {
+    uint64_t key, base, k;
+    uint32_t w[4];
+    int used;
+} draw_stream;
+static uint32_t ds_next(draw_stream *s) {
+    if (s->used == 4) {
+        lm_philox4x32(s->key, s->base + s->k++, s->w);
+        s->used = 0;
+    }
+    return s->w[s->used++];
+}
+static uint64_t ds_next64(draw_stream *s) {
+    const uint64_t hi = ds_next(s);
+    return (hi << 32) | ds_next(s);
+}
+/* The token at a uniformly random offset r (mod count); an EOT gives the next non-EOT
+ * token (a draw from the shard's unigram distribution without separators). */
+static int32_t unigram_tok(const lm_loader *l, uint64_t r) {
+    uint64_t o = r % l->sh->count;
+    int32_t t = tok_at(l, (int64_t)o);
+    for (uint64_t step = 1; t == l->eot && step < l->sh->count; step++)
+        t = tok_at(l, (int64_t)((o + step) % l->sh->count));
+    return t;
+}
 /* Token j of document d, with j == n giving its separator. */
 static int32_t doc_tok(const lm_loader *l, int64_t d, int64_t j) {
     return j < l->doc_len[d] ? tok_at(l, l->doc_start[d] + j) : l->eot;
@@ -181,14 +210,21 @@ lm_status lm_loader_set_stage(lm_loader *l, const lm_loader_stage *s, lm_error *
             err, LM_ERR_INVALID,
             "loader: long_doc_fraction = %g but %s has no document of at least seq_len = %d tokens",
             s->long_doc_fraction, path, s->seq_len);
+    if (s->passkey_length < 0 || s->passkey_length > s->seq_len ||
+        (!s->packing && s->passkey_length > 0 && s->passkey_length != s->seq_len))
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "loader: passkey_length = %d (want 0 = seq_len, or 1..seq_len = %d with "
+                         "packing)",
+                         s->passkey_length, s->seq_len);
     if (s->passkey_fraction > 0) {
+        const int Lp = s->passkey_length > 0 ? s->passkey_length : s->seq_len;
         lm_passkey_doc doc;
         memset(&doc, 0, sizeof doc);
         lm_status st =
-            lm_passkey_make(l->tok, l->sh, s->seq_len, key_of(l->seed, TAG_PASSKEY), 0, &doc, err);
-        if (st == LM_OK && doc.n != s->seq_len)
+            lm_passkey_make(l->tok, l->sh, Lp, key_of(l->seed, TAG_PASSKEY), 0, &doc, err);
+        if (st == LM_OK && doc.n != Lp)
             st = lm_errorf(err, LM_ERR_INVALID, "loader: passkey document has %lld tokens, want %d",
-                           (long long)doc.n, s->seq_len);
+                           (long long)doc.n, Lp);
         lm_passkey_doc_free(&doc);
         if (st != LM_OK)
             return st;
@@ -236,6 +272,7 @@ lm_status lm_loader_batch_init(lm_loader_batch *b, int max_rows, int max_seq_len
     b->ids = LM_MALLOC((size_t)b->cap_tokens * sizeof(int32_t));
     b->labels = LM_MALLOC((size_t)b->cap_tokens * sizeof(int32_t));
     b->cu = LM_MALLOC((size_t)(b->cap_tokens + 1) * sizeof(int64_t));
+    b->span = LM_MALLOC((size_t)LM_REPEAT_MAX_SPAN * sizeof(int32_t));
     return LM_OK;
 }
 
@@ -243,6 +280,7 @@ void lm_loader_batch_free(lm_loader_batch *b) {
     free(b->ids);
     free(b->labels);
     free(b->cu);
+    free(b->span);
     memset(b, 0, sizeof *b);
 }
 
@@ -296,24 +334,36 @@ lm_status lm_loader_next(lm_loader *l, int rows, lm_loader_batch *b, lm_error *e
         const double u = w[0] * (1.0 / 4294967296.0);
         const uint64_t r64 = ((uint64_t)w[2] << 32) | w[3];
         if (u < l->stage.passkey_fraction) {
-            lm_passkey_doc doc;
-            memset(&doc, 0, sizeof doc);
-            const uint64_t idx = l->st.passkeys * (uint64_t)l->world + (uint64_t)l->rank;
-            LM_TRY(lm_passkey_make(l->tok, l->sh, S, key_of(l->seed, TAG_PASSKEY), idx, &doc, err));
-            if (doc.n != S) {
+            const int Lp = l->stage.passkey_length > 0 ? l->stage.passkey_length : S;
+            const int nd = S / Lp;
+            for (int q = 0; q < nd; q++) {
+                lm_passkey_doc doc;
+                memset(&doc, 0, sizeof doc);
+                const uint64_t idx = l->st.passkeys * (uint64_t)l->world + (uint64_t)l->rank;
+                LM_TRY(lm_passkey_make(l->tok, l->sh, Lp, key_of(l->seed, TAG_PASSKEY), idx, &doc,
+                                       err));
+                if (doc.n != Lp) {
+                    lm_passkey_doc_free(&doc);
+                    return lm_errorf(err, LM_ERR_INVALID,
+                                     "loader: passkey document has %lld tokens, want %d",
+                                     (long long)doc.n, Lp);
+                }
+                int32_t *di = ids + (int64_t)q * Lp, *dl = lab + (int64_t)q * Lp;
+                memcpy(di, doc.ids, (size_t)Lp * sizeof(int32_t));
+                memcpy(dl, doc.ids + 1, (size_t)(Lp - 1) * sizeof(int32_t));
+                dl[Lp - 1] = LM_MODEL_IGNORE;
                 lm_passkey_doc_free(&doc);
-                return lm_errorf(err, LM_ERR_INVALID,
-                                 "loader: passkey document has %lld tokens, want %d",
-                                 (long long)doc.n, S);
+                l->st.passkeys++;
+                if (pack)
+                    b->cu[ncu++] = base + (int64_t)(q + 1) * Lp;
             }
-            memcpy(ids, doc.ids, (size_t)S * sizeof(int32_t));
-            memcpy(lab, doc.ids + 1, (size_t)(S - 1) * sizeof(int32_t));
-            lab[S - 1] = LM_MODEL_IGNORE;
-            lm_passkey_doc_free(&doc);
-            l->st.passkeys++;
-            b->n_passkey++;
-            if (pack)
+            for (int j = nd * Lp; j < S; j++) { /* pad piece */
+                ids[j] = l->eot;
+                lab[j] = LM_MODEL_IGNORE;
+            }
+            if (pack && nd * Lp < S)
                 b->cu[ncu++] = base + S;
+            b->n_passkey++;
         } else if (u < l->stage.passkey_fraction + l->stage.long_doc_fraction) {
             const int64_t d = l->long_docs[below32(w[1], l->n_long)];
             const int64_t n = l->doc_len[d];
@@ -331,19 +381,48 @@ lm_status lm_loader_next(lm_loader *l, int rows, lm_loader_batch *b, lm_error *e
             b->n_long++;
         } else if (u < l->stage.passkey_fraction + l->stage.long_doc_fraction +
                            l->stage.repeat_fraction) {
-            const int64_t d = (int64_t)(r64 % (uint64_t)l->ndocs);
-            const int64_t n = l->doc_len[d];
-            const int mmax = S / 4 > 8 ? S / 4 : 8;
-            int64_t m = 8 + below32(w[1], mmax - 8 + 1);
-            if (m > n)
-                m = n;
-            const int64_t a = (int64_t)((r64 / (uint64_t)l->ndocs) % (uint64_t)(n - m + 1));
-            ids[0] = l->eot;
-            for (int j = 1; j < S; j++) {
-                const int32_t t = doc_tok(l, d, a + (j - 1) % m);
-                ids[j] = t;
-                lab[j - 1] = t;
+            draw_stream ds = {key_of(l->seed, TAG_REPEAT), g * 4096u, 0, {0}, 4};
+            const int64_t n_in = S - 1; /* positions 1 .. S-1 after the EOT */
+            int64_t m = 8 + below32(ds_next(&ds), 17);         /* span: 8 .. 24 tokens */
+            int R = 2 + (int)below32(ds_next(&ds), 7);        /* copies: 2 .. 8 */
+            if (2 * m > n_in)
+                m = n_in / 2;
+            if ((int64_t)R * m > n_in)
+                R = (int)(n_in / m);
+            int32_t *span = b->span;
+            for (int64_t i = 0; i < m; i++) /* unigram draws */
+                span[i] = unigram_tok(l, ds_next64(&ds));
+            int64_t cut[9];                /* R sorted cut points in [0, gap_total] */
+            const int64_t gap_total = n_in - (int64_t)R * m;
+            for (int r = 0; r < R; r++) {
+                int64_t c = below32(ds_next(&ds), gap_total + 1), q = r;
+                while (q > 0 && cut[q - 1] > c) {
+                    cut[q] = cut[q - 1];
+                    q--;
+                }
+                cut[q] = c;
             }
+            uint64_t po = ds_next64(&ds) % l->sh->count; /* prose walk */
+            int64_t pos = 1, prev = 0;
+            ids[0] = l->eot;
+            for (int r = 0; r <= R; r++) {
+                const int64_t gap = (r < R ? cut[r] : gap_total) - prev;
+                for (int64_t j = 0; j < gap; j++) {
+                    int32_t t = tok_at(l, (int64_t)po);
+                    po = (po + 1) % l->sh->count;
+                    for (uint64_t guard = 0; t == l->eot && guard < l->sh->count; guard++) {
+                        t = tok_at(l, (int64_t)po);
+                        po = (po + 1) % l->sh->count;
+                    }
+                    ids[pos++] = t;
+                }
+                if (r < R)
+                    for (int64_t j = 0; j < m; j++)
+                        ids[pos++] = span[j];
+                prev = r < R ? cut[r] : gap_total;
+            }
+            for (int j = 1; j < S; j++)
+                lab[j - 1] = ids[j];
             lab[S - 1] = LM_MODEL_IGNORE;
             if (pack)
                 b->cu[ncu++] = base + S;

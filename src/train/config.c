@@ -157,7 +157,7 @@ static const char *const k_train[] = {
     "keep_last",    "max_bad_steps", "threads",    NULL};
 static const char *const k_stage[] = {"name",    "seq_len",          "tokens",
                                       "lr",      "warmup_steps",     "rope_theta",
-                                      "packing", "passkey_fraction", "long_doc_fraction", "repeat_fraction",
+                                      "packing", "passkey_fraction", "long_doc_fraction", "repeat_fraction", "passkey_length",
                                       NULL};
 static const char *const k_eval[] = {"seq_len",      "passkey_lengths", "passkey_samples",
                                      "passkey_seed", "max_val_tokens",  NULL};
@@ -269,6 +269,13 @@ static lm_status parse_stage(pctx *p, lm_train_config *c, const cJSON *so, int i
                          "= %g exceeds 1",
                          p->label, pre, pre, pre,
                          s->passkey_fraction + s->long_doc_fraction + s->repeat_fraction);
+    double pl = 0;
+    LM_TRY(get_num(p, so, pre, "passkey_length", 0, 0, s->seq_len, 1, &pl, NULL));
+    s->passkey_length = (int)pl;
+    if (s->passkey_length > 0 && !s->packing && s->passkey_length != s->seq_len)
+        return lm_errorf(p->err, LM_ERR_INVALID,
+                         "%s: '%spasskey_length' = %d needs packing (or equal seq_len = %d)",
+                         p->label, pre, s->passkey_length, s->seq_len);
     if (s->repeat_fraction > 0 && s->seq_len < 10)
         return lm_errorf(p->err, LM_ERR_INVALID, "%s: '%srepeat_fraction' = %g needs seq_len >= 10",
                          p->label, pre, s->repeat_fraction);

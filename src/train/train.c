@@ -211,8 +211,8 @@ static double measure_sgemm(void) {
 
 static lm_status apply_stage(ctx *x, int s, lm_error *err) {
     const lm_train_stage *st = &x->c->stages[s];
-    lm_loader_stage ls = {st->seq_len, st->packing, st->passkey_fraction, st->long_doc_fraction,
-                          st->repeat_fraction};
+    lm_loader_stage ls = {st->seq_len,           st->packing,         st->passkey_fraction,
+                          st->long_doc_fraction, st->repeat_fraction, st->passkey_length};
     lm_status r = lm_loader_set_stage(x->ld, &ls, err);
     if (r != LM_OK) {
         char buf[sizeof err->msg];
@@ -236,6 +236,7 @@ static void log_stage(ctx *x, int s) {
     jnum(x->fstage, st->long_doc_fraction, 9);
     fputs(", \"repeat_fraction\": ", x->fstage);
     jnum(x->fstage, st->repeat_fraction, 9);
+    fprintf(x->fstage, ", \"passkey_length\": %d", st->passkey_length);
     fputs("}\n", x->fstage);
     fflush(x->fstage);
     say(x,

@@ -61,22 +61,30 @@ __device__ __forceinline__ float gate_act(const Params &p, float x, int hv, int 
 }
 
 /* ------------------------------------------------------------------ kernel 1 */
-/* One CTA per (chunk, value head). Shared memory (fp32):
- *   sq, sk, sG [BT][KMAX+1], sA [BT][BT+1] (Akk, then X), sQ [BT][BT+1] (Aqk),
- *   sb [BT] (beta), sT [BS][KMAX+1] (the earlier tile's factored k). */
+/* One CTA per (chunk, value head). Shared memory (fp32, rows padded by one word):
+ *   sq, sk, sG [BT][KP]   q (scaled), k, cumulative log-decay G
+ *   sF [2][BT-BS][KP]     per off-diagonal pass: q_i e^{G_i - G_e}, k_i e^{G_i - G_e}
+ *   sT [BS][KP]           the earlier tile's k_j e^{G_e - G_j}
+ *   sA, sQ [BT][BT+1]     Akk; Aqk
+ *   sb [BT]               beta
+ *   sX [BT][BT+1]         X = (I + Akk)^-1 (blocked inverse; sF is its scratch)
+ * Later phases reuse sq for beta k e^{G} and sG for beta v. */
 __global__ void __launch_bounds__(NTHR) kda_intra(Params p) {
     extern __shared__ float smem[];
     const int KP = KMAX + 1;
     float *sq = smem, *sk = sq + BT * KP, *sG = sk + BT * KP;
-    float *sA = sG + BT * KP, *sQ = sA + BT * (BT + 1);
+    float *sF = sG + BT * KP;          /* [2][BT - BS][KP] */
+    float *sT = sF + 2 * (BT - BS) * KP;
+    float *sA = sT + BS * KP, *sQ = sA + BT * (BT + 1);
     float *sb = sQ + BT * (BT + 1);
-    float *sT = sb + BT;
+    float *sX = sb + BT; /* [BT][BT+1]: X = (I + Akk)^-1, unit diagonal stored */
     const int ci = blockIdx.x, hv = blockIdx.y;
     const int2 ch = p.chunks[ci];
     const int t0 = ch.x, L = ch.y;
     const int K = p.K, V = p.V, H = p.H, HV = p.HV;
     const int h = hv / (HV / H);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t wrow0 = (int64_t)ci * BT;
 
     /* load q, k, g (zero rows past L) */
     for (int e = tid; e < BT * K; e += NTHR) {
@@ -102,6 +110,11 @@ __global__ void __launch_bounds__(NTHR) kda_intra(Params p) {
                 b = sigmoidf_(b);
         }
         sb[tid] = b;
+    }
+    for (int e = tid; e < BT * (BT + 1); e += NTHR) {
+        sA[e] = 0;
+        sQ[e] = 0;
+        sX[e] = 0;
     }
     __syncthreads();
     /* cumulative sum over rows per channel; l2norm per row (a warp per row) */
@@ -129,98 +142,125 @@ __global__ void __launch_bounds__(NTHR) kda_intra(Params p) {
             sk[i * KP + d] *= fk;
         }
     }
-    for (int e = tid; e < BT * (BT + 1); e += NTHR) {
-        sA[e] = 0;
-        sQ[e] = 0;
-    }
     __syncthreads();
 
-    /* diagonal tiles: per-pair exponent */
+    /* diagonal 16x16 tiles: the per-pair exponent (never overflows, any gate) */
     for (int e = tid; e < 4 * BS * BS; e += NTHR) {
-        const int J = e / (BS * BS), r = (e / BS) % BS, s = e % BS;
-        const int i = J * BS + r, j = J * BS + s;
+        const int J = e / (BS * BS), r = (e / BS) % BS, c = e % BS;
+        const int i = J * BS + r, j = J * BS + c;
         if (j > i)
             continue;
+        const float *qi = sq + i * KP, *ki = sk + i * KP, *kj = sk + j * KP;
+        const float *Gi = sG + i * KP, *Gj = sG + j * KP;
         float aq = 0, ak = 0;
         for (int d = 0; d < K; d++) {
-            const float f = __expf(sG[i * KP + d] - sG[j * KP + d]) * sk[j * KP + d];
-            aq += sq[i * KP + d] * f;
-            ak += sk[i * KP + d] * f;
+            const float f = __expf(Gi[d] - Gj[d]) * kj[d];
+            aq += qi[d] * f;
+            ak += ki[d] * f;
         }
         sQ[i * (BT + 1) + j] = aq;
         if (j < i)
             sA[i * (BT + 1) + j] = ak * sb[i];
     }
-    /* off-diagonal tiles: exp(G_i - G_j) = exp(G_i - G_e) exp(G_e - G_j), e = end of J */
+    /* off-diagonal tiles (rows of tile I > J): exp(G_i - G_j) = exp(G_i - G_e) exp(G_e - G_j)
+     * with e the last row of tile J: both factors <= 1 */
     for (int J = 0; J < 3; J++) {
-        const int e = J * BS + BS - 1;
+        const int e = J * BS + BS - 1, i0 = (J + 1) * BS, rows = BT - i0;
         __syncthreads();
         for (int x = tid; x < BS * K; x += NTHR) {
-            const int s = x / K, d = x % K, j = J * BS + s;
-            sT[s * KP + d] = sk[j * KP + d] * __expf(sG[e * KP + d] - sG[j * KP + d]);
+            const int c = x / K, d = x % K, j = J * BS + c;
+            sT[c * KP + d] = sk[j * KP + d] * __expf(sG[e * KP + d] - sG[j * KP + d]);
+        }
+        for (int x = tid; x < rows * K; x += NTHR) {
+            const int r = x / K, d = x % K, i = i0 + r;
+            const float f = __expf(sG[i * KP + d] - sG[e * KP + d]);
+            sF[r * KP + d] = sq[i * KP + d] * f;
+            sF[(BT - BS + r) * KP + d] = sk[i * KP + d] * f;
         }
         __syncthreads();
-        const int rows = BT - (J + 1) * BS; /* rows i in later tiles */
+        /* each thread: one column c of the 16 and rows r, r + 16, ... (register tile) */
         for (int x = tid; x < rows * BS; x += NTHR) {
-            const int i = (J + 1) * BS + x / BS, s = x % BS, j = J * BS + s;
+            const int r = x / BS, c = x % BS, i = i0 + r, j = J * BS + c;
+            const float *fq = sF + r * KP, *fk = sF + (BT - BS + r) * KP, *tj = sT + c * KP;
             float aq = 0, ak = 0;
             for (int d = 0; d < K; d++) {
-                const float f = __expf(sG[i * KP + d] - sG[e * KP + d]) * sT[s * KP + d];
-                aq += sq[i * KP + d] * f;
-                ak += sk[i * KP + d] * f;
+                aq += fq[d] * tj[d];
+                ak += fk[d] * tj[d];
             }
             sQ[i * (BT + 1) + j] = aq;
             sA[i * (BT + 1) + j] = ak * sb[i];
         }
     }
     __syncthreads();
-    /* X = (I + A)^-1 in place of A's strict lower part: row i of X is
-     * e_i - sum_{j<i} A[i,j] X[j,:] (rows of X computed in order; a warp per column
-     * block would serialise badly, so one pass per row with all threads). X is kept
-     * in sT-free storage: reuse sA with the diagonal implied. */
-    for (int i = 1; i < BT; i++) {
-        /* new row i: X[i][c] for c < i = -A[i][c] - sum_{c < j < i} A[i][j] X[j][c] */
-        float val = 0;
-        const int c = tid;
-        if (c < i) {
-            float s = -sA[i * (BT + 1) + c];
-            for (int j = c + 1; j < i; j++)
-                s -= sA[i * (BT + 1) + j] * sA[j * (BT + 1) + c];
-            val = s;
+    /* X = (I + A)^-1 (unit lower triangular) by 16x16 blocks: the four diagonal blocks
+     * by forward substitution, one thread per (block, column); then block rows I = 1..3:
+     * X_IJ = -X_II sum_{J <= K < I} A_IK X_KJ (reference/kda.md §3; fla's solve_tril) */
+    if (tid < 4 * BS) {
+        const int o = (tid / BS) * BS, c = tid % BS;
+        sX[(o + c) * (BT + 1) + o + c] = 1.0f;
+        for (int r = c + 1; r < BS; r++) {
+            float acc = -sA[(o + r) * (BT + 1) + o + c];
+            for (int j = c + 1; j < r; j++)
+                acc -= sA[(o + r) * (BT + 1) + o + j] * sX[(o + j) * (BT + 1) + o + c];
+            sX[(o + r) * (BT + 1) + o + c] = acc;
+        }
+    }
+    __syncthreads();
+    for (int I = 1; I < BT / BS; I++) {
+        float *sTmp = sF; /* [I][BS][BS] */
+        for (int e = tid; e < I * BS * BS; e += NTHR) {
+            const int J = e / (BS * BS), r = (e / BS) % BS, c = e % BS;
+            float acc = 0;
+            for (int k = J * BS; k < I * BS; k++)
+                acc += sA[(I * BS + r) * (BT + 1) + k] * sX[k * (BT + 1) + J * BS + c];
+            sTmp[e] = acc;
         }
         __syncthreads();
-        if (c < i)
-            sA[i * (BT + 1) + c] = val;
+        for (int e = tid; e < I * BS * BS; e += NTHR) {
+            const int J = e / (BS * BS), r = (e / BS) % BS, c = e % BS;
+            float acc = 0;
+            for (int k = 0; k <= r; k++)
+                acc += sX[(I * BS + r) * (BT + 1) + I * BS + k] * sTmp[J * BS * BS + k * BS + c];
+            sX[(I * BS + r) * (BT + 1) + J * BS + c] = -acc;
+        }
         __syncthreads();
     }
-    /* outputs: w = X (beta k exp(G)), u = X (beta v), qg = q exp(G), kg = k exp(Gl - G) */
-    const int64_t wrow0 = (int64_t)ci * BT;
+    /* per-row outputs qg = q e^{G}, kg = k e^{G_last - G}, gl = e^{G_last}; then
+     * sq <- beta k e^{G} (w's right-hand side) */
     for (int x = tid; x < BT * K; x += NTHR) {
         const int i = x / K, d = x % K;
-        float s = 0;
-        if (i < L) {
-            s = sb[i] * sk[i * KP + d] * __expf(sG[i * KP + d]);
-            for (int j = 0; j < i; j++)
-                s += sA[i * (BT + 1) + j] * sb[j] * sk[j * KP + d] * __expf(sG[j * KP + d]);
-        }
         const int64_t o = ((wrow0 + i) * HV + hv) * K + d;
-        p.w[o] = s;
-        const float gi = sG[i * KP + d], glast = sG[(L - 1) * KP + d];
-        p.qg[o] = i < L ? sq[i * KP + d] * __expf(gi) : 0.0f;
+        const float gi = sG[i * KP + d], glast = sG[(L - 1) * KP + d], eg = __expf(gi);
+        p.qg[o] = i < L ? sq[i * KP + d] * eg : 0.0f;
         p.kg[o] = i < L ? sk[i * KP + d] * __expf(glast - gi) : 0.0f;
         if (i == 0)
             p.gl[((int64_t)ci * HV + hv) * K + d] = __expf(glast);
+        sq[i * KP + d] = sb[i] * sk[i * KP + d] * eg;
+    }
+    __syncthreads();
+    /* sG <- beta v (rows past L are zero) */
+    for (int x = tid; x < BT * V; x += NTHR) {
+        const int i = x / V, c = x % V;
+        sG[i * KP + c] =
+            i < L ? sb[i] * __bfloat162float(p.v[((int64_t)(t0 + i) * HV + hv) * V + c]) : 0.0f;
+    }
+    __syncthreads();
+    /* w = X (beta k e^G), u = X (beta v) */
+    for (int x = tid; x < BT * K; x += NTHR) {
+        const int i = x / K, d = x % K;
+        const float *xi = sX + i * (BT + 1);
+        float s2 = sq[i * KP + d];
+        for (int j = 0; j < i; j++)
+            s2 += xi[j] * sq[j * KP + d];
+        p.w[((wrow0 + i) * HV + hv) * K + d] = s2;
     }
     for (int x = tid; x < BT * V; x += NTHR) {
         const int i = x / V, c = x % V;
-        float s = 0;
-        if (i < L) {
-            s = sb[i] * __bfloat162float(p.v[((int64_t)(t0 + i) * HV + hv) * V + c]);
-            for (int j = 0; j < i; j++)
-                s += sA[i * (BT + 1) + j] * sb[j] *
-                     __bfloat162float(p.v[((int64_t)(t0 + j) * HV + hv) * V + c]);
-        }
-        p.u[((wrow0 + i) * HV + hv) * V + c] = s;
+        const float *xi = sX + i * (BT + 1);
+        float s2 = sG[i * KP + c];
+        for (int j = 0; j < i; j++)
+            s2 += xi[j] * sG[j * KP + c];
+        p.u[((wrow0 + i) * HV + hv) * V + c] = s2;
     }
     for (int x = tid; x < BT * BT; x += NTHR) {
         const int i = x / BT, j = x % BT;
@@ -229,11 +269,19 @@ __global__ void __launch_bounds__(NTHR) kda_intra(Params p) {
 }
 
 /* ------------------------------------------------------------------ kernel 2 */
-/* One CTA per (V slice, sequence * HV). State slice S [K][BV] in shared memory. */
+/* One CTA per (V slice, sequence * HV): the state slice S [K][BV] stays in shared
+ * memory across the sequence's chunks; each chunk's w, qg, kg [BT][K], u slice and
+ * Aqk are staged in shared memory first (coalesced loads). */
 __global__ void __launch_bounds__(NTHR) kda_inter(Params p) {
     extern __shared__ float smem[];
+    const int KP = KMAX + 1;
     float *S = smem;                  /* [KMAX][BV] */
     float *vn = S + KMAX * BV;        /* [BT][BV+1] */
+    float *sw = vn + BT * (BV + 1);   /* [BT][KP] */
+    float *sqg = sw + BT * KP;        /* [BT][KP] */
+    float *skg = sqg + BT * KP;       /* [BT][KP] */
+    float *sa = skg + BT * KP;        /* [BT][BT+1] */
+    float *sgl = sa + BT * (BT + 1);  /* [KMAX] */
     const int c0 = blockIdx.x * BV;
     const int n = blockIdx.y / p.HV, hv = blockIdx.y % p.HV;
     const int K = p.K, V = p.V, HV = p.HV;
@@ -243,51 +291,89 @@ __global__ void __launch_bounds__(NTHR) kda_inter(Params p) {
         const int d = x / BV, c = x % BV;
         S[x] = (p.h0 && c < nc) ? p.h0[(((int64_t)n * HV + hv) * K + d) * V + c0 + c] : 0.0f;
     }
-    __syncthreads();
     const int2 sq = p.seqs[n];
     for (int cc = 0; cc < sq.y; cc++) {
         const int ci = sq.x + cc;
         const int2 ch = p.chunks[ci];
         const int t0 = ch.x, L = ch.y;
         const int64_t r0 = (int64_t)ci * BT;
-        /* v' = u - w S */
+        __syncthreads();
+        for (int x = tid; x < BT * K; x += NTHR) {
+            const int i = x / K, d = x % K;
+            const int64_t o = ((r0 + i) * HV + hv) * K + d;
+            sw[i * KP + d] = p.w[o];
+            sqg[i * KP + d] = p.qg[o];
+            skg[i * KP + d] = p.kg[o];
+        }
+        for (int x = tid; x < BT * BT; x += NTHR)
+            sa[(x / BT) * (BT + 1) + x % BT] = p.Aqk[((r0 + x / BT) * HV + hv) * BT + x % BT];
+        for (int x = tid; x < K; x += NTHR)
+            sgl[x] = p.gl[((int64_t)ci * HV + hv) * K + x];
         for (int x = tid; x < BT * BV; x += NTHR) {
             const int i = x / BV, c = x % BV;
-            float s = 0;
-            if (i < L && c < nc) {
-                const float *wr = p.w + ((r0 + i) * HV + hv) * K;
-                s = p.u[((r0 + i) * HV + hv) * V + c0 + c];
-                for (int d = 0; d < K; d++)
-                    s -= wr[d] * S[d * BV + c];
+            vn[i * (BV + 1) + c] = (i < L && c < nc) ? p.u[((r0 + i) * HV + hv) * V + c0 + c] : 0.0f;
+        }
+        __syncthreads();
+        /* v' = u - w S: thread (column c, rows i, i+8, ...) */
+        {
+            const int c = tid % BV, i0 = tid / BV; /* 8 row groups */
+            float acc[BT / 8];
+#pragma unroll
+            for (int r = 0; r < BT / 8; r++)
+                acc[r] = 0;
+            for (int d = 0; d < K; d++) {
+                const float sv = S[d * BV + c];
+#pragma unroll
+                for (int r = 0; r < BT / 8; r++)
+                    acc[r] += sw[(i0 + 8 * r) * KP + d] * sv;
             }
-            vn[i * (BV + 1) + c] = s;
+#pragma unroll
+            for (int r = 0; r < BT / 8; r++) {
+                const int i = i0 + 8 * r;
+                if (i < L && c < nc)
+                    vn[i * (BV + 1) + c] -= acc[r];
+            }
         }
         __syncthreads();
         /* o = qg S + Aqk v' */
-        for (int x = tid; x < BT * BV; x += NTHR) {
-            const int i = x / BV, c = x % BV;
-            if (i >= L || c >= nc)
-                continue;
-            const float *qr = p.qg + ((r0 + i) * HV + hv) * K;
-            const float *ar = p.Aqk + ((r0 + i) * HV + hv) * BT;
-            float s = 0;
-            for (int d = 0; d < K; d++)
-                s += qr[d] * S[d * BV + c];
-            for (int j = 0; j <= i; j++)
-                s += ar[j] * vn[j * (BV + 1) + c];
-            p.o[((int64_t)(t0 + i) * HV + hv) * V + c0 + c] = __float2bfloat16(s);
+        {
+            const int c = tid % BV, i0 = tid / BV;
+            float acc[BT / 8];
+#pragma unroll
+            for (int r = 0; r < BT / 8; r++)
+                acc[r] = 0;
+            for (int d = 0; d < K; d++) {
+                const float sv = S[d * BV + c];
+#pragma unroll
+                for (int r = 0; r < BT / 8; r++)
+                    acc[r] += sqg[(i0 + 8 * r) * KP + d] * sv;
+            }
+            for (int j = 0; j < BT; j++) {
+                const float vj = vn[j * (BV + 1) + c];
+#pragma unroll
+                for (int r = 0; r < BT / 8; r++)
+                    acc[r] += sa[(i0 + 8 * r) * (BT + 1) + j] * vj; /* Aqk is 0 for j > i */
+            }
+#pragma unroll
+            for (int r = 0; r < BT / 8; r++) {
+                const int i = i0 + 8 * r;
+                if (i < L && c < nc)
+                    p.o[((int64_t)(t0 + i) * HV + hv) * V + c0 + c] = __float2bfloat16(acc[r]);
+            }
         }
         __syncthreads();
-        /* S <- gl * S + kg^T v' */
-        for (int x = tid; x < K * BV; x += NTHR) {
-            const int d = x / BV, c = x % BV;
-            float s = S[x] * p.gl[((int64_t)ci * HV + hv) * K + d];
-            for (int j = 0; j < L; j++)
-                s += p.kg[((r0 + j) * HV + hv) * K + d] * vn[j * (BV + 1) + c];
-            S[x] = s;
+        /* S <- gl * S + kg^T v': thread (column c, channels d, d+8, ...) */
+        {
+            const int c = tid % BV, d0 = tid / BV;
+            for (int d = d0; d < K; d += 8) {
+                float s2 = S[d * BV + c] * sgl[d];
+                for (int j = 0; j < L; j++)
+                    s2 += skg[j * KP + d] * vn[j * (BV + 1) + c];
+                S[d * BV + c] = s2;
+            }
         }
-        __syncthreads();
     }
+    __syncthreads();
     if (p.ht)
         for (int x = tid; x < K * BV; x += NTHR) {
             const int d = x / BV, c = x % BV;
@@ -482,16 +568,81 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cu
     p.scale = c->scale;
 
     const int KP = KMAX + 1;
-    const size_t sm1 = sizeof(float) * (3 * BT * KP + 2 * BT * (BT + 1) + BT + BS * KP);
-    const size_t sm2 = sizeof(float) * (KMAX * BV + BT * (BV + 1));
+    const size_t sm1 =
+        sizeof(float) * (3 * BT * KP + 2 * (BT - BS) * KP + BS * KP + 3 * BT * (BT + 1) + BT);
+    const size_t sm2 =
+        sizeof(float) * (KMAX * BV + BT * (BV + 1) + 3 * BT * KP + BT * (BT + 1) + KMAX);
     CK(cudaFuncSetAttribute(kda_intra, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm1));
     CK(cudaFuncSetAttribute(kda_inter, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm2));
+    /* LINMOE_KDA_CUDA_PROFILE=1: per-kernel times on stderr (docs/perf-notes.md) */
+    static int prof = -1;
+    if (prof < 0)
+        prof = getenv("LINMOE_KDA_CUDA_PROFILE") != nullptr;
+    cudaEvent_t ev[3];
+    if (prof)
+        for (int i = 0; i < 3; i++)
+            CK(cudaEventCreate(&ev[i]));
+    if (prof)
+        CK(cudaEventRecord(ev[0]));
     if (nchunks > 0) {
         kda_intra<<<dim3(nchunks, HV), NTHR, sm1>>>(p);
         CK(cudaGetLastError());
     }
+    if (prof)
+        CK(cudaEventRecord(ev[1]));
     kda_inter<<<dim3((V + BV - 1) / BV, N * HV), NTHR, sm2>>>(p);
     CK(cudaGetLastError());
+    if (prof)
+        CK(cudaEventRecord(ev[2]));
     CK(cudaDeviceSynchronize());
+    if (prof) {
+        float t1 = 0, t2 = 0;
+        cudaEventElapsedTime(&t1, ev[0], ev[1]);
+        cudaEventElapsedTime(&t2, ev[1], ev[2]);
+        fprintf(stderr, "kda cuda: intra %.3f ms (%d CTAs), inter %.3f ms (%d CTAs)\n", t1,
+                nchunks * HV, t2, ((V + BV - 1) / BV) * N * HV);
+        for (int i = 0; i < 3; i++)
+            cudaEventDestroy(ev[i]);
+    }
     return LM_OK;
+}
+
+extern "C" int lm_kda_cuda_forward_flat(int B, int T, int H, int HV, int K, int V,
+                                        const int64_t *cu_seqlens, int n_cu_seqlens, int kind,
+                                        int gate, float lower_bound, float scale,
+                                        int use_qk_l2norm_in_kernel,
+                                        int use_beta_sigmoid_in_kernel, const void *q,
+                                        const void *k, const void *v, const void *g,
+                                        const void *beta, const float *A_log,
+                                        const float *dt_bias, const float *h0, void *o,
+                                        float *ht, char *errbuf, int errlen) {
+    lm_kda_config c; /* filled here, not by lm_kda_config_default: the FFI library is
+                        built from this file and src/core/errors.c alone */
+    memset(&c, 0, sizeof c);
+    c.B = B;
+    c.T = T;
+    c.H = H;
+    c.HV = HV;
+    c.K = K;
+    c.V = V;
+    c.chunk_size = 64;
+    c.scale = K > 0 ? 1.0f / sqrtf((float)K) : 1.0f;
+    c.kind = (lm_kda_kind)kind;
+    c.gate = (lm_gate_mode)gate;
+    c.has_lower_bound = lower_bound != 0.0f;
+    c.lower_bound = lower_bound;
+    if (scale > 0)
+        c.scale = scale;
+    c.use_qk_l2norm_in_kernel = use_qk_l2norm_in_kernel;
+    c.use_beta_sigmoid_in_kernel = use_beta_sigmoid_in_kernel;
+    c.cu_seqlens = cu_seqlens;
+    c.n_cu_seqlens = n_cu_seqlens;
+    lm_kda_cuda_inputs in = {q, k, v, g, beta, A_log, dt_bias, h0};
+    lm_kda_cuda_outputs out = {o, ht};
+    lm_error err;
+    memset(&err, 0, sizeof err);
+    lm_status st = lm_kda_cuda_chunk_forward(&c, &in, &out, &err);
+    if (st != LM_OK && errbuf && errlen > 0)
+        snprintf(errbuf, (size_t)errlen, "%s", err.msg);
+    return (int)st;
 }
