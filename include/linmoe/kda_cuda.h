@@ -15,12 +15,13 @@
  *   initial_state, final_state   [N, HV, K, V]   fp32 (optional)
  *   cu_seqlens      host int64 [N+1] in the config, only with B == 1 (packed varlen)
  *
- * Algorithm (this version, v1; docs/perf-notes.md has its numbers):
+ * Algorithm (this version, v3; docs/perf-notes.md has its numbers):
  *   kernel 1, one CTA per (64-token chunk, value head): gate activation, per-channel
  *     cumulative log-decay G, in-kernel l2norm / sigmoid, Akk and Aqk on 16-token
  *     sub-tiles (off-diagonal tiles factor exp(G_i - G_j) through the end of the
  *     earlier tile, both factors <= 1, so any gate is safe; diagonal tiles use the
- *     per-pair exponent), the unit lower-triangular inverse by substitution, then
+ *     per-pair exponent), the unit lower-triangular inverse by 16x16 blocks (diagonal blocks by
+ *     substitution, then three block-row stages), then
  *     w, u, the decayed q / k and exp(G_last), all to an fp32 workspace;
  *   kernel 2, one CTA per (sequence, value head, 32-column slice of V): the
  *     inter-chunk recurrence over the chunks in order (the delta rule is
