@@ -88,6 +88,54 @@ int lm_kda_cuda_forward_flat(int B, int T, int H, int HV, int K, int V, const in
                              const void *beta, const float *A_log, const float *dt_bias,
                              const float *h0, void *o, float *ht, char *errbuf, int errlen);
 
+/* ------------------------------------------------------------------ decode step */
+/* One recurrent step for a batch of sequences (serving): c->T == 1, c->B sequences,
+ * no cu_seqlens; q, k [B,1,H,K], v [B,1,HV,V], g, beta as in the chunked layout with
+ * T = 1 (bf16 device pointers); in->initial_state is ignored: state [B,HV,K,V] fp32
+ * (device) is read and updated in place; o [B,1,HV,V] bf16. Same gates, l2norm and
+ * sigmoid options as the chunked forward (reference/kda.md §1.2, §6.3). Cost: the
+ * state is read once and written once (2*B*HV*K*V*4 bytes); the benchmark reports
+ * that traffic against the measured copy bandwidth. Errors as the chunked forward. */
+lm_status lm_kda_cuda_decode_step(lm_kda_config *c, const lm_kda_cuda_inputs *in, float *state,
+                                  void *o, lm_error *err);
+
+/* FFI form of lm_kda_cuda_decode_step (same scalar conventions as
+ * lm_kda_cuda_forward_flat; T is 1). */
+int lm_kda_cuda_decode_flat(int B, int H, int HV, int K, int V, int kind, int gate,
+                            float lower_bound, float scale, int use_qk_l2norm_in_kernel,
+                            int use_beta_sigmoid_in_kernel, const void *q, const void *k,
+                            const void *v, const void *g, const void *beta, const float *A_log,
+                            const float *dt_bias, float *state, void *o, char *errbuf, int errlen);
+
+/* ------------------------------------------------------- training forward / backward */
+/* What a training forward keeps for its backward: device buffers it owns plus the
+ * caller's input pointers (the caller keeps q, k, v, g, beta, A_log, dt_bias and
+ * initial_state alive and unchanged until lm_kda_cuda_backward returns, as autograd
+ * saves tensors). */
+typedef struct lm_kda_cuda_saved lm_kda_cuda_saved;
+
+/* Upstream gradients in (bf16 do_, fp32 dht or NULL), gradients out. dq, dk, dv, dg,
+ * dbeta are bf16 with the shape of their input (dg / dbeta through the in-kernel
+ * gate and sigmoid when enabled); dh0, dA_log, ddt_bias fp32. Any output may be NULL. */
+typedef struct {
+    const void *do_;
+    const float *dht;
+    void *dq, *dk, *dv, *dg, *dbeta;
+    float *dh0, *dA_log, *ddt_bias;
+} lm_kda_cuda_grads;
+
+/* The forward of lm_kda_cuda_chunk_forward that also fills *saved (allocated here;
+ * free with lm_kda_cuda_saved_free) for lm_kda_cuda_backward. */
+lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cuda_inputs *in,
+                                    lm_kda_cuda_outputs *out, lm_kda_cuda_saved **saved,
+                                    lm_error *err);
+
+/* Backward of sum(o*do) + sum(final_state*dht) (reference/kda.md §4.1, docs/kda-math.md). */
+lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda_cuda_grads *gr,
+                               lm_error *err);
+
+void lm_kda_cuda_saved_free(lm_kda_cuda_saved *saved);
+
 /* Frees the cached device workspace (optional; at exit the driver frees it). */
 void lm_kda_cuda_release(void);
 

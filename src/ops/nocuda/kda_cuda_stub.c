@@ -34,3 +34,32 @@ lm_status lm_cuda_upload(void *dst, const void *src, size_t bytes, lm_error *err
 lm_status lm_cuda_download(void *dst, const void *src, size_t bytes, lm_error *err) {
     return lm_cuda_upload(dst, src, bytes, err);
 }
+
+lm_status lm_kda_cuda_decode_step(lm_kda_config *c, const lm_kda_cuda_inputs *in, float *state,
+                                  void *o, lm_error *err) {
+    (void)c;
+    (void)in;
+    (void)state;
+    (void)o;
+    return lm_errorf(err, LM_ERR_UNSUPPORTED, "kda cuda decode: this linmoe was built without CUDA");
+}
+
+lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cuda_inputs *in,
+                                    lm_kda_cuda_outputs *out, lm_kda_cuda_saved **saved,
+                                    lm_error *err) {
+    (void)c;
+    (void)in;
+    (void)out;
+    if (saved)
+        *saved = NULL;
+    return lm_errorf(err, LM_ERR_UNSUPPORTED, "kda cuda: this linmoe was built without CUDA");
+}
+
+lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda_cuda_grads *gr,
+                               lm_error *err) {
+    (void)saved;
+    (void)gr;
+    return lm_errorf(err, LM_ERR_UNSUPPORTED, "kda cuda: this linmoe was built without CUDA");
+}
+
+void lm_kda_cuda_saved_free(lm_kda_cuda_saved *saved) { (void)saved; }
