@@ -34,6 +34,12 @@ typedef struct {
 
 /* `linmoe bench kda` (bench/bench_kda.c). Returns an exit code (0 ok, 1 failure). */
 int lm_bench_kda(const lm_bench_opts *opts);
+/* `linmoe bench kda --device cuda` (bench/bench_kda_cuda.c): the CUDA KDA forward,
+ * training forward, forward+backward and decode step against the GPU's bf16 GEMM rate
+ * and copy bandwidth measured in the same run (include/linmoe/cuda_bench.h). Exit code
+ * as above; 1 with a message when there is no CUDA build or no GPU. opts->threads is
+ * only recorded. */
+int lm_bench_kda_cuda(const lm_bench_opts *opts);
 /* `linmoe bench moe` (bench/bench_moe.c). Returns an exit code (0 ok, 1 failure). */
 int lm_bench_moe(const lm_bench_opts *opts);
 /* `linmoe bench attnres` (bench/bench_attnres.c): the AttnRes aggregation forward and

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "cli_util.h"
+#include "linmoe/kda_cuda.h"
 #include "test_util.h"
 
 /* A plain exit with status want_rc, no signal, no sanitizer report. */
@@ -120,12 +121,36 @@ static void test_model_bad_inputs(void **state) {
     lm_assert_says(msg, "does not exist");
 }
 
+/* `bench kda --device cuda` on a machine without a GPU (or a build without CUDA): a
+ * plain exit 1 with a message that names the GPU / CUDA and where the GPU bench runs,
+ * and no JSON file. On a machine with a GPU it would run the benchmark: skipped. */
+static void test_kda_cuda_without_gpu(void **state) {
+    (void)state;
+    if (lm_cuda_device_count() > 0) skip();
+    char msg[16384];
+    const char *json = lm_cli_path("kda_cuda.json");
+    int rc = lm_run_cli(msg, sizeof msg, "bench kda --device cuda --quick --json %s", json);
+    assert_exit(rc, msg, 1);
+    lm_assert_says(msg, "no CUDA GPU");
+    lm_assert_says(msg, "bench-c.sh");
+    assert_true(lm_contains_ci(msg, "built without CUDA") ||
+                lm_contains_ci(msg, "driver reports no device"));
+    FILE *f = fopen(json, "r");
+    if (f) fclose(f);
+    assert_null(f);
+    /* the other targets still have no CUDA path */
+    rc = lm_run_cli(msg, sizeof msg, "bench moe --device cuda");
+    assert_exit(rc, msg, 1);
+    lm_assert_says(msg, "only `bench kda` has a CUDA path");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_help_lists_targets),
         cmocka_unit_test(test_target_errors),
         cmocka_unit_test(test_option_errors),
         cmocka_unit_test(test_model_bad_inputs),
+        cmocka_unit_test(test_kda_cuda_without_gpu),
     };
     return cmocka_run_group_tests(tests, lm_cli_setup_dir, lm_cli_teardown_dir);
 }

@@ -139,6 +139,12 @@ static void usage_bench(FILE *f) {
             "attnres: the AttnRes aggregation forward and backward (accumulating) at N = 4096,\n"
             "  D = 256 and 1024, L = 2, 5, 9, 17 sources; GB/s of the bytes it must move\n"
             "  against the copy bandwidth (256 MiB, OpenMP) as the limit.\n"
+            "kda --device cuda: on an NVIDIA GPU (bf16 in/out): inference forward, training\n"
+            "  forward and forward+backward for both gates at (B,T,H,D) = (1,8192,64,128),\n"
+            "  (8,4096,16,128), (1,32768,16,128), and the decode step at B=64, H=32, D=128;\n"
+            "  limits: cuBLAS bf16 GEMM 8192^3 TFLOP/s and device copy GB/s, same run; rows\n"
+            "  whose kernels are missing print \"not built\" (scripts/gpu/bench-c.sh runs it on\n"
+            "  the GPU machine; scripts/gpu/bench.sh has fla beside it for ratio_to_peer).\n"
             "model: one training step (forward with next-token labels + backward) of\n"
             "  configs/bench-cpu.json (or --config FILE) at its batch_size x seq_len; FLOPs of\n"
             "  lm_model_train_flops_per_token; limit sgemm; forward/backward split; and the\n"
@@ -151,7 +157,7 @@ static void usage_bench(FILE *f) {
             "  --json FILE    also write the records as JSON to FILE\n"
             "  --threads N    threads for linmoe and OpenBLAS (default: number of cores)\n"
             "  --quick        fewer repeats (smoke test; numbers are noisier)\n"
-            "  --device D     cpu (default); cuda: see scripts/gpu/bench.sh (GPU machine)\n"
+            "  --device D     cpu (default); cuda: kda only (needs a CUDA build and a GPU)\n"
             "  --config FILE  model: the model config (default: configs/bench-cpu.json, looked\n"
             "                 up from the working directory and the binary upward)\n"
             "  --no-peer      model: skip the PyTorch reference step\n"
@@ -207,9 +213,10 @@ static int check_device(const char *sub, const char *dev) {
     if (strcmp(dev, "cuda") == 0) {
         if (strcmp(sub, "bench") == 0)
             fprintf(stderr,
-                    "%s bench: --device cuda: the GPU benchmark runs on the GPU machine beside fla "
-                    "in one process: scripts/gpu/pack.sh here, then scripts/gpu/bench.sh there "
-                    "(docs/perf-notes.md)\n",
+                    "%s bench: --device cuda: only `bench kda` has a CUDA path; the GPU "
+                    "benchmarks run on the GPU machine: scripts/gpu/pack.sh here, then "
+                    "scripts/gpu/bench-c.sh (the C table) or scripts/gpu/bench.sh (beside fla in "
+                    "one process) there (docs/perf-notes.md)\n",
                     g_prog);
         else
             fprintf(stderr,
@@ -338,7 +345,9 @@ static int cmd_bench(int argc, char **argv) {
                 o.config_path ? "--config" : "--no-peer", g_prog);
         return LM_EXIT_USAGE;
     }
-    int rc = check_device("bench", device);
+    /* `bench kda --device cuda` is the C GPU table; other targets have no CUDA path */
+    const int cuda = strcmp(device, "cuda") == 0 && strcmp(target, "kda") == 0;
+    int rc = cuda ? 0 : check_device("bench", device);
     if (rc != 0) return rc;
     if (threads) {
         if (parse_threads(threads, &o.threads) != 0) return LM_EXIT_USAGE;
@@ -346,7 +355,7 @@ static int cmd_bench(int argc, char **argv) {
         o.threads = omp_get_num_procs();
         if (o.threads < 1) o.threads = 1;
     }
-    return runners[ti](&o);
+    return cuda ? lm_bench_kda_cuda(&o) : runners[ti](&o);
 }
 
 static int cmd_version(int argc, char **argv) {

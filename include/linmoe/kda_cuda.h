@@ -89,23 +89,63 @@ int lm_kda_cuda_forward_flat(int B, int T, int H, int HV, int K, int V, const in
                              const float *h0, void *o, float *ht, char *errbuf, int errlen);
 
 /* ------------------------------------------------------------------ decode step */
-/* One recurrent step for a batch of sequences (serving): c->T == 1, c->B sequences,
- * no cu_seqlens; q, k [B,1,H,K], v [B,1,HV,V], g, beta as in the chunked layout with
- * T = 1 (bf16 device pointers); in->initial_state is ignored: state [B,HV,K,V] fp32
- * (device) is read and updated in place; o [B,1,HV,V] bf16. Same gates, l2norm and
- * sigmoid options as the chunked forward (reference/kda.md §1.2, §6.3). Cost: the
- * state is read once and written once (2*B*HV*K*V*4 bytes); the benchmark reports
- * that traffic against the measured copy bandwidth. Errors as the chunked forward. */
+/* One recurrent step for a batch of sequences (serving), reference/kda.md §1.2, §1.3,
+ * §6.3; per (sequence b, value head hv), with q/k head h = hv / (HV/H):
+ *   q <- scale * l2norm?(q);  k <- l2norm?(k);  beta <- sigmoid?(beta)
+ *   S <- Diag(exp(g)) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
+ * Config: c->T == 1, c->B sequences, no cu_seqlens (LM_ERR_INVALID otherwise); kind,
+ * gate (A_log / dt_bias optional), lower_bound, scale, use_qk_l2norm_in_kernel (eps
+ * 1e-6 inside the sqrt) and use_beta_sigmoid_in_kernel as the chunked forward; sets
+ * c->N = B. chunk_size, diag, ws and trusted_state are ignored.
+ * Tensors (device memory, row-major, contiguous):
+ *   in->q, in->k   [B,1,H,K]   bf16
+ *   in->v          [B,1,HV,V]  bf16
+ *   in->g          KDA: [B,1,HV,K]   GDN: [B,1,HV]   bf16 (the gate input)
+ *   in->beta       [B,1,HV]    bf16
+ *   in->A_log [HV], in->dt_bias (KDA [HV*K], GDN [HV])   fp32 or NULL
+ *   state          [B,HV,K,V]  fp32, read and updated in place (in->initial_state
+ *                  is ignored); any alignment (16-byte aligned with V % 4 == 0 takes
+ *                  the vectorised path)
+ *   o              [B,1,HV,V]  bf16 (every element written)
+ * Limits: K <= 256, V <= 1024 (LM_ERR_UNSUPPORTED beyond).
+ * Cost: the state is read once and written once (2*B*HV*K*V*4 bytes); one CTA of 128
+ * threads per (b, hv, 64 value columns) keeps its state slice in registers. H200,
+ * B = 64, H = HV = 32, K = V = 128: 73.8 us per step, 0.86 of the measured
+ * device-to-device copy bandwidth (src/ops/cuda/kda_decode.cu has the numbers).
+ * Asynchronous on the default stream (a decode step is tens of microseconds; a
+ * synchronisation per layer would cost as much): bad configurations and launch
+ * failures are reported here, a fault inside the kernel at the next synchronising
+ * call (lm_cuda_download, cudaDeviceSynchronize). Errors as the chunked forward. */
 lm_status lm_kda_cuda_decode_step(lm_kda_config *c, const lm_kda_cuda_inputs *in, float *state,
                                   void *o, lm_error *err);
 
 /* FFI form of lm_kda_cuda_decode_step (same scalar conventions as
- * lm_kda_cuda_forward_flat; T is 1). */
+ * lm_kda_cuda_forward_flat: scale <= 0 means K^-0.5, lower_bound 0 = none; T is 1). */
 int lm_kda_cuda_decode_flat(int B, int H, int HV, int K, int V, int kind, int gate,
                             float lower_bound, float scale, int use_qk_l2norm_in_kernel,
                             int use_beta_sigmoid_in_kernel, const void *q, const void *k,
                             const void *v, const void *g, const void *beta, const float *A_log,
                             const float *dt_bias, float *state, void *o, char *errbuf, int errlen);
+
+/* Launch shapes of the decode kernel kept for tuning: variant 0 is the one
+ * lm_kda_cuda_decode_step uses; the others are the alternatives measured against it
+ * (threads and columns per CTA, cache hints; the table and the measurements are in
+ * src/ops/cuda/kda_decode.cu). */
+#define LM_KDA_CUDA_DECODE_NVARIANT 8
+
+/* Timing of the decode step (tests and benchmarks): runs `warmup` + `iters` steps of
+ * launch shape `variant` (0 <= variant < LM_KDA_CUDA_DECODE_NVARIANT) on the same
+ * inputs, updating `state` in place each step (the same recurrence as that many
+ * tokens with identical inputs), each timed with CUDA events; *ms gets the median
+ * step time in milliseconds. When copy_gbs is not NULL, also measures the copy
+ * bandwidth of this device in the same call: cudaMemcpy device-to-device of 1 GiB
+ * (after one warm-up copy, median of max(iters, 5) copies), counted as 2 GiB of
+ * traffic (read + write), in 1e9 bytes/s; it allocates 2 GiB for that and frees it.
+ * Synchronous. Errors as lm_kda_cuda_decode_step, plus LM_ERR_INVALID for a bad
+ * variant / count / NULL ms and LM_ERR_NOMEM when the copy buffers do not fit. */
+lm_status lm_kda_cuda_decode_bench(lm_kda_config *c, const lm_kda_cuda_inputs *in, float *state,
+                                   void *o, int variant, int warmup, int iters, double *ms,
+                                   double *copy_gbs, lm_error *err);
 
 /* ------------------------------------------------------- training forward / backward */
 /* What a training forward keeps for its backward: device buffers it owns plus the

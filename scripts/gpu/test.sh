@@ -3,6 +3,9 @@
 # tool carries build-gpu/). Prints the per-case errors and cmocka's summary.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-export LD_LIBRARY_PATH="$PWD/build-gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+source scripts/gpu/libpath.sh # $LINMOE_GPU_DIR/lib, cuBLAS (pip wheels, /usr/local/cuda)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-build-gpu/test_kda_cuda
+"$LINMOE_GPU_DIR/test_kda_cuda"
+rc=$?
+"$LINMOE_GPU_DIR/test_kda_decode_cuda" || rc=1
+exit $rc

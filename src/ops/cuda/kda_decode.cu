@@ -1,11 +1,598 @@
-/* KDA decode step on the GPU (include/linmoe/kda_cuda.h). Placeholder. */
+/* KDA / GDN decode step on the GPU (include/linmoe/kda_cuda.h has the contract).
+ *
+ * Math per (sequence b, value head hv), reference/kda.md §1.2-1.3 and §6.3, with q
+ * already scaled and l2-normalised, k l2-normalised, e = exp(g) (per channel for KDA,
+ * one value for GDN), state S [K,V] fp32 row-major:
+ *   S'  = Diag(e) S                      (the decayed state, never stored)
+ *   p   = S'^T k,  o' = S'^T q           (two reductions over K per value column)
+ *   u   = beta (v - p)
+ *   S  <- S' + k u^T
+ *   o   = S^T q = o' + (k . q) u         (so o needs no second pass over the state)
+ * Every value column c is independent: p_c, o'_c and the update of column c only
+ * touch column c. So one pass suffices: read S, reduce, write S once.
+ *
+ * Kernel (purely memory-bound: ~7 flop per 8 bytes of state traffic):
+ *   one CTA per (b, hv, slice of VS value columns); thread (tx, ty) owns VEC = 4
+ *   adjacent columns (a 16-byte load) and the rows d = ty, ty + TY, ... (R of them),
+ *   so a warp reads contiguous row segments (two 256-byte segments with the default
+ *   64 columns per CTA, one 512-byte row with 128), coalesced along V. The state
+ *   loads are issued first, all R at once (R float4 in registers per thread), and the
+ *   small per-head vectors (q, k, gate, norms) are prepared while they are in
+ *   flight. Partial sums over each thread's rows go through shared memory to the
+ *   ty == 0 threads, which form u and o; u comes back through shared memory and
+ *   every thread writes its rows of the new state from registers.
+ *   V % 4 != 0 or a state pointer that is not 16-byte aligned takes the scalar
+ *   (VEC = 1) instance of the same kernel.
+ * The launch shapes (threads per CTA, columns per CTA, cache hints) are a small
+ * table; variant 0 is the default, the rest are kept for the measurements
+ * (lm_kda_cuda_decode_bench times any of them; tests/test_kda_decode_cuda.c prints
+ * them all on a GPU).
+ *
+ * Measured on the H200 (B = 64, H = HV = 32, K = V = 128, KDA softplus gate with
+ * l2norm and sigmoid in the kernel; 268 MB of state traffic per step; cudaMemcpy
+ * device-to-device 4210-4219 GB/s in the same binary; median of 200 steps):
+ *   threads  cols/CTA  hints   us/step      of copy
+ *   128      64        .cs     73.8, 73.8   0.86     (default: best or tied at B = 1, 16, 64)
+ *   128      64        -       74.7, 74.7   0.85
+ *   128      128       .cs     74.7, 73.5   0.85-0.87
+ *   128      128       -       73.6-74.1    0.86
+ *   256      128       .cs     74.9         0.85
+ *   256      128       -       77.5-77.9    0.82
+ *   256      64        .cs/-   74.8 / 77.1  0.85 / 0.83
+ *   512      128       -       81.3-82.9    0.77-0.78
+ *   128      32        -       82.8         0.77     (dropped from the table)
+ *   256      32        -       112          0.57     (dropped)
+ * Copy-bandwidth floor for this traffic: 63.7 us. At B = 16 the default takes
+ * 17.8 us; at B = 1 (32 CTAs) 6.4 us, latency-bound.
+ */
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include "linmoe/kda_cuda.h"
+
+#define DEC_KMAX 256  /* rows per thread R <= 32 with at least 8 row groups */
+#define DEC_VMAX 1024 /* as lm_kda_validate */
+#define DEC_RMAX 32
+
+namespace {
+
+struct DecParams {
+    const __nv_bfloat16 *q, *k, *v, *g, *beta;
+    const float *A_log, *dt_bias;
+    float *S;
+    __nv_bfloat16 *o;
+    int H, HV, K, V, gdn, gate, l2, sig;
+    float lb, scale;
+    int TX, TY, VS, KP; /* threads along V and along K; columns per CTA (TX * VEC);
+                           K rounded up to 4 (shared-memory offsets stay 16-byte aligned) */
+};
+
+__device__ __forceinline__ float dec_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* The log-decay from the gate input x (reference/kda.md §1.3), as gate_act in
+ * kda_fwd.cu: softplus threshold 20, absent A_log means exp(A_log) = 1, absent
+ * dt_bias means 0. Full-precision expf: only K values per CTA. */
+__device__ __forceinline__ float dec_gate(const DecParams &p, float x, int hv, int d) {
+    const float a = p.A_log ? expf(p.A_log[hv]) : 1.0f;
+    const float b = p.dt_bias ? p.dt_bias[p.gdn ? hv : hv * p.K + d] : 0.0f;
+    if (p.gate == LM_GATE_SOFTPLUS) {
+        const float z = x + b;
+        const float sp = z > 20.0f ? z : log1pf(expf(z));
+        return -a * sp;
+    }
+    if (p.gate == LM_GATE_BOUNDED)
+        return p.lb * dec_sigmoid(a * (x + b));
+    return x;
+}
+
+template <int VEC, bool ST>
+__device__ __forceinline__ void ld_state(const float *ptr, float (&x)[VEC]) {
+    if constexpr (VEC == 4) {
+        const float4 t = ST ? __ldcs(reinterpret_cast<const float4 *>(ptr))
+                            : *reinterpret_cast<const float4 *>(ptr);
+        x[0] = t.x;
+        x[1] = t.y;
+        x[2] = t.z;
+        x[3] = t.w;
+    } else {
+        x[0] = ST ? __ldcs(ptr) : *ptr;
+    }
+}
+
+template <int VEC, bool ST>
+__device__ __forceinline__ void st_state(float *ptr, const float (&x)[VEC]) {
+    if constexpr (VEC == 4) {
+        const float4 t = make_float4(x[0], x[1], x[2], x[3]);
+        if (ST)
+            __stcs(reinterpret_cast<float4 *>(ptr), t);
+        else
+            *reinterpret_cast<float4 *>(ptr) = t;
+    } else {
+        if (ST)
+            __stcs(ptr, x[0]);
+        else
+            *ptr = x[0];
+    }
+}
+
+/* shared-memory vector of VEC floats (16-byte aligned when VEC == 4) */
+template <int VEC> __device__ __forceinline__ void ld_smem(const float *ptr, float (&x)[VEC]) {
+    if constexpr (VEC == 4) {
+        const float4 t = *reinterpret_cast<const float4 *>(ptr);
+        x[0] = t.x;
+        x[1] = t.y;
+        x[2] = t.z;
+        x[3] = t.w;
+    } else {
+        x[0] = *ptr;
+    }
+}
+
+template <int VEC> __device__ __forceinline__ void st_smem(float *ptr, const float (&x)[VEC]) {
+    if constexpr (VEC == 4)
+        *reinterpret_cast<float4 *>(ptr) = make_float4(x[0], x[1], x[2], x[3]);
+    else
+        *ptr = x[0];
+}
+
+/* CTAs per SM the register file allows at about regs + 32 registers per thread
+ * (R float4 of state plus the accumulators and addresses), at most 1024 threads'
+ * worth: the launch bound that keeps the state resident without spilling. */
+constexpr int dec_min_blocks(int nt, int regs) {
+    return 65536 / (nt * (regs + 32)) < 1           ? 1
+           : 65536 / (nt * (regs + 32)) > 1024 / nt ? 1024 / nt
+                                                    : 65536 / (nt * (regs + 32));
+}
+
+/* grid (B*HV, ceil(V / VS)); NT threads; dynamic shared memory
+ * 4 * (5*KP + 2*VS + 4 + 2*TY*VS) bytes:
+ *   ekq [KP] float2 (k e, q e), eki [KP] float2 (e, k), sq [KP] (raw q for the norm),
+ *   sv [VS] v then fk u, sb beta, rp / ro [TY][VS] partial p and o'.
+ * The l2-norm factors fk, fq are applied after the reductions, so the per-row
+ * factors need no norm and come from one 8-byte shared load per row and phase.
+ * FULL: every thread is active and owns exactly R rows (K == TY*R, V % VS == 0,
+ * TX*TY == NT), so no per-row predicates are kept in registers. */
+template <int NT, int VEC, int R, bool ST, bool FULL>
+__global__ void __launch_bounds__(NT, dec_min_blocks(NT, VEC *R)) kda_decode(DecParams p) {
+    extern __shared__ __align__(16) float smem[];
+    const int K = p.K, V = p.V, HV = p.HV, TX = p.TX, TY = p.TY, VS = p.VS, KP = p.KP;
+    float2 *ekq = reinterpret_cast<float2 *>(smem), *eki = ekq + KP;
+    float *sq = reinterpret_cast<float *>(eki + KP), *sv = sq + KP, *sb = sv + VS;
+    float *rp = sb + 4, *ro = rp + TY * VS;
+    const int bh = blockIdx.x, hv = bh % HV, h = hv / (HV / p.H);
+    const int c0 = blockIdx.y * VS;
+    const int tid = threadIdx.x, tx = tid % TX, ty = tid / TX, lane = tid & 31;
+    const int col = tx * VEC;
+    const bool act = FULL || (ty < TY && c0 + col < V); /* V % VEC == 0 when VEC == 4 */
+    /* this thread's rows d = ty + i*TY of the (b, hv) state block, columns c0 + col.. */
+    const int64_t base = (int64_t)bh * K * V + c0 + col + (int64_t)ty * V;
+    int rs = TY * V; /* < 2^18: offsets inside one block fit in 32 bits */
+
+    /* 1. the state: all R loads in flight before anything else */
+    float s[R][VEC];
+    {
+        const float *Sp = p.S + base;
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            if (FULL || (act && ty + i * TY < K)) {
+                ld_state<VEC, ST>(Sp + i * rs, s[i]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < VEC; j++)
+                    s[i][j] = 0.0f;
+            }
+        }
+    }
+    /* 2. q, k, exp(g), this CTA's v columns and beta to shared memory (not
+     * unrolled: the state registers are live here, keep the rest small) */
+    {
+        const int64_t qk0 = ((int64_t)(bh / HV) * p.H + h) * K;
+#pragma unroll 1
+        for (int d = tid; d < K; d += NT) {
+            const float q = __bfloat162float(p.q[qk0 + d]), k = __bfloat162float(p.k[qk0 + d]);
+            const float x =
+                p.gdn ? __bfloat162float(p.g[bh]) : __bfloat162float(p.g[(int64_t)bh * K + d]);
+            const float e = expf(dec_gate(p, x, hv, d));
+            ekq[d] = make_float2(k * e, q * e);
+            eki[d] = make_float2(e, k);
+            sq[d] = q;
+        }
+#pragma unroll 1
+        for (int c = tid; c < VS; c += NT)
+            sv[c] = c0 + c < V ? __bfloat162float(p.v[(int64_t)bh * V + c0 + c]) : 0.0f;
+        if (tid == 0) {
+            const float b = __bfloat162float(p.beta[bh]);
+            sb[0] = p.sig ? dec_sigmoid(b) : b;
+        }
+    }
+    __syncthreads();
+
+    /* 3. partial sums over this thread's rows of (k e) S and (q e) S */
+    float pp[VEC], po[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; j++)
+        pp[j] = po[j] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        const int d = ty + i * TY;
+        if (FULL || d < K) {
+            const float2 f = ekq[d];
+#pragma unroll
+            for (int j = 0; j < VEC; j++) {
+                pp[j] = fmaf(f.x, s[i][j], pp[j]);
+                po[j] = fmaf(f.y, s[i][j], po[j]);
+            }
+        }
+    }
+    if (act && ty > 0) {
+        st_smem<VEC>(rp + ty * VS + col, pp);
+        st_smem<VEC>(ro + ty * VS + col, po);
+    }
+    __syncthreads();
+    /* 4. warp 0 (it holds every ty == 0 thread, TX <= 32): |q|^2, |k|^2, q.k, then
+     * the ty == 0 threads: p = fk sum, o' = fq sum, u = beta (v - p),
+     * o = o' + (k.q) u; fk u replaces v in shared memory */
+    if (tid < 32) {
+        float aq = 0.0f, ak = 0.0f, aqk = 0.0f;
+#pragma unroll 1
+        for (int d = lane; d < K; d += 32) {
+            const float q = sq[d], k = eki[d].y;
+            aq = fmaf(q, q, aq);
+            ak = fmaf(k, k, ak);
+            aqk = fmaf(q, k, aqk);
+        }
+#pragma unroll
+        for (int off = 16; off; off >>= 1) {
+            aq += __shfl_xor_sync(0xffffffffu, aq, off);
+            ak += __shfl_xor_sync(0xffffffffu, ak, off);
+            aqk += __shfl_xor_sync(0xffffffffu, aqk, off);
+        }
+        const float fq = (p.l2 ? rsqrtf(aq + 1e-6f) : 1.0f) * p.scale;
+        const float fk = p.l2 ? rsqrtf(ak + 1e-6f) : 1.0f;
+        if (act && ty == 0) {
+#pragma unroll 1
+            for (int t = 1; t < TY; t++) {
+                float a[VEC], b[VEC];
+                ld_smem<VEC>(rp + t * VS + col, a);
+                ld_smem<VEC>(ro + t * VS + col, b);
+#pragma unroll
+                for (int j = 0; j < VEC; j++) {
+                    pp[j] += a[j];
+                    po[j] += b[j];
+                }
+            }
+            const float kq = aqk * fq * fk, bt = sb[0];
+            float u[VEC];
+            ld_smem<VEC>(sv + col, u);
+#pragma unroll
+            for (int j = 0; j < VEC; j++) {
+                u[j] = bt * (u[j] - fk * pp[j]);
+                p.o[(int64_t)bh * V + c0 + col + j] = __float2bfloat16(fmaf(kq, u[j], fq * po[j]));
+                u[j] *= fk;
+            }
+            st_smem<VEC>(sv + col, u);
+        }
+    }
+    __syncthreads();
+    /* 5. S <- Diag(e) S + k (fk u)^T, written once. The row addresses are recomputed
+     * (the empty asm hides rs from the compiler) rather than kept in registers
+     * since phase 1: two registers per row matter at R = 16. */
+    asm volatile("" : "+r"(rs));
+    if (act) {
+        float *Sp = p.S + base;
+        float u[VEC];
+        ld_smem<VEC>(sv + col, u);
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            const int d = ty + i * TY;
+            if (FULL || d < K) {
+                const float2 f = eki[d];
+#pragma unroll
+                for (int j = 0; j < VEC; j++)
+                    s[i][j] = fmaf(f.y, u[j], f.x * s[i][j]);
+                st_state<VEC, ST>(Sp + i * rs, s[i]);
+            }
+        }
+    }
+}
+
+/* One launch shape: threads per CTA, value columns per CTA (VEC = 4 path), streaming
+ * cache hints (ld.global.cs / st.global.cs) on the state. */
+struct DecVariant {
+    int nt, vs, stream;
+};
+const DecVariant DEC_VARIANTS[] = {
+    {128, 64, 1}, /* 0: the default, 73.8 us (0.86 of copy) at B=64, H=32, K=V=128 */
+    {128, 128, 0}, {128, 64, 0}, {128, 128, 1}, {256, 128, 1},
+    {256, 128, 0}, {256, 64, 1}, {512, 128, 0},
+};
+static_assert(sizeof DEC_VARIANTS / sizeof DEC_VARIANTS[0] == LM_KDA_CUDA_DECODE_NVARIANT,
+              "LM_KDA_CUDA_DECODE_NVARIANT in kda_cuda.h must match the variant table");
+
+template <int NT, int VEC, bool ST, bool FULL>
+void launch_r(int R, dim3 grid, size_t smem, const DecParams &p) {
+    switch (R) {
+    case 1:
+        kda_decode<NT, VEC, 1, ST, FULL><<<grid, NT, smem>>>(p);
+        break;
+    case 2:
+        kda_decode<NT, VEC, 2, ST, FULL><<<grid, NT, smem>>>(p);
+        break;
+    case 4:
+        kda_decode<NT, VEC, 4, ST, FULL><<<grid, NT, smem>>>(p);
+        break;
+    case 8:
+        kda_decode<NT, VEC, 8, ST, FULL><<<grid, NT, smem>>>(p);
+        break;
+    case 16:
+        kda_decode<NT, VEC, 16, ST, FULL><<<grid, NT, smem>>>(p);
+        break;
+    default:
+        LM_CHECK(R == DEC_RMAX);
+        kda_decode<NT, VEC, DEC_RMAX, ST, FULL><<<grid, NT, smem>>>(p);
+        break;
+    }
+}
+
+template <int NT, int VEC, bool ST>
+void launch_full(bool full, int R, dim3 grid, size_t smem, const DecParams &p) {
+    if (full)
+        launch_r<NT, VEC, ST, true>(R, grid, smem, p);
+    else
+        launch_r<NT, VEC, ST, false>(R, grid, smem, p);
+}
+
+lm_status dec_cuda_err(lm_error *err, cudaError_t e, const char *what) {
+    return lm_errorf(err, e == cudaErrorMemoryAllocation ? LM_ERR_NOMEM : LM_ERR_IO,
+                     "kda cuda decode: %s: %s", what, cudaGetErrorString(e));
+}
+
+/* The configuration checks of the chunked forward (kda_fwd.cu) plus T == 1 and no
+ * cu_seqlens; no scan of device data. */
+lm_status dec_check(lm_kda_config *c, const lm_kda_cuda_inputs *in, const float *state,
+                    const void *o, lm_error *err) {
+    if (!c || !in || !in->q || !in->k || !in->v || !in->g || !in->beta || !state || !o)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "kda cuda decode: q, k, v, g, beta, state and o are required");
+    if (c->T != 1)
+        return lm_errorf(err, LM_ERR_INVALID, "kda cuda decode: T = %d (a decode step has T = 1)",
+                         c->T);
+    if (c->cu_seqlens)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "kda cuda decode: cu_seqlens is not supported (one token per sequence, "
+                         "B sequences)");
+    if (c->B < 1 || c->H < 1 || c->HV < 1 || c->K < 1 || c->V < 1 || c->HV % c->H)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "kda cuda decode: bad dims B=%d H=%d HV=%d K=%d V=%d (HV must be a "
+                         "multiple of H)",
+                         c->B, c->H, c->HV, c->K, c->V);
+    if ((int64_t)c->B * c->HV > INT32_MAX)
+        return lm_errorf(err, LM_ERR_INVALID, "kda cuda decode: B*HV = %lld exceeds 2^31 - 1",
+                         (long long)c->B * c->HV);
+    if (c->kind != LM_KDA && c->kind != LM_GDN)
+        return lm_errorf(err, LM_ERR_INVALID, "kda cuda decode: unknown kind %d", (int)c->kind);
+    if (c->gate != LM_GATE_NONE && c->gate != LM_GATE_SOFTPLUS && c->gate != LM_GATE_BOUNDED)
+        return lm_errorf(err, LM_ERR_INVALID, "kda cuda decode: unknown gate mode %d",
+                         (int)c->gate);
+    if (!isfinite(c->scale))
+        return lm_errorf(err, LM_ERR_INVALID, "kda cuda decode: scale = %g is not finite",
+                         (double)c->scale);
+    if (c->has_lower_bound && !(c->lower_bound >= -5.0f && c->lower_bound < 0.0f))
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "kda cuda decode: lower_bound = %g is outside [-5, 0)",
+                         (double)c->lower_bound);
+    if (c->gate == LM_GATE_BOUNDED && !c->has_lower_bound)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "kda cuda decode: the bounded gate needs lower_bound in [-5, 0)");
+    if (c->K > DEC_KMAX || c->V > DEC_VMAX)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "kda cuda decode: K = %d, V = %d (at most K = %d, V = %d)", c->K, c->V,
+                         DEC_KMAX, DEC_VMAX);
+    c->N = c->B;
+    return LM_OK;
+}
+
+/* Launch one step with launch shape `variant` (checked config). */
+lm_status dec_launch(const lm_kda_config *c, const lm_kda_cuda_inputs *in, float *state, void *o,
+                     int variant, lm_error *err) {
+    const DecVariant var = DEC_VARIANTS[variant];
+    const int vec = (c->V % 4 == 0 && ((uintptr_t)state & 15) == 0) ? 4 : 1;
+    int nt = vec == 4 ? var.nt : 256;
+    const int stream = vec == 4 ? var.stream : 0;
+    const int cols = vec == 4 ? (var.vs < c->V ? var.vs : c->V) : 32;
+    const int TX = (cols + vec - 1) / vec;
+    /* a K too tall for R <= 32 rows per thread takes 256 threads (8 row groups at
+     * least, so K <= 256 always fits) */
+    if (nt < 256 && (c->K + nt / TX - 1) / (nt / TX) > DEC_RMAX)
+        nt = 256;
+    const int TY = nt / TX;
+    const int rneed = (c->K + TY - 1) / TY;
+    int R = 1;
+    while (R < rneed)
+        R *= 2;
+    if (R > DEC_RMAX)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "kda cuda decode: K = %d needs %d rows per thread with launch shape %d "
+                         "(at most %d)",
+                         c->K, rneed, variant, DEC_RMAX);
+    DecParams p;
+    memset(&p, 0, sizeof p);
+    p.q = (const __nv_bfloat16 *)in->q;
+    p.k = (const __nv_bfloat16 *)in->k;
+    p.v = (const __nv_bfloat16 *)in->v;
+    p.g = (const __nv_bfloat16 *)in->g;
+    p.beta = (const __nv_bfloat16 *)in->beta;
+    p.A_log = in->A_log;
+    p.dt_bias = in->dt_bias;
+    p.S = state;
+    p.o = (__nv_bfloat16 *)o;
+    p.H = c->H;
+    p.HV = c->HV;
+    p.K = c->K;
+    p.V = c->V;
+    p.gdn = c->kind == LM_GDN;
+    p.gate = (int)c->gate;
+    p.l2 = c->use_qk_l2norm_in_kernel;
+    p.sig = c->use_beta_sigmoid_in_kernel;
+    p.lb = c->lower_bound;
+    p.scale = c->scale;
+    p.TX = TX;
+    p.TY = TY;
+    p.VS = TX * vec;
+    p.KP = (c->K + 3) & ~3;
+    const dim3 grid((unsigned)(c->B * c->HV), (unsigned)((c->V + p.VS - 1) / p.VS));
+    const size_t smem = sizeof(float) * (size_t)(5 * p.KP + 2 * p.VS + 4 + 2 * TY * p.VS);
+    const bool full = c->K == TY * R && c->V % p.VS == 0 && TX * TY == nt;
+    if (vec == 1)
+        launch_r<256, 1, false, false>(R, grid, smem, p);
+    else if (nt == 128 && !stream)
+        launch_full<128, 4, false>(full, R, grid, smem, p);
+    else if (nt == 128)
+        launch_full<128, 4, true>(full, R, grid, smem, p);
+    else if (nt == 256 && !stream)
+        launch_full<256, 4, false>(full, R, grid, smem, p);
+    else if (nt == 512 && !stream)
+        launch_full<512, 4, false>(full, R, grid, smem, p);
+    else if (nt == 256)
+        launch_full<256, 4, true>(full, R, grid, smem, p);
+    else
+        LM_CHECK(!"decode variant without a kernel instance");
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return dec_cuda_err(err, e, "kda_decode launch");
+    return LM_OK;
+}
+
+int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* CUDA events and buffers of one benchmark call, released on every return path. */
+struct BenchRes {
+    cudaEvent_t *ev = nullptr;
+    int nev = 0;
+    void *src = nullptr, *dst = nullptr;
+    double *t = nullptr;
+    ~BenchRes() {
+        for (int i = 0; i < nev; i++)
+            cudaEventDestroy(ev[i]);
+        free(ev);
+        free(t);
+        if (src)
+            cudaFree(src);
+        if (dst)
+            cudaFree(dst);
+    }
+};
+
+} // namespace
+
+#define CKD(call)                                                                                  \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            return dec_cuda_err(err, e_, #call);                                                   \
+    } while (0)
 
 extern "C" lm_status lm_kda_cuda_decode_step(lm_kda_config *c, const lm_kda_cuda_inputs *in,
                                              float *state, void *o, lm_error *err) {
-    (void)c;
-    (void)in;
-    (void)state;
-    (void)o;
-    return lm_errorf(err, LM_ERR_UNSUPPORTED, "kda cuda decode: not built yet");
+    LM_TRY(dec_check(c, in, state, o, err));
+    if (lm_cuda_device_count() < 1)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED, "kda cuda decode: no CUDA device");
+    return dec_launch(c, in, state, o, 0, err);
+}
+
+extern "C" int lm_kda_cuda_decode_flat(int B, int H, int HV, int K, int V, int kind, int gate,
+                                       float lower_bound, float scale, int use_qk_l2norm_in_kernel,
+                                       int use_beta_sigmoid_in_kernel, const void *q, const void *k,
+                                       const void *v, const void *g, const void *beta,
+                                       const float *A_log, const float *dt_bias, float *state,
+                                       void *o, char *errbuf, int errlen) {
+    lm_kda_config c; /* filled here (the FFI library has no lm_kda_config_default) */
+    memset(&c, 0, sizeof c);
+    c.B = B;
+    c.T = 1;
+    c.H = H;
+    c.HV = HV;
+    c.K = K;
+    c.V = V;
+    c.N = B;
+    c.chunk_size = 64;
+    c.scale = scale > 0 ? scale : (K > 0 ? 1.0f / sqrtf((float)K) : 1.0f);
+    c.kind = (lm_kda_kind)kind;
+    c.gate = (lm_gate_mode)gate;
+    c.has_lower_bound = lower_bound != 0.0f;
+    c.lower_bound = lower_bound;
+    c.use_qk_l2norm_in_kernel = use_qk_l2norm_in_kernel;
+    c.use_beta_sigmoid_in_kernel = use_beta_sigmoid_in_kernel;
+    lm_kda_cuda_inputs in = {q, k, v, g, beta, A_log, dt_bias, NULL};
+    lm_error err;
+    memset(&err, 0, sizeof err);
+    const lm_status st = lm_kda_cuda_decode_step(&c, &in, state, o, &err);
+    if (st != LM_OK && errbuf && errlen > 0)
+        snprintf(errbuf, (size_t)errlen, "%s", err.msg);
+    return (int)st;
+}
+
+extern "C" lm_status lm_kda_cuda_decode_bench(lm_kda_config *c, const lm_kda_cuda_inputs *in,
+                                              float *state, void *o, int variant, int warmup,
+                                              int iters, double *ms, double *copy_gbs,
+                                              lm_error *err) {
+    if (variant < 0 || variant >= LM_KDA_CUDA_DECODE_NVARIANT || warmup < 0 || iters < 1 || !ms)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "kda cuda decode bench: variant = %d (0..%d), warmup = %d, iters = %d, "
+                         "ms %s",
+                         variant, LM_KDA_CUDA_DECODE_NVARIANT - 1, warmup, iters,
+                         ms ? "given" : "NULL");
+    LM_TRY(dec_check(c, in, state, o, err));
+    if (lm_cuda_device_count() < 1)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED, "kda cuda decode: no CUDA device");
+    BenchRes r;
+    const int nrep = iters > 5 ? iters : 5;
+    r.ev = (cudaEvent_t *)calloc((size_t)nrep + 1, sizeof(cudaEvent_t));
+    r.t = (double *)calloc((size_t)nrep, sizeof(double));
+    if (!r.ev || !r.t)
+        return lm_errorf(err, LM_ERR_NOMEM, "kda cuda decode bench: %d events", nrep + 1);
+    for (; r.nev < nrep + 1; r.nev++)
+        CKD(cudaEventCreate(&r.ev[r.nev]));
+    for (int i = 0; i < warmup; i++)
+        LM_TRY(dec_launch(c, in, state, o, variant, err));
+    CKD(cudaEventRecord(r.ev[0]));
+    for (int i = 0; i < iters; i++) {
+        LM_TRY(dec_launch(c, in, state, o, variant, err));
+        CKD(cudaEventRecord(r.ev[i + 1]));
+    }
+    CKD(cudaEventSynchronize(r.ev[iters]));
+    for (int i = 0; i < iters; i++) {
+        float t = 0;
+        CKD(cudaEventElapsedTime(&t, r.ev[i], r.ev[i + 1]));
+        r.t[i] = t;
+    }
+    qsort(r.t, (size_t)iters, sizeof(double), cmp_double);
+    *ms = r.t[iters / 2];
+    if (copy_gbs) {
+        const size_t bytes = (size_t)1 << 30;
+        CKD(cudaMalloc(&r.src, bytes));
+        CKD(cudaMalloc(&r.dst, bytes));
+        CKD(cudaMemset(r.src, 0, bytes));
+        CKD(cudaMemcpy(r.dst, r.src, bytes, cudaMemcpyDeviceToDevice));
+        for (int i = 0; i < nrep; i++) {
+            CKD(cudaEventRecord(r.ev[i]));
+            CKD(cudaMemcpy(r.dst, r.src, bytes, cudaMemcpyDeviceToDevice));
+            CKD(cudaEventRecord(r.ev[i + 1]));
+            CKD(cudaEventSynchronize(r.ev[i + 1]));
+            float t = 0;
+            CKD(cudaEventElapsedTime(&t, r.ev[i], r.ev[i + 1]));
+            r.t[i] = t;
+        }
+        qsort(r.t, (size_t)nrep, sizeof(double), cmp_double);
+        *copy_gbs = 2.0 * (double)bytes / (r.t[nrep / 2] * 1e-3) / 1e9;
+    }
+    return LM_OK;
 }

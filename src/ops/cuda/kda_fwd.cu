@@ -1,16 +1,26 @@
-/* KDA / GDN chunked forward on the GPU (include/linmoe/kda_cuda.h has the contract).
+/* KDA / GDN chunked forward on the GPU, tensor-core version (include/linmoe/kda_cuda.h
+ * has the contract; docs/perf-notes.md the versions and their numbers).
  *
  * Notation per (sequence n, value head hv), chunk of L <= 64 tokens starting at t0,
- * rows i, j in [0, L), channels d in [0, K), c in [0, V) (reference/kda.md §2.1):
+ * rows i, j in [0, 64), channels d in [0, 128) (K, V zero-padded to 128), after the
+ * in-kernel l2norm / scale (reference/kda.md §2.1; Kimi Linear Eqs. 6-9):
  *   G_i      = sum_{r <= i} g_r                      (per channel; <= 0, decreasing)
  *   Akk[i,j] = beta_i sum_d k_i k_j exp(G_i - G_j)   (j < i)
- *   Aqk[i,j] = sum_d q_i k_j exp(G_i - G_j)          (j <= i; q already scaled)
+ *   Aqk[i,j] = sum_d q_i k_j exp(G_i - G_j)          (j <= i)
  *   X        = (I + Akk)^-1                           (unit lower triangular)
  *   w        = X (beta k exp(G)),   u = X (beta v)
  *   per chunk, with S the state at its start:
  *   v'       = u - w S
  *   o        = (q exp(G)) S + Aqk v'
  *   S       <- exp(G_last) * S + (k exp(G_last - G))^T v'
+ *
+ * Akk and Aqk run on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) by
+ * 16-row blocks a: exp(G_i - G_j) = exp(G_i - r_a) exp(r_a - G_j) with r_a = G at the
+ * row before block a (0 for a = 0). For i in block a, G_i <= r_a; for j in an earlier
+ * block, G_j >= r_a, so off-diagonal factors are <= 1 for any gate. On the diagonal
+ * tile exp(r_a - G_j) <= exp(16 |lower_bound|) <= e^80 when the gate is bounded
+ * (reference/kda.md §3.3, T1 of the design): the diagonal shares the matmul path.
+ * Other gates take the safe path on the diagonal: per-pair exp(G_i - G_j) in fp32.
  */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -22,37 +32,43 @@
 
 #include "linmoe/kda_cuda.h"
 
-#define BT 64   /* chunk */
-#define BS 16   /* sub-tile */
-#define KMAX 128
-#define BV 32   /* V slice per CTA of the recurrence */
-#define NTHR 256
+#define BT 64    /* chunk */
+#define KD 128   /* K and V padded to this */
+#define RS 136   /* bf16 row stride of 128-wide tiles in shared memory (272 B) */
+#define AS 72    /* bf16 row stride of 64-wide tiles (144 B) */
+#define FS 68    /* fp32 row stride of 64-wide fp32 tiles */
+#define GS 132   /* fp32 row stride of the G tile */
+#define NT1 256  /* threads of the intra kernel */
+#define NT2 128  /* threads of the recurrence kernel */
+
+typedef __nv_bfloat16 bf16;
 
 namespace {
 
 struct Params {
-    const __nv_bfloat16 *q, *k, *v, *g, *beta;
+    const bf16 *q, *k, *v, *g, *beta;
     const float *A_log, *dt_bias, *h0;
-    __nv_bfloat16 *o;
+    bf16 *o;
     float *ht;
-    /* workspace, indexed by global chunk row (chunk*BT + i) and head */
-    float *w, *u, *qg, *kg, *Aqk, *gl;
+    /* workspace, one block per (chunk ci, value head hv), cb = ci * HV + hv:
+     * w, u, qg, kg [cb][64][128] bf16; Aqk [cb][64][64] bf16; gl [cb][128] fp32 */
+    bf16 *w, *u, *qg, *kg, *Aqk;
+    float *gl;
     const int2 *chunks;   /* [nchunks] (t0, L) in token rows of the flattened [B*T] */
     const int2 *seqs;     /* [N] (first chunk, number of chunks) */
-    const int *seq_start; /* [N] first token row */
     int nchunks, N;
-    int T, H, HV, K, V, gdn, gate, l2, sig;
+    int T, H, HV, K, V, gdn, gate, l2, sig, shared_diag;
     float lb, scale;
 };
 
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
 __device__ __forceinline__ float gate_act(const Params &p, float x, int hv, int d) {
     float a = p.A_log ? __expf(p.A_log[hv]) : 1.0f;
     float b = p.dt_bias ? p.dt_bias[p.gdn ? hv : hv * p.K + d] : 0.0f;
     if (p.gate == LM_GATE_SOFTPLUS) {
         float z = x + b;
-        float sp = z > 20.0f ? z : log1pf(expf(z));
+        float sp = z > 20.0f ? z : __logf(1.0f + __expf(z));
         return -a * sp;
     }
     if (p.gate == LM_GATE_BOUNDED)
@@ -60,326 +76,668 @@ __device__ __forceinline__ float gate_act(const Params &p, float x, int hv, int 
     return x;
 }
 
+/* ---------------------------------------------------------------- PTX helpers */
+__device__ __forceinline__ uint32_t smem_u32(const void *ptr) {
+    return (uint32_t)__cvta_generic_to_shared(ptr);
+}
+__device__ __forceinline__ void ldsm4(uint32_t r[4], const void *ptr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(ptr)));
+}
+__device__ __forceinline__ void ldsm4t(uint32_t r[4], const void *ptr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(ptr)));
+}
+/* d += a b: a 16x16 row-major fragment, b 16x8 column fragment, fp32 accumulators */
+__device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* Fragment addresses (lane l). A tile at (m0, k0) of a row-major [m][k] array: */
+__device__ __forceinline__ const bf16 *a_addr(const bf16 *base, int ld, int m0, int k0, int l) {
+    return base + (m0 + (l & 15)) * ld + k0 + (l >> 4) * 8;
+}
+/* A tile at (m0, k0) of A = M^T, M stored row-major [k][m]: */
+__device__ __forceinline__ const bf16 *at_addr(const bf16 *M, int ld, int m0, int k0, int l) {
+    return M + (k0 + (l & 7) + ((l >> 4) & 1) * 8) * ld + m0 + ((l >> 3) & 1) * 8;
+}
+/* Two B tiles (k0..k0+15, n0..n0+15) of B stored row-major [k][n] (use with ldsm4t):
+ * r[0], r[1] = tile n0; r[2], r[3] = tile n0 + 8 */
+__device__ __forceinline__ const bf16 *b_kn_addr(const bf16 *B, int ld, int k0, int n0, int l) {
+    return B + (k0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + n0 + (l >> 4) * 8;
+}
+/* Two B tiles of B = M^T with M stored row-major [n][k] (use with ldsm4) */
+__device__ __forceinline__ const bf16 *b_nk_addr(const bf16 *M, int ld, int k0, int n0, int l) {
+    return M + (n0 + (l & 7) + (l >> 4) * 8) * ld + k0 + ((l >> 3) & 1) * 8;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+/* 8 consecutive values: fp32 from / bf16 to / bf16 from 16-byte aligned addresses */
+__device__ __forceinline__ void ld8f(float f[8], const float *src) {
+    const float4 a = *reinterpret_cast<const float4 *>(src);
+    const float4 b = *reinterpret_cast<const float4 *>(src + 4);
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+__device__ __forceinline__ void ld8h(float f[8], const bf16 *src) {
+    const uint4 u = *reinterpret_cast<const uint4 *>(src);
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int x = 0; x < 4; x++) {
+        f[2 * x] = __low2float(h[x]);
+        f[2 * x + 1] = __high2float(h[x]);
+    }
+}
+__device__ __forceinline__ void st8h(bf16 *dst, const float f[8]) {
+    uint4 u;
+    u.x = pack_bf16(f[0], f[1]);
+    u.y = pack_bf16(f[2], f[3]);
+    u.z = pack_bf16(f[4], f[5]);
+    u.w = pack_bf16(f[6], f[7]);
+    *reinterpret_cast<uint4 *>(dst) = u;
+}
+
 /* ------------------------------------------------------------------ kernel 1 */
-/* One CTA per (chunk, value head). Shared memory (fp32, rows padded by one word):
- *   sq, sk, sG [BT][KP]   q (scaled), k, cumulative log-decay G
- *   sF [2][BT-BS][KP]     per off-diagonal pass: q_i e^{G_i - G_e}, k_i e^{G_i - G_e}
- *   sT [BS][KP]           the earlier tile's k_j e^{G_e - G_j}
- *   sA, sQ [BT][BT+1]     Akk; Aqk
- *   sb [BT]               beta
- *   sX [BT][BT+1]         X = (I + Akk)^-1 (blocked inverse; sF is its scratch)
- * Later phases reuse sq for beta k e^{G} and sG for beta v. */
-__global__ void __launch_bounds__(NTHR) kda_intra(Params p) {
-    extern __shared__ float smem[];
-    const int KP = KMAX + 1;
-    float *sq = smem, *sk = sq + BT * KP, *sG = sk + BT * KP;
-    float *sF = sG + BT * KP;          /* [2][BT - BS][KP] */
-    float *sT = sF + 2 * (BT - BS) * KP;
-    float *sA = sT + BS * KP, *sQ = sA + BT * (BT + 1);
-    float *sb = sQ + BT * (BT + 1);
-    float *sX = sb + BT; /* [BT][BT+1]: X = (I + Akk)^-1, unit diagonal stored */
+/* One CTA per (chunk, value head), 8 warps. Shared memory layout (bytes): */
+struct IntraSmem {
+    float G[BT][GS];            /* gate, then its cumulative sum over rows (fp32) */
+    bf16 q[BT][RS], k[BT][RS];  /* q, k as loaded; later beta k e^G and beta v */
+    union {
+        struct {
+            bf16 opq[16][RS], opk[16][RS], opc[BT][RS]; /* per-block operands of Aqk / Akk */
+        } a;
+        struct {
+            bf16 hi[BT][AS], lo[BT][AS]; /* X = hi + lo in bf16 (about fp32 accuracy) for w / u */
+        } x;
+    } u;
+    float A[BT][FS];            /* Akk, then X = (I + Akk)^-1 in place */
+    float nq[BT], nk[BT], beta[BT];
+};
+
+__global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    IntraSmem &s = *reinterpret_cast<IntraSmem *>(smem_raw);
     const int ci = blockIdx.x, hv = blockIdx.y;
     const int2 ch = p.chunks[ci];
     const int t0 = ch.x, L = ch.y;
     const int K = p.K, V = p.V, H = p.H, HV = p.HV;
     const int h = hv / (HV / H);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int64_t wrow0 = (int64_t)ci * BT;
+    const int64_t cb = (int64_t)ci * HV + hv;
+    constexpr int NIT = BT * (KD / 8) / NT1; /* 8-wide items per thread: 4 */
 
-    /* load q, k, g (zero rows past L) */
-    for (int e = tid; e < BT * K; e += NTHR) {
-        const int i = e / K, d = e % K;
-        float qv = 0, kv = 0, gv = 0;
+    /* every global load first: q, k, g (gated), v (kept in registers), beta */
+    uint4 vreg[NIT];
+#pragma unroll
+    for (int m = 0; m < NIT; m++) {
+        const int e = tid + m * NT1;
+        const int i = e / (KD / 8), d0 = (e % (KD / 8)) * 8;
+        uint4 vq = make_uint4(0, 0, 0, 0), vk = vq, vv = vq;
+        float gx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         if (i < L) {
             const int64_t row = (int64_t)(t0 + i);
-            qv = __bfloat162float(p.q[(row * H + h) * K + d]);
-            kv = __bfloat162float(p.k[(row * H + h) * K + d]);
-            const float x = p.gdn ? __bfloat162float(p.g[row * HV + hv])
-                                  : __bfloat162float(p.g[(row * HV + hv) * K + d]);
-            gv = gate_act(p, x, hv, d);
+            const int64_t off = (row * H + h) * K + d0;
+            const int64_t vo = (row * HV + hv) * V + d0;
+            const int64_t go = (row * HV + hv) * K + d0;
+            if ((K & 7) == 0) {
+                if (d0 < K) {
+                    vq = *reinterpret_cast<const uint4 *>(p.q + off);
+                    vk = *reinterpret_cast<const uint4 *>(p.k + off);
+                    if (!p.gdn) {
+                        const uint4 gg = *reinterpret_cast<const uint4 *>(p.g + go);
+                        const bf16 *gb = reinterpret_cast<const bf16 *>(&gg);
+#pragma unroll
+                        for (int x = 0; x < 8; x++)
+                            gx[x] = __bfloat162float(gb[x]);
+                    }
+                }
+            } else {
+                bf16 tq[8], tk[8];
+#pragma unroll
+                for (int x = 0; x < 8; x++) {
+                    const bool in = d0 + x < K;
+                    tq[x] = in ? p.q[off + x] : __float2bfloat16(0.0f);
+                    tk[x] = in ? p.k[off + x] : __float2bfloat16(0.0f);
+                    if (!p.gdn && in)
+                        gx[x] = __bfloat162float(p.g[go + x]);
+                }
+                vq = *reinterpret_cast<uint4 *>(tq);
+                vk = *reinterpret_cast<uint4 *>(tk);
+            }
+            if ((V & 7) == 0) {
+                if (d0 < V)
+                    vv = *reinterpret_cast<const uint4 *>(p.v + vo);
+            } else {
+                bf16 tv[8];
+#pragma unroll
+                for (int x = 0; x < 8; x++)
+                    tv[x] = d0 + x < V ? p.v[vo + x] : __float2bfloat16(0.0f);
+                vv = *reinterpret_cast<uint4 *>(tv);
+            }
+            if (p.gdn) {
+                const float x0 = __bfloat162float(p.g[row * HV + hv]);
+#pragma unroll
+                for (int x = 0; x < 8; x++)
+                    gx[x] = x0;
+            }
         }
-        sq[i * KP + d] = qv;
-        sk[i * KP + d] = kv;
-        sG[i * KP + d] = gv;
+        vreg[m] = vv;
+        *reinterpret_cast<uint4 *>(&s.q[i][d0]) = vq;
+        *reinterpret_cast<uint4 *>(&s.k[i][d0]) = vk;
+        float4 g0, g1;
+        float *gp = &g0.x;
+#pragma unroll
+        for (int x = 0; x < 8; x++) {
+            const float gv = (i < L && d0 + x < K) ? gate_act(p, gx[x], hv, d0 + x) : 0.0f;
+            if (x < 4)
+                gp[x] = gv;
+            else
+                (&g1.x)[x - 4] = gv;
+        }
+        *reinterpret_cast<float4 *>(&s.G[i][d0]) = g0;
+        *reinterpret_cast<float4 *>(&s.G[i][d0 + 4]) = g1;
     }
     if (tid < BT) {
-        float b = 0;
+        float b = 0.0f;
         if (tid < L) {
             b = __bfloat162float(p.beta[(int64_t)(t0 + tid) * HV + hv]);
             if (p.sig)
                 b = sigmoidf_(b);
         }
-        sb[tid] = b;
-    }
-    for (int e = tid; e < BT * (BT + 1); e += NTHR) {
-        sA[e] = 0;
-        sQ[e] = 0;
-        sX[e] = 0;
+        s.beta[tid] = b;
     }
     __syncthreads();
-    /* cumulative sum over rows per channel; l2norm per row (a warp per row) */
-    for (int d = tid; d < K; d += NTHR) {
-        float s = 0;
-        for (int i = 0; i < BT; i++) {
-            s += sG[i * KP + d];
-            sG[i * KP + d] = s;
+    /* cumulative sum over rows: thread (channel, half of the rows), then the second half
+     * adds the first half's total */
+    {
+        const int d = tid & (KD - 1), seg = tid >> 7;
+        float acc = 0.0f;
+        for (int i = seg * 32; i < seg * 32 + 32; i++) {
+            acc += s.G[i][d];
+            s.G[i][d] = acc;
         }
     }
-    for (int i = warp; i < BT; i += NTHR / 32) {
+    __syncthreads();
+    if (tid >= KD) {
+        const int d = tid - KD;
+        const float base = s.G[31][d];
+        for (int i = 32; i < BT; i++)
+            s.G[i][d] += base;
+    }
+    /* l2norm factors (warp per row) */
+    for (int i = warp; i < BT; i += NT1 / 32) {
         float a = 0, b = 0;
-        for (int d = lane; d < K; d += 32) {
-            a += sq[i * KP + d] * sq[i * KP + d];
-            b += sk[i * KP + d] * sk[i * KP + d];
+        for (int d = lane; d < KD; d += 32) {
+            const float x = __bfloat162float(s.q[i][d]), y = __bfloat162float(s.k[i][d]);
+            a += x * x;
+            b += y * y;
         }
         for (int o = 16; o; o >>= 1) {
             a += __shfl_xor_sync(0xffffffffu, a, o);
             b += __shfl_xor_sync(0xffffffffu, b, o);
         }
-        const float fq = (p.l2 ? rsqrtf(a + 1e-6f) : 1.0f) * p.scale;
-        const float fk = p.l2 ? rsqrtf(b + 1e-6f) : 1.0f;
-        for (int d = lane; d < K; d += 32) {
-            sq[i * KP + d] *= fq;
-            sk[i * KP + d] *= fk;
+        if (lane == 0) {
+            s.nq[i] = (p.l2 ? rsqrtf(a + 1e-6f) : 1.0f) * p.scale;
+            s.nk[i] = p.l2 ? rsqrtf(b + 1e-6f) : 1.0f;
         }
     }
     __syncthreads();
 
-    /* diagonal 16x16 tiles: the per-pair exponent (never overflows, any gate) */
-    for (int e = tid; e < 4 * BS * BS; e += NTHR) {
-        const int J = e / (BS * BS), r = (e / BS) % BS, c = e % BS;
-        const int i = J * BS + r, j = J * BS + c;
-        if (j > i)
-            continue;
-        const float *qi = sq + i * KP, *ki = sk + i * KP, *kj = sk + j * KP;
-        const float *Gi = sG + i * KP, *Gj = sG + j * KP;
-        float aq = 0, ak = 0;
-        for (int d = 0; d < K; d++) {
-            const float f = __expf(Gi[d] - Gj[d]) * kj[d];
-            aq += qi[d] * f;
-            ak += ki[d] * f;
-        }
-        sQ[i * (BT + 1) + j] = aq;
-        if (j < i)
-            sA[i * (BT + 1) + j] = ak * sb[i];
+    bf16 *Aqk = p.Aqk + cb * BT * BT;
+    /* Aqk upper blocks are zero */
+    for (int e = tid; e < BT * BT / 2; e += NT1) {
+        const int i = e / (BT / 2), j = (e % (BT / 2)) * 2;
+        if ((j >> 4) > (i >> 4))
+            *reinterpret_cast<uint32_t *>(Aqk + i * BT + j) = 0u;
     }
-    /* off-diagonal tiles (rows of tile I > J): exp(G_i - G_j) = exp(G_i - G_e) exp(G_e - G_j)
-     * with e the last row of tile J: both factors <= 1 */
-    for (int J = 0; J < 3; J++) {
-        const int e = J * BS + BS - 1, i0 = (J + 1) * BS, rows = BT - i0;
-        __syncthreads();
-        for (int x = tid; x < BS * K; x += NTHR) {
-            const int c = x / K, d = x % K, j = J * BS + c;
-            sT[c * KP + d] = sk[j * KP + d] * __expf(sG[e * KP + d] - sG[j * KP + d]);
-        }
-        for (int x = tid; x < rows * K; x += NTHR) {
-            const int r = x / K, d = x % K, i = i0 + r;
-            const float f = __expf(sG[i * KP + d] - sG[e * KP + d]);
-            sF[r * KP + d] = sq[i * KP + d] * f;
-            sF[(BT - BS + r) * KP + d] = sk[i * KP + d] * f;
-        }
-        __syncthreads();
-        /* each thread: one column c of the 16 and rows r, r + 16, ... (register tile) */
-        for (int x = tid; x < rows * BS; x += NTHR) {
-            const int r = x / BS, c = x % BS, i = i0 + r, j = J * BS + c;
-            const float *fq = sF + r * KP, *fk = sF + (BT - BS + r) * KP, *tj = sT + c * KP;
+    /* safe diagonal (any gate): per-pair exponent in fp32 on the CUDA cores */
+    if (!p.shared_diag) {
+        for (int e = tid; e < 4 * 16 * 16; e += NT1) {
+            const int a = e >> 8, r = (e >> 4) & 15, c = e & 15;
+            const int i = a * 16 + r, j = a * 16 + c;
             float aq = 0, ak = 0;
-            for (int d = 0; d < K; d++) {
-                aq += fq[d] * tj[d];
-                ak += fk[d] * tj[d];
+            if (j <= i) {
+                for (int d = 0; d < KD; d++) {
+                    const float f = __expf(s.G[i][d] - s.G[j][d]) * __bfloat162float(s.k[j][d]);
+                    aq += __bfloat162float(s.q[i][d]) * f;
+                    ak += __bfloat162float(s.k[i][d]) * f;
+                }
             }
-            sQ[i * (BT + 1) + j] = aq;
-            sA[i * (BT + 1) + j] = ak * sb[i];
+            Aqk[i * BT + j] = __float2bfloat16(j <= i ? aq * s.nq[i] * s.nk[j] : 0.0f);
+            s.A[i][j] = j < i ? ak * s.nk[i] * s.nk[j] * s.beta[i] : 0.0f;
         }
     }
-    __syncthreads();
-    /* X = (I + A)^-1 (unit lower triangular) by 16x16 blocks: the four diagonal blocks
-     * by forward substitution, one thread per (block, column); then block rows I = 1..3:
-     * X_IJ = -X_II sum_{J <= K < I} A_IK X_KJ (reference/kda.md §3; fla's solve_tril) */
-    if (tid < 4 * BS) {
-        const int o = (tid / BS) * BS, c = tid % BS;
-        sX[(o + c) * (BT + 1) + o + c] = 1.0f;
-        for (int r = c + 1; r < BS; r++) {
-            float acc = -sA[(o + r) * (BT + 1) + o + c];
-            for (int j = c + 1; j < r; j++)
-                acc -= sA[(o + r) * (BT + 1) + o + j] * sX[(o + j) * (BT + 1) + o + c];
-            sX[(o + r) * (BT + 1) + o + c] = acc;
-        }
-    }
-    __syncthreads();
-    for (int I = 1; I < BT / BS; I++) {
-        float *sTmp = sF; /* [I][BS][BS] */
-        for (int e = tid; e < I * BS * BS; e += NTHR) {
-            const int J = e / (BS * BS), r = (e / BS) % BS, c = e % BS;
-            float acc = 0;
-            for (int k = J * BS; k < I * BS; k++)
-                acc += sA[(I * BS + r) * (BT + 1) + k] * sX[k * (BT + 1) + J * BS + c];
-            sTmp[e] = acc;
+    /* Aqk, Akk by 16-row blocks on the tensor cores */
+    for (int a = 0; a < 4; a++) {
+        const int ncols = p.shared_diag ? 16 * (a + 1) : 16 * a; /* key rows j used */
+        if (ncols == 0)
+            continue;
+        __syncthreads();
+        for (int e = tid; e < (32 + ncols) * (KD / 8); e += NT1) {
+            const int r = e / (KD / 8), d0 = (e % (KD / 8)) * 8;
+            float ra[8], gr[8], x8[8], f[8];
+            if (a)
+                ld8f(ra, &s.G[a * 16 - 1][d0]);
+            else
+#pragma unroll
+                for (int x = 0; x < 8; x++)
+                    ra[x] = 0.0f;
+            bf16 *dst;
+            if (r < 32) { /* q and k rows of block a: x_i exp(G_i - r_a) */
+                const int i = a * 16 + (r & 15);
+                const bool isq = r < 16;
+                ld8h(x8, isq ? &s.q[i][d0] : &s.k[i][d0]);
+                ld8f(gr, &s.G[i][d0]);
+                dst = isq ? &s.u.a.opq[r][d0] : &s.u.a.opk[r - 16][d0];
+                const float n = isq ? s.nq[i] : s.nk[i];
+#pragma unroll
+                for (int x = 0; x < 8; x++)
+                    f[x] = x8[x] * n * __expf(gr[x] - ra[x]);
+            } else { /* key rows j: k_j exp(r_a - G_j) */
+                const int j = r - 32;
+                ld8h(x8, &s.k[j][d0]);
+                ld8f(gr, &s.G[j][d0]);
+                dst = &s.u.a.opc[j][d0];
+                const float n = s.nk[j];
+#pragma unroll
+                for (int x = 0; x < 8; x++)
+                    f[x] = x8[x] * n * __expf(ra[x] - gr[x]);
+            }
+            st8h(dst, f);
         }
         __syncthreads();
-        for (int e = tid; e < I * BS * BS; e += NTHR) {
-            const int J = e / (BS * BS), r = (e / BS) % BS, c = e % BS;
-            float acc = 0;
-            for (int k = 0; k <= r; k++)
-                acc += sX[(I * BS + r) * (BT + 1) + I * BS + k] * sTmp[J * BS * BS + k * BS + c];
-            sX[(I * BS + r) * (BT + 1) + J * BS + c] = -acc;
+        /* jobs: (column block b) x {Aqk, Akk}; one per warp */
+        const int njobs = 2 * (ncols / 16);
+        for (int job = warp; job < njobs; job += NT1 / 32) {
+            const int b = job >> 1, isk = job & 1;
+            const bf16 *A = isk ? &s.u.a.opk[0][0] : &s.u.a.opq[0][0];
+            float acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+            for (int ks = 0; ks < KD / 16; ks++) {
+                uint32_t fa[4], fb[4];
+                ldsm4(fa, a_addr(A, RS, 0, ks * 16, lane));
+                ldsm4(fb, b_nk_addr(&s.u.a.opc[0][0], RS, ks * 16, b * 16, lane));
+                mma16816(acc[0], fa, fb[0], fb[1]);
+                mma16816(acc[1], fa, fb[2], fb[3]);
+            }
+            const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) {
+                    const int i = a * 16 + g + hh * 8;
+                    const int j = b * 16 + nt * 8 + 2 * t;
+                    const float v0 = acc[nt][2 * hh], v1 = acc[nt][2 * hh + 1];
+                    if (isk) {
+                        s.A[i][j] = j < i ? v0 * s.beta[i] : 0.0f;
+                        s.A[i][j + 1] = j + 1 < i ? v1 * s.beta[i] : 0.0f;
+                    } else {
+                        *reinterpret_cast<uint32_t *>(Aqk + i * BT + j) =
+                            pack_bf16(j <= i ? v0 : 0.0f, j + 1 <= i ? v1 : 0.0f);
+                    }
+                }
+        }
+    }
+    __syncthreads();
+    /* X = (I + Akk)^-1 in place: diagonal 16x16 blocks by substitution, a lane per
+     * column (read all, then write) */
+    if (tid < 4 * 32) {
+        const int a = tid >> 5, c = lane & 15, o = a * 16;
+        float x[16];
+#pragma unroll
+        for (int r = 0; r < 16; r++) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int j = 0; j < r; j++)
+                acc += s.A[o + r][o + j] * x[j];
+            x[r] = r < c ? 0.0f : (r == c ? 1.0f : -acc);
+        }
+        __syncwarp();
+        if (lane < 16) {
+#pragma unroll
+            for (int r = 0; r < 16; r++)
+                s.A[o + r][o + c] = x[r];
+        }
+    }
+    __syncthreads();
+    /* block rows I = 1..3: X_IJ = -X_II sum_{J <= K < I} A_IK X_KJ; the sums are parked
+     * in the (unused) upper-right blocks: [J*16 + r][I*16 + c] */
+    for (int I = 1; I < 4; I++) {
+        float v[3] = {0, 0, 0}; /* up to 3 * 256 entries per stage */
+#pragma unroll
+        for (int q2 = 0; q2 < 3; q2++) {
+            const int e = tid + q2 * NT1;
+            if (e < I * 256) {
+                const int J = e >> 8, r = (e >> 4) & 15, c = e & 15;
+                float acc = 0.0f;
+                for (int kk = J * 16; kk < I * 16; kk++)
+                    acc += s.A[I * 16 + r][kk] * s.A[kk][J * 16 + c];
+                v[q2] = acc;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int q2 = 0; q2 < 3; q2++) {
+            const int e = tid + q2 * NT1;
+            if (e < I * 256) {
+                const int J = e >> 8, r = (e >> 4) & 15, c = e & 15;
+                s.A[J * 16 + r][I * 16 + c] = v[q2];
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int q2 = 0; q2 < 3; q2++) {
+            const int e = tid + q2 * NT1;
+            if (e < I * 256) {
+                const int J = e >> 8, r = (e >> 4) & 15, c = e & 15;
+                float acc = 0.0f;
+                for (int kk = 0; kk <= r; kk++)
+                    acc += s.A[I * 16 + r][I * 16 + kk] * s.A[J * 16 + kk][I * 16 + c];
+                v[q2] = -acc;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int q2 = 0; q2 < 3; q2++) {
+            const int e = tid + q2 * NT1;
+            if (e < I * 256) {
+                const int J = e >> 8, r = (e >> 4) & 15, c = e & 15;
+                s.A[I * 16 + r][J * 16 + c] = v[q2];
+            }
         }
         __syncthreads();
     }
-    /* per-row outputs qg = q e^{G}, kg = k e^{G_last - G}, gl = e^{G_last}; then
-     * sq <- beta k e^{G} (w's right-hand side) */
-    for (int x = tid; x < BT * K; x += NTHR) {
-        const int i = x / K, d = x % K;
-        const int64_t o = ((wrow0 + i) * HV + hv) * K + d;
-        const float gi = sG[i * KP + d], glast = sG[(L - 1) * KP + d], eg = __expf(gi);
-        p.qg[o] = i < L ? sq[i * KP + d] * eg : 0.0f;
-        p.kg[o] = i < L ? sk[i * KP + d] * __expf(glast - gi) : 0.0f;
-        if (i == 0)
-            p.gl[((int64_t)ci * HV + hv) * K + d] = __expf(glast);
-        sq[i * KP + d] = sb[i] * sk[i * KP + d] * eg;
+    /* X to bf16 (upper part zero); qg, kg, gl out; beta k e^G and beta v in place of q, k */
+    for (int e = tid; e < BT * BT; e += NT1) {
+        const int i = e / BT, j = e % BT;
+        const float xv = j <= i ? s.A[i][j] : 0.0f;
+        const bf16 hi = __float2bfloat16(xv);
+        s.u.x.hi[i][j] = hi;
+        s.u.x.lo[i][j] = __float2bfloat16(xv - __bfloat162float(hi));
     }
+#pragma unroll
+    for (int m = 0; m < NIT; m++) {
+        const int e = tid + m * NT1;
+        const int i = e / (KD / 8), d0 = (e % (KD / 8)) * 8;
+        float fq[8], fk[8], fb[8], fv[8], G[8], Gl[8], xq[8], xk[8];
+        const bf16 *vb = reinterpret_cast<const bf16 *>(&vreg[m]);
+        ld8f(G, &s.G[i][d0]);
+        ld8f(Gl, &s.G[BT - 1][d0]);
+        ld8h(xq, &s.q[i][d0]);
+        ld8h(xk, &s.k[i][d0]);
+        const float nq = s.nq[i], nk = s.nk[i], be = s.beta[i];
+#pragma unroll
+        for (int x = 0; x < 8; x++) {
+            const float kq = xk[x] * nk;
+            const float eg = __expf(G[x]);
+            fq[x] = xq[x] * nq * eg;
+            fk[x] = kq * __expf(Gl[x] - G[x]);
+            fb[x] = be * kq * eg;
+            fv[x] = be * __bfloat162float(vb[x]);
+        }
+        st8h(p.qg + (cb * BT + i) * KD + d0, fq);
+        st8h(p.kg + (cb * BT + i) * KD + d0, fk);
+        st8h(&s.q[i][d0], fb); /* this thread alone reads q[i][d0..] */
+        st8h(&s.k[i][d0], fv);
+    }
+    if (tid < KD)
+        p.gl[cb * KD + tid] = __expf(s.G[BT - 1][tid]);
     __syncthreads();
-    /* sG <- beta v (rows past L are zero) */
-    for (int x = tid; x < BT * V; x += NTHR) {
-        const int i = x / V, c = x % V;
-        sG[i * KP + c] =
-            i < L ? sb[i] * __bfloat162float(p.v[((int64_t)(t0 + i) * HV + hv) * V + c]) : 0.0f;
-    }
-    __syncthreads();
-    /* w = X (beta k e^G), u = X (beta v) */
-    for (int x = tid; x < BT * K; x += NTHR) {
-        const int i = x / K, d = x % K;
-        const float *xi = sX + i * (BT + 1);
-        float s2 = sq[i * KP + d];
-        for (int j = 0; j < i; j++)
-            s2 += xi[j] * sq[j * KP + d];
-        p.w[((wrow0 + i) * HV + hv) * K + d] = s2;
-    }
-    for (int x = tid; x < BT * V; x += NTHR) {
-        const int i = x / V, c = x % V;
-        const float *xi = sX + i * (BT + 1);
-        float s2 = sG[i * KP + c];
-        for (int j = 0; j < i; j++)
-            s2 += xi[j] * sG[j * KP + c];
-        p.u[((wrow0 + i) * HV + hv) * V + c] = s2;
-    }
-    for (int x = tid; x < BT * BT; x += NTHR) {
-        const int i = x / BT, j = x % BT;
-        p.Aqk[((wrow0 + i) * HV + hv) * BT + j] = (i < L && j <= i) ? sQ[i * (BT + 1) + j] : 0.0f;
+    /* w = X (beta k e^G), u = X (beta v): jobs (row block a, matrix, 64-column half),
+     * 2 per warp, stored from the fragments */
+    for (int job = warp; job < 16; job += NT1 / 32) {
+        const int a = job >> 2, mat = (job >> 1) & 1, half = job & 1;
+        const bf16 *B = mat ? &s.k[0][0] : &s.q[0][0];
+        float acc[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+            acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        for (int ks = 0; ks <= a; ks++) {
+            uint32_t fa[4], fl[4];
+            ldsm4(fa, a_addr(&s.u.x.hi[0][0], AS, a * 16, ks * 16, lane));
+            ldsm4(fl, a_addr(&s.u.x.lo[0][0], AS, a * 16, ks * 16, lane));
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                uint32_t fb[4];
+                ldsm4t(fb, b_kn_addr(B, RS, ks * 16, half * 64 + np * 16, lane));
+                mma16816(acc[2 * np], fa, fb[0], fb[1]);
+                mma16816(acc[2 * np + 1], fa, fb[2], fb[3]);
+                mma16816(acc[2 * np], fl, fb[0], fb[1]);
+                mma16816(acc[2 * np + 1], fl, fb[2], fb[3]);
+            }
+        }
+        bf16 *dst = (mat ? p.u : p.w) + cb * BT * KD;
+        const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            const int col = half * 64 + nt * 8 + 2 * t;
+            *reinterpret_cast<uint32_t *>(dst + (a * 16 + g) * KD + col) =
+                pack_bf16(acc[nt][0], acc[nt][1]);
+            *reinterpret_cast<uint32_t *>(dst + (a * 16 + g + 8) * KD + col) =
+                pack_bf16(acc[nt][2], acc[nt][3]);
+        }
     }
 }
 
 /* ------------------------------------------------------------------ kernel 2 */
-/* One CTA per (V slice, sequence * HV): the state slice S [K][BV] stays in shared
- * memory across the sequence's chunks; each chunk's w, qg, kg [BT][K], u slice and
- * Aqk are staged in shared memory first (coalesced loads). */
-__global__ void __launch_bounds__(NTHR) kda_inter(Params p) {
-    extern __shared__ float smem[];
-    const int KP = KMAX + 1;
-    float *S = smem;                  /* [KMAX][BV] */
-    float *vn = S + KMAX * BV;        /* [BT][BV+1] */
-    float *sw = vn + BT * (BV + 1);   /* [BT][KP] */
-    float *sqg = sw + BT * KP;        /* [BT][KP] */
-    float *skg = sqg + BT * KP;       /* [BT][KP] */
-    float *sa = skg + BT * KP;        /* [BT][BT+1] */
-    float *sgl = sa + BT * (BT + 1);  /* [KMAX] */
+/* One CTA per (V slice of BV columns, sequence * HV), 4 warps. The state slice
+ * S [128][BV] lives in fp32 accumulator registers (warp w: rows 32w..32w+31); each
+ * chunk's w, qg, kg, Aqk, u slice and exp(G_last) are double-buffered in shared
+ * memory with cp.async (the next chunk loads while this one computes). Per chunk:
+ * S -> bf16 tile; v' = u - w S and o = qg S (warp w: chunk rows 16w..16w+15);
+ * o += Aqk v'; S <- diag(gl) S + kg^T v'. */
+template <int BV> struct InterStage {
+    bf16 w[BT][RS], qg[BT][RS], kg[BT][RS];
+    bf16 A[BT][AS];
+    bf16 u[BT][BV + 8];
+    float gl[KD];
+};
+template <int BV> struct InterSmem {
+    InterStage<BV> st[2];
+    bf16 S[KD][BV + 8];  /* the state in bf16 (B operand of w S and qg S) */
+    bf16 vn[BT][BV + 8]; /* v' in bf16 */
+};
+
+template <int BV>
+__device__ __forceinline__ void inter_load(const Params &p, InterStage<BV> &st, int64_t cb, int c0,
+                                           int tid) {
+    const bf16 *w = p.w + cb * BT * KD, *qg = p.qg + cb * BT * KD, *kg = p.kg + cb * BT * KD;
+    for (int e = tid; e < BT * (KD / 8); e += NT2) {
+        const int i = e >> 4, d0 = (e & 15) * 8;
+        cp_async16(&st.w[i][d0], w + i * KD + d0);
+        cp_async16(&st.qg[i][d0], qg + i * KD + d0);
+        cp_async16(&st.kg[i][d0], kg + i * KD + d0);
+    }
+    const bf16 *A = p.Aqk + cb * BT * BT;
+    for (int e = tid; e < BT * (BT / 8); e += NT2) {
+        const int i = e >> 3, j0 = (e & 7) * 8;
+        cp_async16(&st.A[i][j0], A + i * BT + j0);
+    }
+    const bf16 *u = p.u + cb * BT * KD + c0;
+    for (int e = tid; e < BT * (BV / 8); e += NT2) {
+        const int i = e / (BV / 8), c = (e % (BV / 8)) * 8;
+        cp_async16(&st.u[i][c], u + i * KD + c);
+    }
+    if (tid < KD / 4)
+        cp_async16(&st.gl[tid * 4], p.gl + cb * KD + tid * 4);
+}
+
+template <int BV> __global__ void __launch_bounds__(NT2) kda_inter_tc(Params p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    InterSmem<BV> &s = *reinterpret_cast<InterSmem<BV> *>(smem_raw);
+    constexpr int NTV = BV / 8; /* n-tiles */
     const int c0 = blockIdx.x * BV;
     const int n = blockIdx.y / p.HV, hv = blockIdx.y % p.HV;
     const int K = p.K, V = p.V, HV = p.HV;
-    const int nc = V - c0 < BV ? V - c0 : BV;
-    const int tid = threadIdx.x;
-    for (int x = tid; x < K * BV; x += NTHR) {
-        const int d = x / BV, c = x % BV;
-        S[x] = (p.h0 && c < nc) ? p.h0[(((int64_t)n * HV + hv) * K + d) * V + c0 + c] : 0.0f;
-    }
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+
+    float S[2][NTV][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NTV; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int d = warp * 32 + mt * 16 + g + (e >> 1) * 8;
+                const int c = c0 + nt * 8 + 2 * t + (e & 1);
+                S[mt][nt][e] = (p.h0 && d < K && c < V)
+                                   ? p.h0[(((int64_t)n * HV + hv) * K + d) * V + c]
+                                   : 0.0f;
+            }
     const int2 sq = p.seqs[n];
+    if (sq.y > 0) {
+        inter_load<BV>(p, s.st[0], (int64_t)sq.x * HV + hv, c0, tid);
+        cp_async_commit();
+    }
     for (int cc = 0; cc < sq.y; cc++) {
         const int ci = sq.x + cc;
         const int2 ch = p.chunks[ci];
         const int t0 = ch.x, L = ch.y;
-        const int64_t r0 = (int64_t)ci * BT;
-        __syncthreads();
-        for (int x = tid; x < BT * K; x += NTHR) {
-            const int i = x / K, d = x % K;
-            const int64_t o = ((r0 + i) * HV + hv) * K + d;
-            sw[i * KP + d] = p.w[o];
-            sqg[i * KP + d] = p.qg[o];
-            skg[i * KP + d] = p.kg[o];
+        InterStage<BV> &st = s.st[cc & 1];
+        if (cc + 1 < sq.y) {
+            inter_load<BV>(p, s.st[(cc + 1) & 1], (int64_t)(ci + 1) * HV + hv, c0, tid);
+            cp_async_commit();
         }
-        for (int x = tid; x < BT * BT; x += NTHR)
-            sa[(x / BT) * (BT + 1) + x % BT] = p.Aqk[((r0 + x / BT) * HV + hv) * BT + x % BT];
-        for (int x = tid; x < K; x += NTHR)
-            sgl[x] = p.gl[((int64_t)ci * HV + hv) * K + x];
-        for (int x = tid; x < BT * BV; x += NTHR) {
-            const int i = x / BV, c = x % BV;
-            vn[i * (BV + 1) + c] = (i < L && c < nc) ? p.u[((r0 + i) * HV + hv) * V + c0 + c] : 0.0f;
-        }
+        /* S -> bf16 tile */
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NTV; nt++) {
+                const int d = warp * 32 + mt * 16 + g, c = nt * 8 + 2 * t;
+                *reinterpret_cast<uint32_t *>(&s.S[d][c]) = pack_bf16(S[mt][nt][0], S[mt][nt][1]);
+                *reinterpret_cast<uint32_t *>(&s.S[d + 8][c]) =
+                    pack_bf16(S[mt][nt][2], S[mt][nt][3]);
+            }
+        if (cc + 1 < sq.y)
+            cp_async_wait<1>();
+        else
+            cp_async_wait<0>();
         __syncthreads();
-        /* v' = u - w S: thread (column c, rows i, i+8, ...) */
-        {
-            const int c = tid % BV, i0 = tid / BV; /* 8 row groups */
-            float acc[BT / 8];
+        /* v' = u - w S ; o = qg S  (rows 16 warp ..) */
+        float av[NTV][4], ao[NTV][4];
 #pragma unroll
-            for (int r = 0; r < BT / 8; r++)
-                acc[r] = 0;
-            for (int d = 0; d < K; d++) {
-                const float sv = S[d * BV + c];
+        for (int nt = 0; nt < NTV; nt++)
 #pragma unroll
-                for (int r = 0; r < BT / 8; r++)
-                    acc[r] += sw[(i0 + 8 * r) * KP + d] * sv;
-            }
+            for (int e = 0; e < 4; e++)
+                av[nt][e] = ao[nt][e] = 0.0f;
 #pragma unroll
-            for (int r = 0; r < BT / 8; r++) {
-                const int i = i0 + 8 * r;
-                if (i < L && c < nc)
-                    vn[i * (BV + 1) + c] -= acc[r];
+        for (int ks = 0; ks < KD / 16; ks++) {
+            uint32_t fw[4], fq[4];
+            ldsm4(fw, a_addr(&st.w[0][0], RS, warp * 16, ks * 16, lane));
+            ldsm4(fq, a_addr(&st.qg[0][0], RS, warp * 16, ks * 16, lane));
+#pragma unroll
+            for (int np = 0; np < NTV / 2; np++) {
+                uint32_t fb[4];
+                ldsm4t(fb, b_kn_addr(&s.S[0][0], BV + 8, ks * 16, np * 16, lane));
+                mma16816(av[2 * np], fw, fb[0], fb[1]);
+                mma16816(av[2 * np + 1], fw, fb[2], fb[3]);
+                mma16816(ao[2 * np], fq, fb[0], fb[1]);
+                mma16816(ao[2 * np + 1], fq, fb[2], fb[3]);
             }
         }
-        __syncthreads();
-        /* o = qg S + Aqk v' */
-        {
-            const int c = tid % BV, i0 = tid / BV;
-            float acc[BT / 8];
 #pragma unroll
-            for (int r = 0; r < BT / 8; r++)
-                acc[r] = 0;
-            for (int d = 0; d < K; d++) {
-                const float sv = S[d * BV + c];
-#pragma unroll
-                for (int r = 0; r < BT / 8; r++)
-                    acc[r] += sqg[(i0 + 8 * r) * KP + d] * sv;
-            }
-            for (int j = 0; j < BT; j++) {
-                const float vj = vn[j * (BV + 1) + c];
-#pragma unroll
-                for (int r = 0; r < BT / 8; r++)
-                    acc[r] += sa[(i0 + 8 * r) * (BT + 1) + j] * vj; /* Aqk is 0 for j > i */
-            }
-#pragma unroll
-            for (int r = 0; r < BT / 8; r++) {
-                const int i = i0 + 8 * r;
-                if (i < L && c < nc)
-                    p.o[((int64_t)(t0 + i) * HV + hv) * V + c0 + c] = __float2bfloat16(acc[r]);
-            }
+        for (int nt = 0; nt < NTV; nt++) {
+            const int r = warp * 16 + g, c = nt * 8 + 2 * t;
+            const __nv_bfloat162 u0 = *reinterpret_cast<const __nv_bfloat162 *>(&st.u[r][c]);
+            const __nv_bfloat162 u1 = *reinterpret_cast<const __nv_bfloat162 *>(&st.u[r + 8][c]);
+            const float v0 = __low2float(u0) - av[nt][0], v1 = __high2float(u0) - av[nt][1];
+            const float v2 = __low2float(u1) - av[nt][2], v3 = __high2float(u1) - av[nt][3];
+            *reinterpret_cast<uint32_t *>(&s.vn[r][c]) = pack_bf16(v0, v1);
+            *reinterpret_cast<uint32_t *>(&s.vn[r + 8][c]) = pack_bf16(v2, v3);
         }
         __syncthreads();
-        /* S <- gl * S + kg^T v': thread (column c, channels d, d+8, ...) */
-        {
-            const int c = tid % BV, d0 = tid / BV;
-            for (int d = d0; d < K; d += 8) {
-                float s2 = S[d * BV + c] * sgl[d];
-                for (int j = 0; j < L; j++)
-                    s2 += skg[j * KP + d] * vn[j * (BV + 1) + c];
-                S[d * BV + c] = s2;
+        /* o += Aqk v' (causal: column blocks <= warp) */
+        for (int ks = 0; ks <= warp; ks++) {
+            uint32_t fa[4];
+            ldsm4(fa, a_addr(&st.A[0][0], AS, warp * 16, ks * 16, lane));
+#pragma unroll
+            for (int np = 0; np < NTV / 2; np++) {
+                uint32_t fb[4];
+                ldsm4t(fb, b_kn_addr(&s.vn[0][0], BV + 8, ks * 16, np * 16, lane));
+                mma16816(ao[2 * np], fa, fb[0], fb[1]);
+                mma16816(ao[2 * np + 1], fa, fb[2], fb[3]);
             }
         }
+#pragma unroll
+        for (int nt = 0; nt < NTV; nt++) {
+            const int c = c0 + nt * 8 + 2 * t;
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                const int r = warp * 16 + g + hh * 8;
+                if (r < L) {
+                    bf16 *dst = p.o + ((int64_t)(t0 + r) * HV + hv) * V + c;
+                    if (c + 1 < V && (V & 1) == 0)
+                        *reinterpret_cast<uint32_t *>(dst) =
+                            pack_bf16(ao[nt][2 * hh], ao[nt][2 * hh + 1]);
+                    else {
+                        if (c < V)
+                            dst[0] = __float2bfloat16(ao[nt][2 * hh]);
+                        if (c + 1 < V)
+                            dst[1] = __float2bfloat16(ao[nt][2 * hh + 1]);
+                    }
+                }
+            }
+        }
+        /* S <- diag(gl) S + kg^T v' (warp w: state rows 32w..32w+31) */
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            const int d = warp * 32 + mt * 16 + g;
+            const float e0 = st.gl[d], e1 = st.gl[d + 8];
+#pragma unroll
+            for (int nt = 0; nt < NTV; nt++) {
+                S[mt][nt][0] *= e0;
+                S[mt][nt][1] *= e0;
+                S[mt][nt][2] *= e1;
+                S[mt][nt][3] *= e1;
+            }
+        }
+#pragma unroll
+        for (int ks = 0; ks < BT / 16; ks++) {
+            uint32_t fa[2][4];
+            ldsm4t(fa[0], at_addr(&st.kg[0][0], RS, warp * 32, ks * 16, lane));
+            ldsm4t(fa[1], at_addr(&st.kg[0][0], RS, warp * 32 + 16, ks * 16, lane));
+#pragma unroll
+            for (int np = 0; np < NTV / 2; np++) {
+                uint32_t fb[4];
+                ldsm4t(fb, b_kn_addr(&s.vn[0][0], BV + 8, ks * 16, np * 16, lane));
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    mma16816(S[mt][2 * np], fa[mt], fb[0], fb[1]);
+                    mma16816(S[mt][2 * np + 1], fa[mt], fb[2], fb[3]);
+                }
+            }
+        }
+        __syncthreads();
     }
-    __syncthreads();
-    if (p.ht)
-        for (int x = tid; x < K * BV; x += NTHR) {
-            const int d = x / BV, c = x % BV;
-            if (c < nc)
-                p.ht[(((int64_t)n * HV + hv) * K + d) * V + c0 + c] = S[x];
-        }
+    if (p.ht) {
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NTV; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int d = warp * 32 + mt * 16 + g + (e >> 1) * 8;
+                    const int c = c0 + nt * 8 + 2 * t + (e & 1);
+                    if (d < K && c < V)
+                        p.ht[(((int64_t)n * HV + hv) * K + d) * V + c] = S[mt][nt][e];
+                }
+    }
 }
 
 /* ------------------------------------------------------------------ host side */
@@ -454,9 +812,9 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cu
                          "kda cuda: bad dims B=%d T=%d H=%d HV=%d K=%d V=%d (HV must be a "
                          "multiple of H)",
                          c->B, c->T, c->H, c->HV, c->K, c->V);
-    if (c->K > KMAX || c->V > KMAX)
+    if (c->K > KD || c->V > KD)
         return lm_errorf(err, LM_ERR_UNSUPPORTED, "kda cuda: K = %d, V = %d (at most %d each)",
-                         c->K, c->V, KMAX);
+                         c->K, c->V, KD);
     if (c->gate == LM_GATE_BOUNDED && !(c->has_lower_bound && c->lower_bound >= -5.0f &&
                                         c->lower_bound < 0.0f))
         return lm_errorf(err, LM_ERR_INVALID,
@@ -509,10 +867,10 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cu
         hsq[n].y = k - hsq[n].x;
     }
     const int K = c->K, V = c->V, HV = c->HV;
-    const size_t rows = (size_t)nchunks * BT;
-    const size_t nW = rows * HV * K, nU = rows * HV * V, nA = rows * HV * BT,
-                 nG = (size_t)nchunks * HV * K;
-    const size_t bytes = sizeof(float) * (3 * nW + nU + nA + nG) + sizeof(int2) * (nchunks + N) + 256;
+    const size_t nblk = (size_t)nchunks * HV; /* (chunk, value head) blocks */
+    const size_t nW = nblk * BT * KD, nA = nblk * BT * BT, nG = nblk * KD;
+    const size_t bytes = sizeof(bf16) * (4 * nW + nA) + sizeof(float) * nG +
+                         sizeof(int2) * (nchunks + N) + 256;
     if (bytes > g_ws.cap) {
         lm_kda_cuda_release();
         cudaError_t e = cudaMalloc(&g_ws.buf, bytes);
@@ -525,13 +883,13 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cu
     }
     Params p;
     memset(&p, 0, sizeof p);
-    float *f = (float *)g_ws.buf;
+    bf16 *f = (bf16 *)g_ws.buf;
     p.w = f;
     p.qg = f + nW;
     p.kg = f + 2 * nW;
     p.u = f + 3 * nW;
-    p.Aqk = p.u + nU;
-    p.gl = p.Aqk + nA;
+    p.Aqk = f + 4 * nW;
+    p.gl = (float *)(p.Aqk + nA);
     int2 *dch = (int2 *)(p.gl + nG);
     int2 *dsq = dch + nchunks;
     cudaError_t e1 = nchunks ? cudaMemcpy(dch, hch, sizeof(int2) * nchunks, cudaMemcpyHostToDevice)
@@ -567,13 +925,20 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cu
     p.lb = c->lower_bound;
     p.scale = c->scale;
 
-    const int KP = KMAX + 1;
-    const size_t sm1 =
-        sizeof(float) * (3 * BT * KP + 2 * (BT - BS) * KP + BS * KP + 3 * BT * (BT + 1) + BT);
-    const size_t sm2 =
-        sizeof(float) * (KMAX * BV + BT * (BV + 1) + 3 * BT * KP + BT * (BT + 1) + KMAX);
-    CK(cudaFuncSetAttribute(kda_intra, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm1));
-    CK(cudaFuncSetAttribute(kda_inter, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm2));
+    p.shared_diag = c->gate == LM_GATE_BOUNDED && c->diag != LM_DIAG_SAFE;
+    /* V slice of the recurrence: the widest that still gives about a CTA per SM */
+    const int nsh = N * HV;
+    const int BVsel = nsh * 2 >= 120 ? 64 : (nsh * 4 >= 120 ? 32 : 16);
+    const size_t sm1 = sizeof(IntraSmem);
+    const size_t sm2 = BVsel == 64 ? sizeof(InterSmem<64>)
+                                   : (BVsel == 32 ? sizeof(InterSmem<32>) : sizeof(InterSmem<16>));
+    CK(cudaFuncSetAttribute(kda_intra_tc, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm1));
+    CK(cudaFuncSetAttribute(kda_inter_tc<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)sizeof(InterSmem<64>)));
+    CK(cudaFuncSetAttribute(kda_inter_tc<32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)sizeof(InterSmem<32>)));
+    CK(cudaFuncSetAttribute(kda_inter_tc<16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)sizeof(InterSmem<16>)));
     /* LINMOE_KDA_CUDA_PROFILE=1: per-kernel times on stderr (docs/perf-notes.md) */
     static int prof = -1;
     if (prof < 0)
@@ -585,12 +950,18 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cu
     if (prof)
         CK(cudaEventRecord(ev[0]));
     if (nchunks > 0) {
-        kda_intra<<<dim3(nchunks, HV), NTHR, sm1>>>(p);
+        kda_intra_tc<<<dim3(nchunks, HV), NT1, sm1>>>(p);
         CK(cudaGetLastError());
     }
     if (prof)
         CK(cudaEventRecord(ev[1]));
-    kda_inter<<<dim3((V + BV - 1) / BV, N * HV), NTHR, sm2>>>(p);
+    const dim3 g2((V + BVsel - 1) / BVsel, N * HV);
+    if (BVsel == 64)
+        kda_inter_tc<64><<<g2, NT2, sm2>>>(p);
+    else if (BVsel == 32)
+        kda_inter_tc<32><<<g2, NT2, sm2>>>(p);
+    else
+        kda_inter_tc<16><<<g2, NT2, sm2>>>(p);
     CK(cudaGetLastError());
     if (prof)
         CK(cudaEventRecord(ev[2]));
@@ -600,7 +971,7 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cu
         cudaEventElapsedTime(&t1, ev[0], ev[1]);
         cudaEventElapsedTime(&t2, ev[1], ev[2]);
         fprintf(stderr, "kda cuda: intra %.3f ms (%d CTAs), inter %.3f ms (%d CTAs)\n", t1,
-                nchunks * HV, t2, ((V + BV - 1) / BV) * N * HV);
+                nchunks * HV, t2, (int)(g2.x * g2.y));
         for (int i = 0; i < 3; i++)
             cudaEventDestroy(ev[i]);
     }

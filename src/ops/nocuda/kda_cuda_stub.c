@@ -63,3 +63,26 @@ lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda_cuda_grads
 }
 
 void lm_kda_cuda_saved_free(lm_kda_cuda_saved *saved) { (void)saved; }
+
+int lm_kda_cuda_decode_flat(int B, int H, int HV, int K, int V, int kind, int gate,
+                            float lower_bound, float scale, int use_qk_l2norm_in_kernel,
+                            int use_beta_sigmoid_in_kernel, const void *q, const void *k,
+                            const void *v, const void *g, const void *beta, const float *A_log,
+                            const float *dt_bias, float *state, void *o, char *errbuf, int errlen) {
+    (void)B, (void)H, (void)HV, (void)K, (void)V, (void)kind, (void)gate, (void)lower_bound;
+    (void)scale, (void)use_qk_l2norm_in_kernel, (void)use_beta_sigmoid_in_kernel;
+    (void)q, (void)k, (void)v, (void)g, (void)beta, (void)A_log, (void)dt_bias, (void)state;
+    (void)o;
+    if (errbuf && errlen > 0)
+        snprintf(errbuf, (size_t)errlen, "kda cuda decode: this linmoe was built without CUDA");
+    return (int)LM_ERR_UNSUPPORTED;
+}
+
+lm_status lm_kda_cuda_decode_bench(lm_kda_config *c, const lm_kda_cuda_inputs *in, float *state,
+                                   void *o, int variant, int warmup, int iters, double *ms,
+                                   double *copy_gbs, lm_error *err) {
+    (void)c, (void)in, (void)state, (void)o, (void)variant, (void)warmup, (void)iters;
+    (void)ms, (void)copy_gbs;
+    return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                     "kda cuda decode: this linmoe was built without CUDA");
+}
