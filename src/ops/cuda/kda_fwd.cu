@@ -63,18 +63,6 @@ struct Params {
 
 __device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
-__device__ __forceinline__ float gate_act(const Params &p, float x, int hv, int d) {
-    float a = p.A_log ? __expf(p.A_log[hv]) : 1.0f;
-    float b = p.dt_bias ? p.dt_bias[p.gdn ? hv : hv * p.K + d] : 0.0f;
-    if (p.gate == LM_GATE_SOFTPLUS) {
-        float z = x + b;
-        float sp = z > 20.0f ? z : __logf(1.0f + __expf(z));
-        return -a * sp;
-    }
-    if (p.gate == LM_GATE_BOUNDED)
-        return p.lb * sigmoidf_(a * (x + b));
-    return x;
-}
 
 /* ---------------------------------------------------------------- PTX helpers */
 __device__ __forceinline__ uint32_t smem_u32(const void *ptr) {
@@ -166,7 +154,7 @@ struct IntraSmem {
         } x;
     } u;
     float A[BT][FS];            /* Akk, then X = (I + Akk)^-1 in place */
-    float nq[BT], nk[BT], beta[BT];
+    float nq[BT], nk[BT], beta[BT], gtot[KD];
 };
 
 __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
@@ -180,78 +168,60 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t cb = (int64_t)ci * HV + hv;
     constexpr int NIT = BT * (KD / 8) / NT1; /* 8-wide items per thread: 4 */
+    /* item m of this thread: row i = tid / 16 + 16 m, channels d0 .. d0 + 7 */
+    const int d0 = (tid & 15) * 8, r0 = tid >> 4;
+    const bool vecK = (K & 7) == 0, vecV = (V & 7) == 0;
+    const uint4 z4 = make_uint4(0, 0, 0, 0);
 
-    /* every global load first: q, k, g (gated), v (kept in registers), beta */
-    uint4 vreg[NIT];
+    /* 1. every global load of q, k, g first (in flight together), then v (used late) */
+    uint4 rq[NIT], rk[NIT], rg[NIT], vreg[NIT];
 #pragma unroll
     for (int m = 0; m < NIT; m++) {
-        const int e = tid + m * NT1;
-        const int i = e / (KD / 8), d0 = (e % (KD / 8)) * 8;
-        uint4 vq = make_uint4(0, 0, 0, 0), vk = vq, vv = vq;
-        float gx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        if (i < L) {
+        const int i = r0 + 16 * m;
+        rq[m] = rk[m] = rg[m] = z4;
+        if (i < L && vecK && d0 < K) {
             const int64_t row = (int64_t)(t0 + i);
-            const int64_t off = (row * H + h) * K + d0;
-            const int64_t vo = (row * HV + hv) * V + d0;
-            const int64_t go = (row * HV + hv) * K + d0;
-            if ((K & 7) == 0) {
-                if (d0 < K) {
-                    vq = *reinterpret_cast<const uint4 *>(p.q + off);
-                    vk = *reinterpret_cast<const uint4 *>(p.k + off);
-                    if (!p.gdn) {
-                        const uint4 gg = *reinterpret_cast<const uint4 *>(p.g + go);
-                        const bf16 *gb = reinterpret_cast<const bf16 *>(&gg);
-#pragma unroll
-                        for (int x = 0; x < 8; x++)
-                            gx[x] = __bfloat162float(gb[x]);
-                    }
-                }
-            } else {
-                bf16 tq[8], tk[8];
-#pragma unroll
-                for (int x = 0; x < 8; x++) {
-                    const bool in = d0 + x < K;
-                    tq[x] = in ? p.q[off + x] : __float2bfloat16(0.0f);
-                    tk[x] = in ? p.k[off + x] : __float2bfloat16(0.0f);
-                    if (!p.gdn && in)
-                        gx[x] = __bfloat162float(p.g[go + x]);
-                }
-                vq = *reinterpret_cast<uint4 *>(tq);
-                vk = *reinterpret_cast<uint4 *>(tk);
-            }
-            if ((V & 7) == 0) {
-                if (d0 < V)
-                    vv = *reinterpret_cast<const uint4 *>(p.v + vo);
-            } else {
-                bf16 tv[8];
-#pragma unroll
-                for (int x = 0; x < 8; x++)
-                    tv[x] = d0 + x < V ? p.v[vo + x] : __float2bfloat16(0.0f);
-                vv = *reinterpret_cast<uint4 *>(tv);
-            }
-            if (p.gdn) {
-                const float x0 = __bfloat162float(p.g[row * HV + hv]);
-#pragma unroll
-                for (int x = 0; x < 8; x++)
-                    gx[x] = x0;
-            }
+            rq[m] = __ldg(reinterpret_cast<const uint4 *>(p.q + (row * H + h) * K + d0));
+            rk[m] = __ldg(reinterpret_cast<const uint4 *>(p.k + (row * H + h) * K + d0));
+            if (!p.gdn)
+                rg[m] = __ldg(reinterpret_cast<const uint4 *>(p.g + (row * HV + hv) * K + d0));
         }
-        vreg[m] = vv;
-        *reinterpret_cast<uint4 *>(&s.q[i][d0]) = vq;
-        *reinterpret_cast<uint4 *>(&s.k[i][d0]) = vk;
-        float4 g0, g1;
-        float *gp = &g0.x;
-#pragma unroll
-        for (int x = 0; x < 8; x++) {
-            const float gv = (i < L && d0 + x < K) ? gate_act(p, gx[x], hv, d0 + x) : 0.0f;
-            if (x < 4)
-                gp[x] = gv;
-            else
-                (&g1.x)[x - 4] = gv;
-        }
-        *reinterpret_cast<float4 *>(&s.G[i][d0]) = g0;
-        *reinterpret_cast<float4 *>(&s.G[i][d0 + 4]) = g1;
     }
+#pragma unroll
+    for (int m = 0; m < NIT; m++) {
+        const int i = r0 + 16 * m;
+        vreg[m] = z4;
+        if (i < L && vecV && d0 < V)
+            vreg[m] = __ldg(reinterpret_cast<const uint4 *>(p.v + ((int64_t)(t0 + i) * HV + hv) * V + d0));
+    }
+    if (!vecK || !vecV) { /* K or V not a multiple of 8: element loads */
+#pragma unroll
+        for (int m = 0; m < NIT; m++) {
+            const int i = r0 + 16 * m;
+            if (i >= L)
+                continue;
+            const int64_t row = (int64_t)(t0 + i);
+            bf16 *tq = reinterpret_cast<bf16 *>(&rq[m]), *tk = reinterpret_cast<bf16 *>(&rk[m]);
+            bf16 *tg = reinterpret_cast<bf16 *>(&rg[m]), *tv = reinterpret_cast<bf16 *>(&vreg[m]);
+            for (int x = 0; x < 8; x++) {
+                const int d = d0 + x;
+                if (!vecK) {
+                    tq[x] = d < K ? p.q[(row * H + h) * K + d] : __float2bfloat16(0.0f);
+                    tk[x] = d < K ? p.k[(row * H + h) * K + d] : __float2bfloat16(0.0f);
+                    if (!p.gdn)
+                        tg[x] = d < K ? p.g[(row * HV + hv) * K + d] : __float2bfloat16(0.0f);
+                }
+                if (!vecV)
+                    tv[x] = d < V ? p.v[(row * HV + hv) * V + d] : __float2bfloat16(0.0f);
+            }
+        }
+    }
+    /* gate parameters of this thread's channels */
+    const float ga = p.A_log ? __expf(p.A_log[hv]) : 1.0f;
+    float gb[8];
+#pragma unroll
+    for (int x = 0; x < 8; x++)
+        gb[x] = (p.dt_bias && (p.gdn || d0 + x < K)) ? p.dt_bias[p.gdn ? hv : hv * K + d0 + x] : 0.0f;
     if (tid < BT) {
         float b = 0.0f;
         if (tid < L) {
@@ -261,40 +231,81 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         }
         s.beta[tid] = b;
     }
-    __syncthreads();
-    /* cumulative sum over rows: thread (channel, half of the rows), then the second half
-     * adds the first half's total */
-    {
-        const int d = tid & (KD - 1), seg = tid >> 7;
-        float acc = 0.0f;
-        for (int i = seg * 32; i < seg * 32 + 32; i++) {
-            acc += s.G[i][d];
-            s.G[i][d] = acc;
-        }
-    }
-    __syncthreads();
-    if (tid >= KD) {
-        const int d = tid - KD;
-        const float base = s.G[31][d];
-        for (int i = 32; i < BT; i++)
-            s.G[i][d] += base;
-    }
-    /* l2norm factors (warp per row) */
-    for (int i = warp; i < BT; i += NT1 / 32) {
+    /* 2. q, k to shared memory; row sums of squares (16 lanes share a row); gate */
+#pragma unroll
+    for (int m = 0; m < NIT; m++) {
+        const int i = r0 + 16 * m;
+        *reinterpret_cast<uint4 *>(&s.q[i][d0]) = rq[m];
+        *reinterpret_cast<uint4 *>(&s.k[i][d0]) = rk[m];
+        float xq[8], xk[8], f[8];
+        const __nv_bfloat162 *hq = reinterpret_cast<const __nv_bfloat162 *>(&rq[m]);
+        const __nv_bfloat162 *hk = reinterpret_cast<const __nv_bfloat162 *>(&rk[m]);
+        const __nv_bfloat162 *hg = reinterpret_cast<const __nv_bfloat162 *>(&rg[m]);
         float a = 0, b = 0;
-        for (int d = lane; d < KD; d += 32) {
-            const float x = __bfloat162float(s.q[i][d]), y = __bfloat162float(s.k[i][d]);
-            a += x * x;
-            b += y * y;
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            xq[2 * x] = __low2float(hq[x]);
+            xq[2 * x + 1] = __high2float(hq[x]);
+            xk[2 * x] = __low2float(hk[x]);
+            xk[2 * x + 1] = __high2float(hk[x]);
+            f[2 * x] = __low2float(hg[x]);
+            f[2 * x + 1] = __high2float(hg[x]);
         }
-        for (int o = 16; o; o >>= 1) {
+#pragma unroll
+        for (int x = 0; x < 8; x++) {
+            a += xq[x] * xq[x];
+            b += xk[x] * xk[x];
+        }
+#pragma unroll
+        for (int o = 1; o < 16; o <<= 1) {
             a += __shfl_xor_sync(0xffffffffu, a, o);
             b += __shfl_xor_sync(0xffffffffu, b, o);
         }
-        if (lane == 0) {
+        if ((tid & 15) == 0) {
             s.nq[i] = (p.l2 ? rsqrtf(a + 1e-6f) : 1.0f) * p.scale;
             s.nk[i] = p.l2 ? rsqrtf(b + 1e-6f) : 1.0f;
         }
+        float gx = 0.0f;
+        if (p.gdn && i < L)
+            gx = __bfloat162float(p.g[(int64_t)(t0 + i) * HV + hv]);
+#pragma unroll
+        for (int x = 0; x < 8; x++) {
+            const float xin = p.gdn ? gx : f[x];
+            float gv = 0.0f;
+            if (i < L && d0 + x < K) {
+                if (p.gate == LM_GATE_SOFTPLUS) {
+                    const float zz = xin + gb[x];
+                    gv = -ga * (zz > 20.0f ? zz : __logf(1.0f + __expf(zz)));
+                } else if (p.gate == LM_GATE_BOUNDED) {
+                    gv = p.lb * sigmoidf_(ga * (xin + gb[x]));
+                } else {
+                    gv = xin;
+                }
+            }
+            f[x] = gv;
+        }
+        *reinterpret_cast<float4 *>(&s.G[i][d0]) = make_float4(f[0], f[1], f[2], f[3]);
+        *reinterpret_cast<float4 *>(&s.G[i][d0 + 4]) = make_float4(f[4], f[5], f[6], f[7]);
+    }
+    __syncthreads();
+    /* 3. cumulative sum over rows: thread (channel, half of the rows) with the half
+     * prefetched into registers; the second half then adds the first half's total */
+    {
+        const int d = tid & (KD - 1), seg = tid >> 7;
+        float gv[32];
+#pragma unroll
+        for (int x = 0; x < 32; x++)
+            gv[x] = s.G[seg * 32 + x][d];
+#pragma unroll
+        for (int x = 1; x < 32; x++)
+            gv[x] += gv[x - 1];
+        if (seg == 0)
+            s.gtot[d] = gv[31];
+        __syncthreads();
+        const float base = seg ? s.gtot[d] : 0.0f;
+#pragma unroll
+        for (int x = 0; x < 32; x++)
+            s.G[seg * 32 + x][d] = gv[x] + base;
     }
     __syncthreads();
 
@@ -472,8 +483,7 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
     }
 #pragma unroll
     for (int m = 0; m < NIT; m++) {
-        const int e = tid + m * NT1;
-        const int i = e / (KD / 8), d0 = (e % (KD / 8)) * 8;
+        const int i = r0 + 16 * m;
         float fq[8], fk[8], fb[8], fv[8], G[8], Gl[8], xq[8], xk[8];
         const bf16 *vb = reinterpret_cast<const bf16 *>(&vreg[m]);
         ld8f(G, &s.G[i][d0]);
