@@ -15,22 +15,31 @@
  *   initial_state, final_state   [N, HV, K, V]   fp32 (optional)
  *   cu_seqlens      host int64 [N+1] in the config, only with B == 1 (packed varlen)
  *
- * Algorithm (this version, v3; docs/perf-notes.md has its numbers):
- *   kernel 1, one CTA per (64-token chunk, value head): gate activation, per-channel
- *     cumulative log-decay G, in-kernel l2norm / sigmoid, Akk and Aqk on 16-token
- *     sub-tiles (off-diagonal tiles factor exp(G_i - G_j) through the end of the
- *     earlier tile, both factors <= 1, so any gate is safe; diagonal tiles use the
- *     per-pair exponent), the unit lower-triangular inverse by 16x16 blocks (diagonal blocks by
- *     substitution, then three block-row stages), then
- *     w, u, the decayed q / k and exp(G_last), all to an fp32 workspace;
- *   kernel 2, one CTA per (sequence, value head, 32-column slice of V): the
- *     inter-chunk recurrence over the chunks in order (the delta rule is
- *     column-separable in V), state in shared memory, o written as bf16.
- *   Arithmetic is fp32 on the CUDA cores (no tensor cores yet).
+ * Algorithm (this version, v6; docs/perf-notes.md has its numbers):
+ *   kernel 1, one CTA (8 warps) per (64-token chunk, value head): gate activation,
+ *     per-channel cumulative log-decay G (fp32), in-kernel l2norm / sigmoid; Aqk and
+ *     Akk on the tensor cores (mma.sync m16n8k16, bf16 operands, fp32 accumulation)
+ *     by 16-row blocks a, with exp(G_i - G_j) = exp(G_i - r_a) exp(r_a - G_j) and r_a
+ *     the log-decay at the row before block a: every off-diagonal factor is <= 1 for
+ *     any gate; with the bounded gate the diagonal factor is <= exp(16 |lower_bound|)
+ *     <= e^80, so the diagonal tiles share the matmul path (T1 of the design;
+ *     reference/kda.md §3.3). Other gates (softplus, none) compute the diagonal tiles
+ *     with the per-pair exponent in fp32 (the safe path). Then X = (I + Akk)^-1 in
+ *     place by 16x16 blocks (diagonal blocks by substitution, three block-row
+ *     stages), and w = X (beta k e^G), u = X (beta v) on the tensor cores (X as bf16
+ *     hi + lo); w, u, q e^G, k e^(G_last - G), Aqk go to a bf16 workspace, e^G_last
+ *     to an fp32 one;
+ *   kernel 2, one CTA (4 warps) per (sequence, value head, slice of 64, 32 or 16
+ *     columns of V, chosen so that there is about a CTA per SM): the inter-chunk
+ *     recurrence over the chunks in order (the delta rule is column-separable in V),
+ *     the state slice in fp32 accumulator registers, each chunk's workspace tiles
+ *     double-buffered in shared memory with cp.async; v' = u - w S, o = (q e^G) S +
+ *     Aqk v', S <- e^G_last S + (k e^(G_last - G))^T v' on the tensor cores (S and
+ *     v' enter as bf16, as in fla), o written as bf16.
  *
  * Limits: K <= 128, V <= 128 (LM_ERR_UNSUPPORTED otherwise). chunk_size and diag
- * of the config are accepted and do not change the result beyond rounding (the
- * kernels always use 64-token chunks with the safe sub-tile factorisation).
+ * of the config are accepted; the kernels always use 64-token chunks, and diag SAFE
+ * forces the safe diagonal path with the bounded gate too.
  *
  * Errors: LM_ERR_INVALID for a bad configuration (the same checks as
  * lm_kda_validate minus the finiteness scan of device data), LM_ERR_UNSUPPORTED
@@ -148,7 +157,12 @@ lm_status lm_kda_cuda_decode_bench(lm_kda_config *c, const lm_kda_cuda_inputs *i
                                    double *copy_gbs, lm_error *err);
 
 /* ------------------------------------------------------- training forward / backward */
-/* What a training forward keeps for its backward: device buffers it owns plus the
+/* NOT BUILT YET: lm_kda_cuda_forward_train and lm_kda_cuda_backward return
+ * LM_ERR_UNSUPPORTED ("the backward is not built yet") in this version; the API is
+ * fixed here so that the benchmark (bench/bench_kda_cuda.c, scripts/gpu/bench_kda.py)
+ * already measures them when they land.
+ *
+ * What a training forward keeps for its backward: device buffers it owns plus the
  * caller's input pointers (the caller keeps q, k, v, g, beta, A_log, dt_bias and
  * initial_state alive and unchanged until lm_kda_cuda_backward returns, as autograd
  * saves tensors). */
