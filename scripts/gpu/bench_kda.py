@@ -64,6 +64,15 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def rel(path):
+    """A library path as recorded in the JSON: relative to the repo root when inside it
+    (the record must not name the machine's directories)."""
+    if not path:
+        return path
+    r = os.path.relpath(os.path.abspath(path), ROOT)
+    return path if r.startswith("..") else r
 sys.path.insert(0, os.path.join(ROOT, "peers", "fla"))
 os.environ.setdefault("FLA_FLASH_KDA", "0")  # fla must run its own Triton path
 
@@ -428,8 +437,8 @@ def main():
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"ceilings: bf16 matmul {tflops:.0f} TFLOP/s, copy {gbs:.0f} GB/s", flush=True)
     out = dict(issue=6, torch=torch.__version__, device=torch.cuda.get_device_name(),
-               quick=args.quick, matmul_tflops=tflops, copy_gbs=gbs, linmoe_lib=args.lib,
-               flashkda_lib=args.flashkda, shapes=[], decode=None)
+               quick=args.quick, matmul_tflops=tflops, copy_gbs=gbs, linmoe_lib=rel(args.lib),
+               flashkda_lib=rel(args.flashkda), shapes=[], decode=None)
     ok = True
 
     def save():
