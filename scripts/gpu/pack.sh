@@ -27,6 +27,6 @@ done
 du -sh "$OUT/linmoe" "$OUT/test_kda_cuda" "$OUT/test_kda_decode_cuda" "$OUT/lib"
 # the FFI library for scripts/gpu/bench_kda.py (linmoe beside fla in one process):
 # every CUDA source (kernels and the benchmark helpers, which use cuBLAS)
-nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode arch=compute_90a,code=sm_90a -Iinclude \
+nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode arch=compute_90a,code=sm_90a -Iinclude -Isrc \
     src/ops/cuda/*.cu src/core/errors.c -lcublas -o "$OUT/liblinmoe_cuda.so"
 ls -la "$OUT/liblinmoe_cuda.so"

@@ -32,113 +32,9 @@
 
 #include "linmoe/kda_cuda.h"
 
-#define BT 64    /* chunk */
-#define KD 128   /* K and V padded to this */
-#define RS 136   /* bf16 row stride of 128-wide tiles in shared memory (272 B) */
-#define AS 72    /* bf16 row stride of 64-wide tiles (144 B) */
-#define FS 68    /* fp32 row stride of 64-wide fp32 tiles */
-#define GS 132   /* fp32 row stride of the G tile */
-#define NT1 256  /* threads of the intra kernel */
-#define NT2 128  /* threads of the recurrence kernel */
-
-typedef __nv_bfloat16 bf16;
+#include "ops/cuda/kda_common.cuh"
 
 namespace {
-
-struct Params {
-    const bf16 *q, *k, *v, *g, *beta;
-    const float *A_log, *dt_bias, *h0;
-    bf16 *o;
-    float *ht;
-    /* workspace, one block per (chunk ci, value head hv), cb = ci * HV + hv:
-     * w, u, qg, kg [cb][64][128] bf16; Aqk [cb][64][64] bf16; gl [cb][128] fp32 */
-    bf16 *w, *u, *qg, *kg, *Aqk;
-    float *gl;
-    const int2 *chunks;   /* [nchunks] (t0, L) in token rows of the flattened [B*T] */
-    const int2 *seqs;     /* [N] (first chunk, number of chunks) */
-    int nchunks, N;
-    int T, H, HV, K, V, gdn, gate, l2, sig, shared_diag;
-    float lb, scale;
-};
-
-__device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
-
-
-/* ---------------------------------------------------------------- PTX helpers */
-__device__ __forceinline__ uint32_t smem_u32(const void *ptr) {
-    return (uint32_t)__cvta_generic_to_shared(ptr);
-}
-__device__ __forceinline__ void ldsm4(uint32_t r[4], const void *ptr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(ptr)));
-}
-__device__ __forceinline__ void ldsm4t(uint32_t r[4], const void *ptr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(ptr)));
-}
-/* d += a b: a 16x16 row-major fragment, b 16x8 column fragment, fp32 accumulators */
-__device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-/* Fragment addresses (lane l). A tile at (m0, k0) of a row-major [m][k] array: */
-__device__ __forceinline__ const bf16 *a_addr(const bf16 *base, int ld, int m0, int k0, int l) {
-    return base + (m0 + (l & 15)) * ld + k0 + (l >> 4) * 8;
-}
-/* A tile at (m0, k0) of A = M^T, M stored row-major [k][m]: */
-__device__ __forceinline__ const bf16 *at_addr(const bf16 *M, int ld, int m0, int k0, int l) {
-    return M + (k0 + (l & 7) + ((l >> 4) & 1) * 8) * ld + m0 + ((l >> 3) & 1) * 8;
-}
-/* Two B tiles (k0..k0+15, n0..n0+15) of B stored row-major [k][n] (use with ldsm4t):
- * r[0], r[1] = tile n0; r[2], r[3] = tile n0 + 8 */
-__device__ __forceinline__ const bf16 *b_kn_addr(const bf16 *B, int ld, int k0, int n0, int l) {
-    return B + (k0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + n0 + (l >> 4) * 8;
-}
-/* Two B tiles of B = M^T with M stored row-major [n][k] (use with ldsm4) */
-__device__ __forceinline__ const bf16 *b_nk_addr(const bf16 *M, int ld, int k0, int n0, int l) {
-    return M + (n0 + (l & 7) + (l >> 4) * 8) * ld + k0 + ((l >> 3) & 1) * 8;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t *>(&h);
-}
-/* 8 consecutive values: fp32 from / bf16 to / bf16 from 16-byte aligned addresses */
-__device__ __forceinline__ void ld8f(float f[8], const float *src) {
-    const float4 a = *reinterpret_cast<const float4 *>(src);
-    const float4 b = *reinterpret_cast<const float4 *>(src + 4);
-    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-}
-__device__ __forceinline__ void ld8h(float f[8], const bf16 *src) {
-    const uint4 u = *reinterpret_cast<const uint4 *>(src);
-    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
-#pragma unroll
-    for (int x = 0; x < 4; x++) {
-        f[2 * x] = __low2float(h[x]);
-        f[2 * x + 1] = __high2float(h[x]);
-    }
-}
-__device__ __forceinline__ void st8h(bf16 *dst, const float f[8]) {
-    uint4 u;
-    u.x = pack_bf16(f[0], f[1]);
-    u.y = pack_bf16(f[2], f[3]);
-    u.z = pack_bf16(f[4], f[5]);
-    u.w = pack_bf16(f[6], f[7]);
-    *reinterpret_cast<uint4 *>(dst) = u;
-}
 
 /* ------------------------------------------------------------------ kernel 1 */
 /* One CTA per (chunk, value head), 8 warps. Shared memory layout (bytes): */
@@ -308,13 +204,28 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             s.G[seg * 32 + x][d] = gv[x] + base;
     }
     __syncthreads();
+    if (p.Gs) { /* training forward: what the backward needs of this block */
+        float *Gs = p.Gs + cb * BT * KD;
+        for (int e = tid; e < BT * KD / 4; e += NT1) {
+            const int i = e / (KD / 4), d = (e % (KD / 4)) * 4;
+            *reinterpret_cast<float4 *>(Gs + i * KD + d) = *reinterpret_cast<const float4 *>(&s.G[i][d]);
+        }
+        if (tid < BT) {
+            p.nqs[cb * BT + tid] = s.nq[tid];
+            p.nks[cb * BT + tid] = s.nk[tid];
+            p.bs[cb * BT + tid] = s.beta[tid];
+        }
+    }
 
     bf16 *Aqk = p.Aqk + cb * BT * BT;
     /* Aqk upper blocks are zero */
     for (int e = tid; e < BT * BT / 2; e += NT1) {
         const int i = e / (BT / 2), j = (e % (BT / 2)) * 2;
-        if ((j >> 4) > (i >> 4))
+        if ((j >> 4) > (i >> 4)) {
             *reinterpret_cast<uint32_t *>(Aqk + i * BT + j) = 0u;
+            if (p.Ps)
+                *reinterpret_cast<float2 *>(p.Ps + cb * BT * BT + i * BT + j) = make_float2(0.f, 0.f);
+        }
     }
     /* safe diagonal (any gate): per-pair exponent in fp32 on the CUDA cores */
     if (!p.shared_diag) {
@@ -331,6 +242,8 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             }
             Aqk[i * BT + j] = __float2bfloat16(j <= i ? aq * s.nq[i] * s.nk[j] : 0.0f);
             s.A[i][j] = j < i ? ak * s.nk[i] * s.nk[j] * s.beta[i] : 0.0f;
+            if (p.Ps)
+                p.Ps[cb * BT * BT + i * BT + j] = j < i ? ak * s.nk[i] * s.nk[j] : 0.0f;
         }
     }
     /* Aqk, Akk by 16-row blocks on the tensor cores */
@@ -397,6 +310,9 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
                     if (isk) {
                         s.A[i][j] = j < i ? v0 * s.beta[i] : 0.0f;
                         s.A[i][j + 1] = j + 1 < i ? v1 * s.beta[i] : 0.0f;
+                        if (p.Ps)
+                            *reinterpret_cast<float2 *>(p.Ps + cb * BT * BT + i * BT + j) =
+                                make_float2(j < i ? v0 : 0.0f, j + 1 < i ? v1 : 0.0f);
                     } else {
                         *reinterpret_cast<uint32_t *>(Aqk + i * BT + j) =
                             pack_bf16(j <= i ? v0 : 0.0f, j + 1 <= i ? v1 : 0.0f);
@@ -477,6 +393,8 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
     for (int e = tid; e < BT * BT; e += NT1) {
         const int i = e / BT, j = e % BT;
         const float xv = j <= i ? s.A[i][j] : 0.0f;
+        if (p.Xs)
+            p.Xs[cb * BT * BT + e] = xv;
         const bf16 hi = __float2bfloat16(xv);
         s.u.x.hi[i][j] = hi;
         s.u.x.lo[i][j] = __float2bfloat16(xv - __bfloat162float(hi));
@@ -630,9 +548,15 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_inter_tc(Params p) 
 #pragma unroll
             for (int nt = 0; nt < NTV; nt++) {
                 const int d = warp * 32 + mt * 16 + g, c = nt * 8 + 2 * t;
-                *reinterpret_cast<uint32_t *>(&s.S[d][c]) = pack_bf16(S[mt][nt][0], S[mt][nt][1]);
-                *reinterpret_cast<uint32_t *>(&s.S[d + 8][c]) =
-                    pack_bf16(S[mt][nt][2], S[mt][nt][3]);
+                const uint32_t lo = pack_bf16(S[mt][nt][0], S[mt][nt][1]);
+                const uint32_t hi = pack_bf16(S[mt][nt][2], S[mt][nt][3]);
+                *reinterpret_cast<uint32_t *>(&s.S[d][c]) = lo;
+                *reinterpret_cast<uint32_t *>(&s.S[d + 8][c]) = hi;
+                if (p.hs) { /* training forward: the state at the chunk start */
+                    bf16 *hs = p.hs + ((int64_t)ci * HV + hv) * KD * KD + c0 + c;
+                    *reinterpret_cast<uint32_t *>(hs + d * KD) = lo;
+                    *reinterpret_cast<uint32_t *>(hs + (d + 8) * KD) = hi;
+                }
             }
         if (cc + 1 < sq.y)
             cp_async_wait<1>();
@@ -670,6 +594,11 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_inter_tc(Params p) 
             const float v2 = __low2float(u1) - av[nt][2], v3 = __high2float(u1) - av[nt][3];
             *reinterpret_cast<uint32_t *>(&s.vn[r][c]) = pack_bf16(v0, v1);
             *reinterpret_cast<uint32_t *>(&s.vn[r + 8][c]) = pack_bf16(v2, v3);
+            if (p.vns) {
+                bf16 *vns = p.vns + ((int64_t)ci * HV + hv) * BT * KD + c0 + c;
+                *reinterpret_cast<uint32_t *>(vns + r * KD) = pack_bf16(v0, v1);
+                *reinterpret_cast<uint32_t *>(vns + (r + 8) * KD) = pack_bf16(v2, v3);
+            }
         }
         __syncthreads();
         /* o += Aqk v' (causal: column blocks <= warp) */
@@ -813,9 +742,9 @@ extern "C" void lm_kda_cuda_release(void) {
     g_ws.cap = 0;
 }
 
-extern "C" lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cuda_inputs *in,
-                                               lm_kda_cuda_outputs *out, lm_error *err) {
-    if (!c || !in || !out || !in->q || !in->k || !in->v || !in->g || !in->beta || !out->o)
+lm_status kda_cuda_check(lm_kda_config *c, const lm_kda_cuda_inputs *in, const void *o,
+                         lm_error *err) {
+    if (!c || !in || !in->q || !in->k || !in->v || !in->g || !in->beta || !o)
         return lm_errorf(err, LM_ERR_INVALID, "kda cuda: q, k, v, g, beta and o are required");
     if (c->B < 1 || c->T < 1 || c->H < 1 || c->HV < 1 || c->K < 1 || c->V < 1 || c->HV % c->H)
         return lm_errorf(err, LM_ERR_INVALID,
@@ -850,22 +779,22 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cu
     if (lm_cuda_device_count() < 1)
         return lm_errorf(err, LM_ERR_UNSUPPORTED, "kda cuda: no CUDA device");
 
-    /* chunk table */
+    return LM_OK;
+}
+
+int kda_cuda_nchunks(const lm_kda_config *c) {
     int nchunks = 0;
-    for (int n = 0; n < N; n++) {
+    for (int n = 0; n < c->N; n++) {
         const int64_t a = c->cu_seqlens ? c->cu_seqlens[n] : (int64_t)n * c->T;
         const int64_t b = c->cu_seqlens ? c->cu_seqlens[n + 1] : (int64_t)(n + 1) * c->T;
         nchunks += (int)((b - a + BT - 1) / BT);
     }
-    int2 *hch = (int2 *)malloc(sizeof(int2) * (size_t)(nchunks > 0 ? nchunks : 1));
-    int2 *hsq = (int2 *)malloc(sizeof(int2) * (size_t)N);
-    if (!hch || !hsq) {
-        free(hch);
-        free(hsq);
-        return lm_errorf(err, LM_ERR_NOMEM, "kda cuda: chunk table");
-    }
+    return nchunks;
+}
+
+void kda_cuda_chunk_tables(const lm_kda_config *c, int2 *hch, int2 *hsq) {
     int k = 0;
-    for (int n = 0; n < N; n++) {
+    for (int n = 0; n < c->N; n++) {
         const int64_t a = c->cu_seqlens ? c->cu_seqlens[n] : (int64_t)n * c->T;
         const int64_t b = c->cu_seqlens ? c->cu_seqlens[n + 1] : (int64_t)(n + 1) * c->T;
         hsq[n].x = k;
@@ -876,41 +805,74 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cu
         }
         hsq[n].y = k - hsq[n].x;
     }
+}
+
+extern "C" lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cuda_inputs *in,
+                                               lm_kda_cuda_outputs *out, lm_error *err) {
+    if (!out)
+        return lm_errorf(err, LM_ERR_INVALID, "kda cuda: outputs are required");
+    LM_TRY(kda_cuda_check(c, in, out->o, err));
+    return kda_cuda_forward_run(c, in, out, nullptr, err);
+}
+
+lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
+                               lm_kda_cuda_outputs *out, const KdaSaveBufs *sv, lm_error *err) {
+    const int N = c->N;
     const int K = c->K, V = c->V, HV = c->HV;
-    const size_t nblk = (size_t)nchunks * HV; /* (chunk, value head) blocks */
-    const size_t nW = nblk * BT * KD, nA = nblk * BT * BT, nG = nblk * KD;
-    const size_t bytes = sizeof(bf16) * (4 * nW + nA) + sizeof(float) * nG +
-                         sizeof(int2) * (nchunks + N) + 256;
-    if (bytes > g_ws.cap) {
-        lm_kda_cuda_release();
-        cudaError_t e = cudaMalloc(&g_ws.buf, bytes);
-        if (e != cudaSuccess) {
-            free(hch);
-            free(hsq);
-            return cuda_err(err, e, "cudaMalloc(workspace)");
-        }
-        g_ws.cap = bytes;
-    }
     Params p;
     memset(&p, 0, sizeof p);
-    bf16 *f = (bf16 *)g_ws.buf;
-    p.w = f;
-    p.qg = f + nW;
-    p.kg = f + 2 * nW;
-    p.u = f + 3 * nW;
-    p.Aqk = f + 4 * nW;
-    p.gl = (float *)(p.Aqk + nA);
-    int2 *dch = (int2 *)(p.gl + nG);
-    int2 *dsq = dch + nchunks;
-    cudaError_t e1 = nchunks ? cudaMemcpy(dch, hch, sizeof(int2) * nchunks, cudaMemcpyHostToDevice)
-                             : cudaSuccess;
-    cudaError_t e2 = cudaMemcpy(dsq, hsq, sizeof(int2) * N, cudaMemcpyHostToDevice);
-    free(hch);
-    free(hsq);
-    CK(e1);
-    CK(e2);
-    p.chunks = dch;
-    p.seqs = dsq;
+    int nchunks;
+    if (sv) {
+        nchunks = sv->nchunks;
+        p.w = sv->w;
+        p.qg = sv->qg;
+        p.kg = sv->kg;
+        p.u = sv->u;
+        p.Aqk = sv->Aqk;
+        p.gl = sv->gl;
+        p.chunks = sv->chunks;
+        p.seqs = sv->seqs;
+        p.Gs = sv->Gs;
+        p.Xs = sv->Xs;
+        p.Ps = sv->Ps;
+        p.nqs = sv->nqs;
+        p.nks = sv->nks;
+        p.bs = sv->bs;
+        p.hs = sv->hs;
+        p.vns = sv->vns;
+    } else {
+        nchunks = kda_cuda_nchunks(c);
+        int2 *hch = (int2 *)malloc(sizeof(int2) * (size_t)(nchunks + N));
+        if (!hch)
+            return lm_errorf(err, LM_ERR_NOMEM, "kda cuda: chunk table");
+        kda_cuda_chunk_tables(c, hch, hch + nchunks);
+        const size_t nblk = (size_t)nchunks * HV; /* (chunk, value head) blocks */
+        const size_t nW = nblk * BT * KD, nA = nblk * BT * BT, nG = nblk * KD;
+        const size_t bytes = sizeof(bf16) * (4 * nW + nA) + sizeof(float) * nG +
+                             sizeof(int2) * (nchunks + N) + 256;
+        if (bytes > g_ws.cap) {
+            lm_kda_cuda_release();
+            cudaError_t e = cudaMalloc(&g_ws.buf, bytes);
+            if (e != cudaSuccess) {
+                free(hch);
+                return cuda_err(err, e, "cudaMalloc(workspace)");
+            }
+            g_ws.cap = bytes;
+        }
+        bf16 *f = (bf16 *)g_ws.buf;
+        p.w = f;
+        p.qg = f + nW;
+        p.kg = f + 2 * nW;
+        p.u = f + 3 * nW;
+        p.Aqk = f + 4 * nW;
+        p.gl = (float *)(p.Aqk + nA);
+        int2 *dch = (int2 *)(p.gl + nG);
+        cudaError_t e1 = cudaMemcpy(dch, hch, sizeof(int2) * (nchunks + N), cudaMemcpyHostToDevice);
+        free(hch);
+        CK(e1);
+        p.chunks = dch;
+        p.seqs = dch + nchunks;
+    }
     p.nchunks = nchunks;
     p.N = N;
     p.q = (const __nv_bfloat16 *)in->q;
@@ -965,7 +927,9 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cu
     }
     if (prof)
         CK(cudaEventRecord(ev[1]));
-    const dim3 g2((V + BVsel - 1) / BVsel, N * HV);
+    /* the training forward covers all 128 columns (the saved h and v' tiles are read
+     * whole by the backward; columns >= V come out zero) */
+    const dim3 g2(sv ? KD / BVsel : (V + BVsel - 1) / BVsel, N * HV);
     if (BVsel == 64)
         kda_inter_tc<64><<<g2, NT2, sm2>>>(p);
     else if (BVsel == 32)

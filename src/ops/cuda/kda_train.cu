@@ -1,23 +1,1272 @@
-/* KDA training forward and backward on the GPU (include/linmoe/kda_cuda.h).
- * Placeholder until the backward kernels land: both report LM_ERR_UNSUPPORTED. */
-#include "linmoe/kda_cuda.h"
+/* KDA / GDN training forward and backward on the GPU (include/linmoe/kda_cuda.h has the
+ * contract; docs/kda-math.md derives every line; reference/kda.md §4.1 lists fla's
+ * kernels, whose split this follows: one sequential kernel for the state gradient and
+ * chunk-parallel kernels for everything else).
+ *
+ * Training forward: the forward kernels of kda_fwd.cu with their workspace kept, plus
+ * per block cb = (chunk, value head): the cumulative log-decay G (fp32), X = (I +
+ * beta P)^-1 and P (fp32), the row factors of q and k and beta, the state at the chunk
+ * start S0 (bf16) and v' = u - w S0 (bf16).
+ *
+ * Backward (notation of docs/kda-math.md "Backward of one chunk"):
+ *   b0  dO gathered into the padded [cb][64][128] layout (zeros outside [L, V]).
+ *   b1  one CTA per (sequence, value head, V slice), chunks in reverse, the state
+ *       gradient dS (the gradient w.r.t. the state after the chunk) in fp32 registers:
+ *         dh[cb] = dS  (bf16, for the chunk-parallel kernels)
+ *         dVn    = Aqk^T dO + Kd dS
+ *         dS    <- gamma * dS + Qg^T dO - W^T dVn;      dh0 = dS at the end.
+ *   b2  per block: dAqk = tril(dO Vn^T), dQg = dO S0^T, dKd = Vn dS^T, dW = -dVn S0^T,
+ *       dgamma_d = sum_v S0 dS.
+ *   b3  per block, the UT transform: dTm = dVn (beta v)^T + dW (beta Kg)^T;
+ *       dv = beta Tm^T dVn; dKg = beta Tm^T dW; dAb = -Tm^T dTm Tm^T (strictly lower),
+ *       dP = beta dAb; dbeta = sum v (Tm^T dVn) + sum Kg (Tm^T dW) + sum dAb P.
+ *   b4  per block, the pair products by 16-row blocks with the forward's reference rows
+ *       (the bounded gate's diagonal on the tensor cores, other gates per pair in fp32),
+ *       the assembly of dq, dk, dG, the reverse cumulative sum dg_j = sum_{r>=j} dG_r,
+ *       and the gate, l2norm, scale and sigmoid backward; dA_log, ddt_bias by atomics.
+ *   b5  (GVA only) dq, dk summed over the value heads of each q/k head.
+ * Products run on mma.sync m16n8k16 (bf16 operands, fp32 accumulation); X, dTm and the
+ * intermediate of the inverse's derivative enter as bf16 hi + lo (about fp32 accuracy).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ops/cuda/kda_common.cuh"
+
+namespace {
+
+#define NTB 256 /* threads of the chunk-parallel backward kernels */
+
+struct BwdParams {
+    int N, nchunks, T, H, HV, K, V, gdn, gate, l2, sig, shared_diag, grp;
+    float lb, scale;
+    const int2 *chunks, *seqs;
+    const bf16 *q, *k, *v, *g, *beta;
+    const float *A_log, *dt_bias;
+    /* saved by the training forward */
+    const bf16 *w, *qg, *kd, *Aqk;
+    const float *gl, *Gs, *Xs, *Ps, *nqs, *nks, *bs;
+    const bf16 *hs, *vns;
+    /* upstream */
+    const bf16 *do_;
+    const float *dht;
+    /* scratch */
+    bf16 *dO, *dh, *dvn, *dW;
+    float *dAqk, *dQg, *dKd, *dgam, *dKg, *dP, *dbp, *dqs, *dks;
+    /* outputs */
+    bf16 *dq, *dk, *dv, *dg, *dbeta;
+    float *dh0, *dA_log, *ddt_bias;
+};
+
+/* acc[2 NP][4] += A (16 rows at m0, 16 nks columns) * B (16 nks rows, 16 NP columns at n0);
+ * A row-major [m][k] (TA false) or A = M^T with M [k][m] (TA true), starting at column /
+ * row ka0 of the k dimension; B [k][n] (TB false) or B = M^T with M [n][k] (TB true),
+ * starting at kb0. */
+template <int NP, bool TA, bool TB>
+__device__ __forceinline__ void wmma(float (*acc)[4], const bf16 *A, int lda, int m0, int ka0,
+                                     const bf16 *B, int ldb, int n0, int kb0, int nks, int lane) {
+    for (int ks = 0; ks < nks; ks++) {
+        uint32_t fa[4];
+        if (TA)
+            ldsm4t(fa, at_addr(A, lda, m0, ka0 + ks * 16, lane));
+        else
+            ldsm4(fa, a_addr(A, lda, m0, ka0 + ks * 16, lane));
+#pragma unroll
+        for (int np = 0; np < NP; np++) {
+            uint32_t fb[4];
+            if (TB)
+                ldsm4(fb, b_nk_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane));
+            else
+                ldsm4t(fb, b_kn_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane));
+            mma16816(acc[2 * np], fa, fb[0], fb[1]);
+            mma16816(acc[2 * np + 1], fa, fb[2], fb[3]);
+        }
+    }
+}
+template <int N> __device__ __forceinline__ void zero_acc(float (*acc)[4]) {
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+}
+/* fp32 value to bf16 hi + lo */
+__device__ __forceinline__ void split_bf16(float x, bf16 &hi, bf16 &lo) {
+    hi = __float2bfloat16(x);
+    lo = __float2bfloat16(x - __bfloat162float(hi));
+}
+
+/* ---------------------------------------------------------------- b0: gather dO */
+__global__ void __launch_bounds__(NTB) kda_bwd_gather_do(BwdParams p) {
+    const int ci = blockIdx.x, hv = blockIdx.y;
+    const int2 ch = p.chunks[ci];
+    const int64_t cb = (int64_t)ci * p.HV + hv;
+    bf16 *dst = p.dO + cb * BT * KD;
+    const int V = p.V, HV = p.HV;
+    if ((V & 7) == 0) {
+        for (int e = threadIdx.x; e < BT * KD / 8; e += NTB) {
+            const int r = e >> 4, c = (e & 15) * 8;
+            uint4 x = make_uint4(0, 0, 0, 0);
+            if (r < ch.y && c < V)
+                x = __ldg(reinterpret_cast<const uint4 *>(p.do_ + ((int64_t)(ch.x + r) * HV + hv) * V + c));
+            *reinterpret_cast<uint4 *>(dst + r * KD + c) = x;
+        }
+    } else {
+        for (int e = threadIdx.x; e < BT * KD; e += NTB) {
+            const int r = e >> 7, c = e & 127;
+            dst[e] = (r < ch.y && c < V) ? p.do_[((int64_t)(ch.x + r) * HV + hv) * V + c]
+                                         : __float2bfloat16(0.0f);
+        }
+    }
+}
+
+/* ------------------------------------------------- b1: reverse state recurrence */
+template <int BV> struct DhStage {
+    bf16 w[BT][RS], qg[BT][RS], kd[BT][RS];
+    bf16 A[BT][AS];
+    bf16 dO[BT][BV + 8];
+    float gl[KD];
+};
+template <int BV> struct DhSmem {
+    DhStage<BV> st[2];
+    bf16 dS[KD][BV + 8];
+    bf16 dvn[BT][BV + 8], ndvn[BT][BV + 8];
+};
+
+template <int BV>
+__device__ __forceinline__ void dh_load(const BwdParams &p, DhStage<BV> &st, int64_t cb, int c0,
+                                        int tid) {
+    const bf16 *w = p.w + cb * BT * KD, *qg = p.qg + cb * BT * KD, *kd = p.kd + cb * BT * KD;
+    for (int e = tid; e < BT * (KD / 8); e += NT2) {
+        const int i = e >> 4, d0 = (e & 15) * 8;
+        cp_async16(&st.w[i][d0], w + i * KD + d0);
+        cp_async16(&st.qg[i][d0], qg + i * KD + d0);
+        cp_async16(&st.kd[i][d0], kd + i * KD + d0);
+    }
+    const bf16 *A = p.Aqk + cb * BT * BT;
+    for (int e = tid; e < BT * (BT / 8); e += NT2) {
+        const int i = e >> 3, j0 = (e & 7) * 8;
+        cp_async16(&st.A[i][j0], A + i * BT + j0);
+    }
+    const bf16 *dO = p.dO + cb * BT * KD + c0;
+    for (int e = tid; e < BT * (BV / 8); e += NT2) {
+        const int i = e / (BV / 8), c = (e % (BV / 8)) * 8;
+        cp_async16(&st.dO[i][c], dO + i * KD + c);
+    }
+    if (tid < KD / 4)
+        cp_async16(&st.gl[tid * 4], p.gl + cb * KD + tid * 4);
+}
+
+template <int BV> __global__ void __launch_bounds__(NT2) kda_bwd_dh(BwdParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    DhSmem<BV> &s = *reinterpret_cast<DhSmem<BV> *>(smem_raw);
+    constexpr int NTV = BV / 8;
+    const int c0 = blockIdx.x * BV;
+    const int n = blockIdx.y / p.HV, hv = blockIdx.y % p.HV;
+    const int K = p.K, V = p.V, HV = p.HV;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+
+    float S[2][NTV][4]; /* dS, state rows 32 warp + 16 mt + ... */
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NTV; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int d = warp * 32 + mt * 16 + g + (e >> 1) * 8;
+                const int c = c0 + nt * 8 + 2 * t + (e & 1);
+                S[mt][nt][e] = (p.dht && d < K && c < V)
+                                   ? p.dht[(((int64_t)n * HV + hv) * K + d) * V + c]
+                                   : 0.0f;
+            }
+    const int2 sq = p.seqs[n];
+    if (sq.y > 0) {
+        dh_load<BV>(p, s.st[0], (int64_t)(sq.x + sq.y - 1) * HV + hv, c0, tid);
+        cp_async_commit();
+    }
+    for (int jj = 0; jj < sq.y; jj++) {
+        const int ci = sq.x + sq.y - 1 - jj;
+        const int64_t cb = (int64_t)ci * HV + hv;
+        DhStage<BV> &st = s.st[jj & 1];
+        if (jj + 1 < sq.y) {
+            dh_load<BV>(p, s.st[(jj + 1) & 1], cb - HV, c0, tid);
+            cp_async_commit();
+        }
+        /* dS -> bf16 tile and dh[cb] */
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NTV; nt++) {
+                const int d = warp * 32 + mt * 16 + g, c = nt * 8 + 2 * t;
+                const uint32_t lo = pack_bf16(S[mt][nt][0], S[mt][nt][1]);
+                const uint32_t hi = pack_bf16(S[mt][nt][2], S[mt][nt][3]);
+                *reinterpret_cast<uint32_t *>(&s.dS[d][c]) = lo;
+                *reinterpret_cast<uint32_t *>(&s.dS[d + 8][c]) = hi;
+                bf16 *dh = p.dh + cb * KD * KD + c0 + c;
+                *reinterpret_cast<uint32_t *>(dh + d * KD) = lo;
+                *reinterpret_cast<uint32_t *>(dh + (d + 8) * KD) = hi;
+            }
+        if (jj + 1 < sq.y)
+            cp_async_wait<1>();
+        else
+            cp_async_wait<0>();
+        __syncthreads();
+        /* dVn = Aqk^T dO + Kd dS (rows 16 warp ..) */
+        float av[NTV][4];
+        zero_acc<NTV>(av);
+        wmma<NTV / 2, true, false>(av, &st.A[0][0], AS, warp * 16, warp * 16, &st.dO[0][0], BV + 8,
+                                   0, warp * 16, 4 - warp, lane);
+        wmma<NTV / 2, false, false>(av, &st.kd[0][0], RS, warp * 16, 0, &s.dS[0][0], BV + 8, 0, 0,
+                                    KD / 16, lane);
+#pragma unroll
+        for (int nt = 0; nt < NTV; nt++) {
+            const int r = warp * 16 + g, c = nt * 8 + 2 * t;
+            const uint32_t a0 = pack_bf16(av[nt][0], av[nt][1]);
+            const uint32_t a1 = pack_bf16(av[nt][2], av[nt][3]);
+            *reinterpret_cast<uint32_t *>(&s.dvn[r][c]) = a0;
+            *reinterpret_cast<uint32_t *>(&s.dvn[r + 8][c]) = a1;
+            *reinterpret_cast<uint32_t *>(&s.ndvn[r][c]) = a0 ^ 0x80008000u;
+            *reinterpret_cast<uint32_t *>(&s.ndvn[r + 8][c]) = a1 ^ 0x80008000u;
+            bf16 *dv = p.dvn + cb * BT * KD + c0 + c;
+            *reinterpret_cast<uint32_t *>(dv + r * KD) = a0;
+            *reinterpret_cast<uint32_t *>(dv + (r + 8) * KD) = a1;
+        }
+        __syncthreads();
+        /* dS <- gamma dS + Qg^T dO - W^T dVn */
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            const int d = warp * 32 + mt * 16 + g;
+            const float e0 = st.gl[d], e1 = st.gl[d + 8];
+#pragma unroll
+            for (int nt = 0; nt < NTV; nt++) {
+                S[mt][nt][0] *= e0;
+                S[mt][nt][1] *= e0;
+                S[mt][nt][2] *= e1;
+                S[mt][nt][3] *= e1;
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            wmma<NTV / 2, true, false>(S[mt], &st.qg[0][0], RS, warp * 32 + mt * 16, 0,
+                                       &st.dO[0][0], BV + 8, 0, 0, BT / 16, lane);
+            wmma<NTV / 2, true, false>(S[mt], &st.w[0][0], RS, warp * 32 + mt * 16, 0,
+                                       &s.ndvn[0][0], BV + 8, 0, 0, BT / 16, lane);
+        }
+        __syncthreads();
+    }
+    if (p.dh0) {
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NTV; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int d = warp * 32 + mt * 16 + g + (e >> 1) * 8;
+                    const int c = c0 + nt * 8 + 2 * t + (e & 1);
+                    if (d < K && c < V)
+                        p.dh0[(((int64_t)n * HV + hv) * K + d) * V + c] = S[mt][nt][e];
+                }
+    }
+}
+
+/* ------------------------------------------------------ b2: the state products */
+struct StateSmem {
+    bf16 S0[KD][RS], dS[KD][RS];
+    bf16 dO[BT][RS], vn[BT][RS], dvn[BT][RS];
+};
+
+__global__ void __launch_bounds__(NTB) kda_bwd_state(BwdParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    StateSmem &s = *reinterpret_cast<StateSmem *>(smem_raw);
+    const int ci = blockIdx.x, hv = blockIdx.y;
+    const int64_t cb = (int64_t)ci * p.HV + hv;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    {
+        const bf16 *S0 = p.hs + cb * KD * KD, *dS = p.dh + cb * KD * KD;
+        for (int e = tid; e < KD * KD / 8; e += NTB) {
+            const int r = e >> 4, c = (e & 15) * 8;
+            cp_async16(&s.S0[r][c], S0 + r * KD + c);
+            cp_async16(&s.dS[r][c], dS + r * KD + c);
+        }
+        const bf16 *dO = p.dO + cb * BT * KD, *vn = p.vns + cb * BT * KD, *dvn = p.dvn + cb * BT * KD;
+        for (int e = tid; e < BT * KD / 8; e += NTB) {
+            const int r = e >> 4, c = (e & 15) * 8;
+            cp_async16(&s.dO[r][c], dO + r * KD + c);
+            cp_async16(&s.vn[r][c], vn + r * KD + c);
+            cp_async16(&s.dvn[r][c], dvn + r * KD + c);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+    /* dgamma_d = sum_v S0[d][v] dS[d][v]: two threads per row */
+    {
+        const int d = tid >> 1, h2 = (tid & 1) * 64;
+        float acc = 0.0f;
+        for (int c = 0; c < 64; c += 8) {
+            float a[8], b[8];
+            ld8h(a, &s.S0[d][h2 + c]);
+            ld8h(b, &s.dS[d][h2 + c]);
+#pragma unroll
+            for (int x = 0; x < 8; x++)
+                acc += a[x] * b[x];
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        if ((tid & 1) == 0)
+            p.dgam[cb * KD + d] = acc;
+    }
+    /* 24 jobs of 16 x 64 (dQg, dKd, dW) and 8 of 16 x 32 (dAqk) */
+    for (int job = warp; job < 32; job += NTB / 32) {
+        if (job < 24) {
+            const int mat = job >> 3, a = (job >> 1) & 3, half = job & 1;
+            const bf16 *A = mat == 0 ? &s.dO[0][0] : (mat == 1 ? &s.vn[0][0] : &s.dvn[0][0]);
+            const bf16 *B = mat == 1 ? &s.dS[0][0] : &s.S0[0][0];
+            float acc[8][4];
+            zero_acc<8>(acc);
+            wmma<4, false, true>(acc, A, RS, a * 16, 0, B, RS, half * 64, 0, KD / 16, lane);
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) {
+                    const int r = a * 16 + g + hh * 8, c = half * 64 + nt * 8 + 2 * t;
+                    const float v0 = acc[nt][2 * hh], v1 = acc[nt][2 * hh + 1];
+                    const int64_t o = (cb * BT + r) * KD + c;
+                    if (mat == 0)
+                        *reinterpret_cast<float2 *>(p.dQg + o) = make_float2(v0, v1);
+                    else if (mat == 1)
+                        *reinterpret_cast<float2 *>(p.dKd + o) = make_float2(v0, v1);
+                    else
+                        *reinterpret_cast<uint32_t *>(p.dW + o) = pack_bf16(-v0, -v1);
+                }
+        } else {
+            const int a = (job - 24) >> 1, half = job & 1;
+            float acc[4][4];
+            zero_acc<4>(acc);
+            wmma<2, false, true>(acc, &s.dO[0][0], RS, a * 16, 0, &s.vn[0][0], RS, half * 32, 0,
+                                 KD / 16, lane);
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) {
+                    const int r = a * 16 + g + hh * 8, c = half * 32 + nt * 8 + 2 * t;
+                    *reinterpret_cast<float2 *>(p.dAqk + (cb * BT + r) * BT + c) =
+                        make_float2(c <= r ? acc[nt][2 * hh] : 0.0f,
+                                    c + 1 <= r ? acc[nt][2 * hh + 1] : 0.0f);
+                }
+        }
+    }
+}
+
+/* -------------------------------------------------------- b3: the UT transform */
+struct UtSmem {
+    float G[BT][GS];
+    bf16 dvn[BT][RS], dW[BT][RS], vr[BT][RS], kr[BT][RS], vb[BT][RS], kb[BT][RS];
+    bf16 Xh[BT][AS], Xl[BT][AS], Dh[BT][AS], Dl[BT][AS], Th[BT][AS], Tl[BT][AS];
+    float beta[BT], nk[BT], dbeta[BT];
+};
+
+/* rows of an input [B*T][heads][D] (bf16) into a [64][RS] tile, zeros outside [L, D] */
+__device__ __forceinline__ void load_rows(bf16 (*dst)[RS], const bf16 *src, int t0, int L,
+                                          int heads, int head, int D, int tid) {
+    if ((D & 7) == 0) {
+        for (int e = tid; e < BT * KD / 8; e += NTB) {
+            const int r = e >> 4, c = (e & 15) * 8;
+            uint4 x = make_uint4(0, 0, 0, 0);
+            if (r < L && c < D)
+                x = __ldg(reinterpret_cast<const uint4 *>(src + ((int64_t)(t0 + r) * heads + head) * D + c));
+            *reinterpret_cast<uint4 *>(&dst[r][c]) = x;
+        }
+    } else {
+        for (int e = tid; e < BT * KD; e += NTB) {
+            const int r = e >> 7, c = e & 127;
+            dst[r][c] = (r < L && c < D) ? src[((int64_t)(t0 + r) * heads + head) * D + c]
+                                         : __float2bfloat16(0.0f);
+        }
+    }
+}
+
+__global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    UtSmem &s = *reinterpret_cast<UtSmem *>(smem_raw);
+    const int ci = blockIdx.x, hv = blockIdx.y;
+    const int2 ch = p.chunks[ci];
+    const int t0 = ch.x, L = ch.y;
+    const int HV = p.HV, h = hv / p.grp;
+    const int64_t cb = (int64_t)ci * HV + hv;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    {
+        const float *Gs = p.Gs + cb * BT * KD;
+        for (int e = tid; e < BT * KD / 4; e += NTB) {
+            const int i = e >> 5, d = (e & 31) * 4;
+            *reinterpret_cast<float4 *>(&s.G[i][d]) = __ldg(reinterpret_cast<const float4 *>(Gs + i * KD + d));
+        }
+        const bf16 *dvn = p.dvn + cb * BT * KD, *dW = p.dW + cb * BT * KD;
+        for (int e = tid; e < BT * KD / 8; e += NTB) {
+            const int r = e >> 4, c = (e & 15) * 8;
+            cp_async16(&s.dvn[r][c], dvn + r * KD + c);
+            cp_async16(&s.dW[r][c], dW + r * KD + c);
+        }
+        cp_async_commit();
+        const float *X = p.Xs + cb * BT * BT;
+        for (int e = tid; e < BT * BT; e += NTB) {
+            const int i = e >> 6, j = e & 63;
+            split_bf16(X[e], s.Xh[i][j], s.Xl[i][j]);
+        }
+        if (tid < BT) {
+            s.beta[tid] = p.bs[cb * BT + tid];
+            s.nk[tid] = p.nks[cb * BT + tid];
+            s.dbeta[tid] = 0.0f;
+        }
+        load_rows(s.vr, p.v, t0, L, HV, hv, p.V, tid);
+        load_rows(s.kr, p.k, t0, L, p.H, h, p.K, tid);
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+    /* beta v and beta k e^G (the B operands of dTm) */
+    for (int e = tid; e < BT * KD / 8; e += NTB) {
+        const int r = e >> 4, c = (e & 15) * 8;
+        float xv[8], xk[8], G8[8];
+        ld8h(xv, &s.vr[r][c]);
+        ld8h(xk, &s.kr[r][c]);
+        ld8f(G8, &s.G[r][c]);
+        const float b = s.beta[r], f = b * s.nk[r];
+#pragma unroll
+        for (int x = 0; x < 8; x++) {
+            xv[x] *= b;
+            xk[x] *= f * __expf(G8[x]);
+        }
+        st8h(&s.vb[r][c], xv);
+        st8h(&s.kb[r][c], xk);
+    }
+    __syncthreads();
+    /* jobs: 8 x dTm (16 x 32), 8 x dBv (16 x 64), 8 x dBk (16 x 64) */
+    for (int job = warp; job < 24; job += NTB / 32) {
+        if (job < 8) {
+            const int a = job >> 1, half = job & 1;
+            float acc[4][4];
+            zero_acc<4>(acc);
+            wmma<2, false, true>(acc, &s.dvn[0][0], RS, a * 16, 0, &s.vb[0][0], RS, half * 32, 0,
+                                 KD / 16, lane);
+            wmma<2, false, true>(acc, &s.dW[0][0], RS, a * 16, 0, &s.kb[0][0], RS, half * 32, 0,
+                                 KD / 16, lane);
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int r = a * 16 + g + (e >> 1) * 8, c = half * 32 + nt * 8 + 2 * t + (e & 1);
+                    split_bf16(acc[nt][e], s.Dh[r][c], s.Dl[r][c]);
+                }
+        } else {
+            const int isk = job >= 16, a = ((job - 8) >> 1) & 3, half = job & 1;
+            const bf16 *B = isk ? &s.dW[0][0] : &s.dvn[0][0];
+            float acc[8][4];
+            zero_acc<8>(acc);
+            /* Tm^T[r][i] = X[i][r], nonzero for i >= r: k blocks a..3 */
+            wmma<4, true, false>(acc, &s.Xh[0][0], AS, a * 16, a * 16, B, RS, half * 64, a * 16,
+                                 4 - a, lane);
+            wmma<4, true, false>(acc, &s.Xl[0][0], AS, a * 16, a * 16, B, RS, half * 64, a * 16,
+                                 4 - a, lane);
+            float db[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) {
+                    const int r = a * 16 + g + hh * 8, c = half * 64 + nt * 8 + 2 * t;
+                    const float v0 = acc[nt][2 * hh], v1 = acc[nt][2 * hh + 1];
+                    const float b = s.beta[r];
+                    if (!isk) { /* dv = beta dBv; dbeta += v . dBv */
+                        const __nv_bfloat162 x =
+                            *reinterpret_cast<const __nv_bfloat162 *>(&s.vr[r][c]);
+                        db[hh] += __low2float(x) * v0 + __high2float(x) * v1;
+                        if (r < L && p.dv) {
+                            bf16 *dst = p.dv + ((int64_t)(t0 + r) * HV + hv) * p.V + c;
+                            if (c < p.V)
+                                dst[0] = __float2bfloat16(b * v0);
+                            if (c + 1 < p.V)
+                                dst[1] = __float2bfloat16(b * v1);
+                        }
+                    } else { /* dKg = beta dBk; dbeta += Kg . dBk */
+                        const __nv_bfloat162 x =
+                            *reinterpret_cast<const __nv_bfloat162 *>(&s.kr[r][c]);
+                        const float nk = s.nk[r];
+                        db[hh] += nk * (__low2float(x) * __expf(s.G[r][c]) * v0 +
+                                        __high2float(x) * __expf(s.G[r][c + 1]) * v1);
+                        *reinterpret_cast<float2 *>(p.dKg + (cb * BT + r) * KD + c) =
+                            make_float2(b * v0, b * v1);
+                    }
+                }
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                float x = db[hh];
+                x += __shfl_xor_sync(0xffffffffu, x, 1);
+                x += __shfl_xor_sync(0xffffffffu, x, 2);
+                if (t == 0)
+                    atomicAdd(&s.dbeta[a * 16 + g + hh * 8], x);
+            }
+        }
+    }
+    __syncthreads();
+    /* T1 = dTm Tm^T (Tm^T[k][n] = X[n][k]: B = X as [n][k]) */
+    {
+        const int a = warp >> 1, half = warp & 1;
+        float acc[4][4];
+        zero_acc<4>(acc);
+        wmma<2, false, true>(acc, &s.Dh[0][0], AS, a * 16, 0, &s.Xh[0][0], AS, half * 32, 0, 4, lane);
+        wmma<2, false, true>(acc, &s.Dl[0][0], AS, a * 16, 0, &s.Xh[0][0], AS, half * 32, 0, 4, lane);
+        wmma<2, false, true>(acc, &s.Dh[0][0], AS, a * 16, 0, &s.Xl[0][0], AS, half * 32, 0, 4, lane);
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = a * 16 + g + (e >> 1) * 8, c = half * 32 + nt * 8 + 2 * t + (e & 1);
+                split_bf16(acc[nt][e], s.Th[r][c], s.Tl[r][c]);
+            }
+    }
+    __syncthreads();
+    /* dAb = -Tm^T T1 (strictly lower); dP = beta dAb; dbeta += dAb . P */
+    {
+        const int a = warp >> 1, half = warp & 1;
+        float acc[4][4];
+        zero_acc<4>(acc);
+        wmma<2, true, false>(acc, &s.Xh[0][0], AS, a * 16, a * 16, &s.Th[0][0], AS, half * 32, a * 16,
+                             4 - a, lane);
+        wmma<2, true, false>(acc, &s.Xl[0][0], AS, a * 16, a * 16, &s.Th[0][0], AS, half * 32, a * 16,
+                             4 - a, lane);
+        wmma<2, true, false>(acc, &s.Xh[0][0], AS, a * 16, a * 16, &s.Tl[0][0], AS, half * 32, a * 16,
+                             4 - a, lane);
+        const float *P = p.Ps + cb * BT * BT;
+        float db[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                const int r = a * 16 + g + hh * 8, c = half * 32 + nt * 8 + 2 * t;
+                const float d0 = c < r ? -acc[nt][2 * hh] : 0.0f;
+                const float d1 = c + 1 < r ? -acc[nt][2 * hh + 1] : 0.0f;
+                const float2 pp = __ldg(reinterpret_cast<const float2 *>(P + r * BT + c));
+                db[hh] += d0 * pp.x + d1 * pp.y;
+                const float b = s.beta[r];
+                *reinterpret_cast<float2 *>(p.dP + (cb * BT + r) * BT + c) = make_float2(b * d0, b * d1);
+            }
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            float x = db[hh];
+            x += __shfl_xor_sync(0xffffffffu, x, 1);
+            x += __shfl_xor_sync(0xffffffffu, x, 2);
+            if (t == 0)
+                atomicAdd(&s.dbeta[a * 16 + g + hh * 8], x);
+        }
+    }
+    __syncthreads();
+    if (tid < BT)
+        p.dbp[cb * BT + tid] = s.dbeta[tid];
+}
+
+/* ------------------------------------- b4: pair products, assembly, gate backward */
+struct PairSmem {
+    float G[BT][GS];
+    float dQ[BT][GS], dK[BT][GS], dG[BT][GS];
+    bf16 qr[BT][RS], kr[BT][RS];
+    bf16 dA[BT][AS], dPb[BT][AS];
+    bf16 opq[16][RS], opk[16][RS], opc[BT][RS];
+    float nq[BT], nk[BT], beta[BT], dgl[KD], red[NTB / 32];
+};
+
+__global__ void __launch_bounds__(NTB) kda_bwd_pairs(BwdParams p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    PairSmem &s = *reinterpret_cast<PairSmem *>(smem_raw);
+    const int ci = blockIdx.x, hv = blockIdx.y;
+    const int2 ch = p.chunks[ci];
+    const int t0 = ch.x, L = ch.y;
+    const int K = p.K, HV = p.HV, H = p.H, h = hv / p.grp;
+    const int64_t cb = (int64_t)ci * HV + hv;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    {
+        const float *Gs = p.Gs + cb * BT * KD;
+        for (int e = tid; e < BT * KD / 4; e += NTB) {
+            const int i = e >> 5, d = (e & 31) * 4;
+            *reinterpret_cast<float4 *>(&s.G[i][d]) = __ldg(reinterpret_cast<const float4 *>(Gs + i * KD + d));
+            const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+            *reinterpret_cast<float4 *>(&s.dQ[i][d]) = z;
+            *reinterpret_cast<float4 *>(&s.dK[i][d]) = z;
+            *reinterpret_cast<float4 *>(&s.dG[i][d]) = z;
+        }
+        const float *dA = p.dAqk + cb * BT * BT, *dP = p.dP + cb * BT * BT;
+        for (int e = tid; e < BT * BT; e += NTB) {
+            const int i = e >> 6, j = e & 63;
+            s.dA[i][j] = __float2bfloat16(dA[e]);
+            s.dPb[i][j] = __float2bfloat16(dP[e]);
+        }
+        if (tid < BT) {
+            s.nq[tid] = p.nqs[cb * BT + tid];
+            s.nk[tid] = p.nks[cb * BT + tid];
+            s.beta[tid] = p.bs[cb * BT + tid];
+        }
+        if (tid < KD)
+            s.dgl[tid] = 0.0f;
+        load_rows(s.qr, p.q, t0, L, H, h, K, tid);
+        load_rows(s.kr, p.k, t0, L, H, h, K, tid);
+    }
+    /* pair products by 16-row blocks a (reference row: the one before the block) */
+    for (int a = 0; a < 4; a++) {
+        const int ncols = p.shared_diag ? 16 * (a + 1) : 16 * a;
+        if (ncols == 0)
+            continue;
+        __syncthreads();
+        for (int e = tid; e < (32 + ncols) * (KD / 8); e += NTB) {
+            const int r = e / (KD / 8), d0 = (e % (KD / 8)) * 8;
+            float ra[8], gr[8], x8[8], f[8];
+            if (a)
+                ld8f(ra, &s.G[a * 16 - 1][d0]);
+            else
+#pragma unroll
+                for (int x = 0; x < 8; x++)
+                    ra[x] = 0.0f;
+            bf16 *dst;
+            if (r < 32) {
+                const int i = a * 16 + (r & 15);
+                const bool isq = r < 16;
+                ld8h(x8, isq ? &s.qr[i][d0] : &s.kr[i][d0]);
+                ld8f(gr, &s.G[i][d0]);
+                dst = isq ? &s.opq[r][d0] : &s.opk[r - 16][d0];
+                const float n = isq ? s.nq[i] : s.nk[i];
+#pragma unroll
+                for (int x = 0; x < 8; x++)
+                    f[x] = x8[x] * n * __expf(gr[x] - ra[x]);
+            } else {
+                const int j = r - 32;
+                ld8h(x8, &s.kr[j][d0]);
+                ld8f(gr, &s.G[j][d0]);
+                dst = &s.opc[j][d0];
+                const float n = s.nk[j];
+#pragma unroll
+                for (int x = 0; x < 8; x++)
+                    f[x] = x8[x] * n * __expf(ra[x] - gr[x]);
+            }
+            st8h(dst, f);
+        }
+        __syncthreads();
+        /* row side: rows of block a, warp = 16-channel slice: dq += (dAqk Z) e^(G - r_a),
+         * dk += (dP Z) e^(G - r_a), dG += q dq + k dk */
+        {
+            float aq[2][4], ak[2][4];
+            zero_acc<2>(aq);
+            zero_acc<2>(ak);
+            wmma<1, false, false>(aq, &s.dA[0][0], AS, a * 16, 0, &s.opc[0][0], RS, warp * 16, 0,
+                                  ncols / 16, lane);
+            wmma<1, false, false>(ak, &s.dPb[0][0], AS, a * 16, 0, &s.opc[0][0], RS, warp * 16, 0,
+                                  ncols / 16, lane);
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int r = a * 16 + g + (e >> 1) * 8, d = warp * 16 + nt * 8 + 2 * t + (e & 1);
+                    const float f = __expf(s.G[r][d] - (a ? s.G[a * 16 - 1][d] : 0.0f));
+                    const float vq = aq[nt][e] * f, vk = ak[nt][e] * f;
+                    s.dQ[r][d] += vq;
+                    s.dK[r][d] += vk;
+                    s.dG[r][d] += __bfloat162float(s.qr[r][d]) * s.nq[r] * vq +
+                                  __bfloat162float(s.kr[r][d]) * s.nk[r] * vk;
+                }
+        }
+        __syncthreads();
+        /* column side: key rows j < ncols: dk_j += (dAqk^T Xq + dP^T Xk) e^(r_a - G_j),
+         * dG_j -= k_j dk_j */
+        for (int job = warp; job < 2 * (ncols / 16); job += NTB / 32) {
+            const int jb = job >> 1, half = job & 1;
+            float acc[8][4];
+            zero_acc<8>(acc);
+            wmma<4, true, false>(acc, &s.dA[0][0], AS, jb * 16, a * 16, &s.opq[0][0], RS, half * 64,
+                                 0, 1, lane);
+            wmma<4, true, false>(acc, &s.dPb[0][0], AS, jb * 16, a * 16, &s.opk[0][0], RS, half * 64,
+                                 0, 1, lane);
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int j = jb * 16 + g + (e >> 1) * 8, d = half * 64 + nt * 8 + 2 * t + (e & 1);
+                    const float f = __expf((a ? s.G[a * 16 - 1][d] : 0.0f) - s.G[j][d]);
+                    const float v = acc[nt][e] * f;
+                    s.dK[j][d] += v;
+                    s.dG[j][d] -= __bfloat162float(s.kr[j][d]) * s.nk[j] * v;
+                }
+        }
+    }
+    __syncthreads();
+    if (!p.shared_diag) { /* diagonal blocks per pair in fp32: thread (block a, channel d) */
+        const float *dA = p.dAqk + cb * BT * BT, *dP = p.dP + cb * BT * BT;
+        for (int it = tid; it < 4 * KD; it += NTB) {
+            const int a = it >> 7, d = it & 127, o = a * 16;
+            float qv[16], kv[16], Gv[16], dq[16], dkr[16], dkc[16];
+#pragma unroll
+            for (int r = 0; r < 16; r++) {
+                qv[r] = __bfloat162float(s.qr[o + r][d]) * s.nq[o + r];
+                kv[r] = __bfloat162float(s.kr[o + r][d]) * s.nk[o + r];
+                Gv[r] = s.G[o + r][d];
+                dq[r] = dkr[r] = dkc[r] = 0.0f;
+            }
+#pragma unroll
+            for (int r = 0; r < 16; r++)
+#pragma unroll
+                for (int i = 0; i <= r; i++) {
+                    const float aq = __ldg(dA + (o + r) * BT + o + i);
+                    const float ap = i < r ? __ldg(dP + (o + r) * BT + o + i) : 0.0f;
+                    const float e = __expf(Gv[r] - Gv[i]);
+                    dq[r] += aq * kv[i] * e;
+                    dkr[r] += ap * kv[i] * e;
+                    dkc[i] += (aq * qv[r] + ap * kv[r]) * e;
+                }
+#pragma unroll
+            for (int r = 0; r < 16; r++) {
+                s.dQ[o + r][d] += dq[r];
+                s.dK[o + r][d] += dkr[r] + dkc[r];
+                s.dG[o + r][d] += qv[r] * dq[r] + kv[r] * (dkr[r] - dkc[r]);
+            }
+        }
+        __syncthreads();
+    }
+    /* assembly: dq = dQ + dQg e^G; dk = dK + dKg e^G + dKd e^(Gl - G);
+     * dG += dQg Qg + dKg Kg - dKd Kd; dGl += sum_r dKd Kd */
+    {
+        const float *dQg = p.dQg + cb * BT * KD, *dKd = p.dKd + cb * BT * KD, *dKg = p.dKg + cb * BT * KD;
+        const int d0 = (tid & 15) * 8, rr = tid >> 4;
+        float gsum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int m = 0; m < 4; m++) {
+            const int r = rr + 16 * m;
+            float a[8], b[8], c8[8], G8[8], Gl[8], xq[8], xk[8];
+            ld8f(a, dQg + r * KD + d0);
+            ld8f(b, dKd + r * KD + d0);
+            ld8f(c8, dKg + r * KD + d0);
+            ld8f(G8, &s.G[r][d0]);
+            ld8f(Gl, &s.G[BT - 1][d0]);
+            ld8h(xq, &s.qr[r][d0]);
+            ld8h(xk, &s.kr[r][d0]);
+            const float nq = s.nq[r], nk = s.nk[r];
+#pragma unroll
+            for (int x = 0; x < 8; x++) {
+                const float eg = __expf(G8[x]), ed = __expf(Gl[x] - G8[x]);
+                const float qh = xq[x] * nq, kh = xk[x] * nk;
+                s.dQ[r][d0 + x] += a[x] * eg;
+                s.dK[r][d0 + x] += c8[x] * eg + b[x] * ed;
+                const float kd = b[x] * kh * ed;
+                s.dG[r][d0 + x] += a[x] * qh * eg + c8[x] * kh * eg - kd;
+                gsum[x] += kd;
+            }
+        }
+#pragma unroll
+        for (int x = 0; x < 8; x++)
+            atomicAdd(&s.dgl[d0 + x], gsum[x]);
+    }
+    __syncthreads();
+    if (tid < KD)
+        s.dG[BT - 1][tid] += s.dgl[tid] + p.dgam[cb * KD + tid] * p.gl[cb * KD + tid];
+    __syncthreads();
+    /* reverse cumulative sum over rows: dg_j = sum_{r >= j} dG_r (thread: channel, half) */
+    {
+        const int d = tid & (KD - 1), seg = tid >> 7;
+        float gv[32];
+#pragma unroll
+        for (int x = 0; x < 32; x++)
+            gv[x] = s.dG[seg * 32 + x][d];
+#pragma unroll
+        for (int x = 30; x >= 0; x--)
+            gv[x] += gv[x + 1];
+        __syncthreads();
+        if (seg == 1)
+            s.dgl[d] = gv[0];
+        __syncthreads();
+        const float base = seg ? 0.0f : s.dgl[d];
+#pragma unroll
+        for (int x = 0; x < 32; x++)
+            s.dG[seg * 32 + x][d] = gv[x] + base;
+    }
+    __syncthreads();
+    /* gate backward, dg out; dA_log and ddt_bias partial sums */
+    const float ga = p.A_log ? __expf(p.A_log[hv]) : 1.0f;
+    float dAl = 0.0f;
+    if (!p.gdn) {
+        const int d = tid & (KD - 1), seg = tid >> 7;
+        const float bias = (p.dt_bias && d < K) ? p.dt_bias[hv * K + d] : 0.0f;
+        float dbias = 0.0f;
+        if (d < K) {
+            for (int r = seg * 32; r < seg * 32 + 32 && r < L; r++) {
+                const int64_t o = ((int64_t)(t0 + r) * HV + hv) * K + d;
+                const float x = __bfloat162float(p.g[o]);
+                float dg = s.dG[r][d], dz = dg;
+                if (p.gate == LM_GATE_SOFTPLUS) {
+                    const float z = x + bias;
+                    const float sp = z > 20.0f ? z : log1pf(__expf(z));
+                    const float gv = -ga * sp;
+                    if (gv < -87.33f)
+                        dg = 0.0f;
+                    dz = -ga * (z > 20.0f ? 1.0f : sigmoidf_(z)) * dg;
+                    dAl += dg * gv;
+                } else if (p.gate == LM_GATE_BOUNDED) {
+                    const float z = x + bias;
+                    const float sg = sigmoidf_(ga * z);
+                    dz = dg * p.lb * sg * (1.0f - sg) * ga;
+                    dAl += dz * z;
+                } else if (x < -87.33f) {
+                    dz = 0.0f;
+                }
+                dbias += dz;
+                if (p.dg)
+                    p.dg[o] = __float2bfloat16(dz);
+            }
+            if (p.ddt_bias)
+                atomicAdd(&p.ddt_bias[hv * K + d], dbias);
+        }
+    } else {
+        /* GDN: the scalar gate's gradient is the sum over channels; warp w: rows 8w.. */
+        float dbias = 0.0f;
+        for (int r = warp * 8; r < warp * 8 + 8; r++) {
+            float acc = 0.0f;
+            for (int d = lane; d < K; d += 32)
+                acc += s.dG[r][d];
+#pragma unroll
+            for (int o = 16; o; o >>= 1)
+                acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (lane == 0 && r < L) {
+                const int64_t o = (int64_t)(t0 + r) * HV + hv;
+                const float x = __bfloat162float(p.g[o]);
+                const float bias = p.dt_bias ? p.dt_bias[hv] : 0.0f;
+                float dg = acc, dz = dg;
+                if (p.gate == LM_GATE_SOFTPLUS) {
+                    const float z = x + bias;
+                    const float gv = -ga * (z > 20.0f ? z : log1pf(__expf(z)));
+                    if (gv < -87.33f)
+                        dg = 0.0f;
+                    dz = -ga * (z > 20.0f ? 1.0f : sigmoidf_(z)) * dg;
+                    dAl += dg * gv;
+                } else if (p.gate == LM_GATE_BOUNDED) {
+                    const float z = x + bias;
+                    const float sg = sigmoidf_(ga * z);
+                    dz = dg * p.lb * sg * (1.0f - sg) * ga;
+                    dAl += dz * z;
+                } else if (x < -87.33f) {
+                    dz = 0.0f;
+                }
+                dbias += dz;
+                if (p.dg)
+                    p.dg[o] = __float2bfloat16(dz);
+            }
+        }
+        if (lane == 0 && p.ddt_bias && dbias != 0.0f)
+            atomicAdd(&p.ddt_bias[hv], dbias);
+    }
+    if (p.dA_log) {
+#pragma unroll
+        for (int o = 16; o; o >>= 1)
+            dAl += __shfl_xor_sync(0xffffffffu, dAl, o);
+        if (lane == 0)
+            s.red[warp] = dAl;
+        __syncthreads();
+        if (tid == 0) {
+            float x = 0.0f;
+            for (int w = 0; w < NTB / 32; w++)
+                x += s.red[w];
+            atomicAdd(&p.dA_log[hv], x);
+        }
+    }
+    /* beta (sigmoid) backward */
+    if (tid < L && p.dbeta) {
+        float db = p.dbp[cb * BT + tid];
+        if (p.sig) {
+            const float b = s.beta[tid];
+            db *= b * (1.0f - b);
+        }
+        p.dbeta[(int64_t)(t0 + tid) * HV + hv] = __float2bfloat16(db);
+    }
+    /* l2norm / scale backward of q and k; 16 lanes per row, 8 channels each */
+    {
+        const int d0 = (tid & 15) * 8, rr = tid >> 4;
+        for (int m = 0; m < 4; m++) {
+            const int r = rr + 16 * m;
+            float xq[8], xk[8], dq[8], dk[8];
+            ld8h(xq, &s.qr[r][d0]);
+            ld8h(xk, &s.kr[r][d0]);
+            ld8f(dq, &s.dQ[r][d0]);
+            ld8f(dk, &s.dK[r][d0]);
+            const float rq = s.nq[r] / p.scale, rk = s.nk[r];
+            float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+            for (int x = 0; x < 8; x++) {
+                dq[x] *= p.scale; /* d/dy with q_hat = scale y */
+                sq += xq[x] * rq * dq[x];
+                sk += xk[x] * rk * dk[x];
+            }
+#pragma unroll
+            for (int o = 1; o < 16; o <<= 1) {
+                sq += __shfl_xor_sync(0xffffffffu, sq, o);
+                sk += __shfl_xor_sync(0xffffffffu, sk, o);
+            }
+            if (r >= L)
+                continue;
+#pragma unroll
+            for (int x = 0; x < 8; x++) {
+                if (p.l2) { /* y = x r: dx = r (dy - y (y . dy)) */
+                    dq[x] = rq * (dq[x] - xq[x] * rq * sq);
+                    dk[x] = rk * (dk[x] - xk[x] * rk * sk);
+                }
+            }
+            const int64_t trow = t0 + r;
+            if (p.grp == 1) {
+                for (int x = 0; x < 8 && d0 + x < K; x++) {
+                    if (p.dq)
+                        p.dq[(trow * H + h) * K + d0 + x] = __float2bfloat16(dq[x]);
+                    if (p.dk)
+                        p.dk[(trow * H + h) * K + d0 + x] = __float2bfloat16(dk[x]);
+                }
+            } else {
+                for (int x = 0; x < 8 && d0 + x < K; x++) {
+                    p.dqs[(trow * HV + hv) * K + d0 + x] = dq[x];
+                    p.dks[(trow * HV + hv) * K + d0 + x] = dk[x];
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------- b5: GVA reduce */
+__global__ void kda_bwd_gva(BwdParams p, int64_t rows) {
+    const int64_t n = rows * p.H * p.K;
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n;
+         e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t d = e % p.K, th = e / p.K, hh = th % p.H, tr = th / p.H;
+        float aq = 0.0f, ak = 0.0f;
+        for (int x = 0; x < p.grp; x++) {
+            const int64_t o = (tr * p.HV + hh * p.grp + x) * p.K + d;
+            aq += p.dqs[o];
+            ak += p.dks[o];
+        }
+        if (p.dq)
+            p.dq[e] = __float2bfloat16(aq);
+        if (p.dk)
+            p.dk[e] = __float2bfloat16(ak);
+    }
+}
+
+lm_status cuda_err(lm_error *err, cudaError_t e, const char *what) {
+    return lm_errorf(err, LM_ERR_IO, "kda cuda: %s: %s", what, cudaGetErrorString(e));
+}
+
+/* bump allocator over one device buffer (256-byte aligned pieces) */
+struct Carve {
+    char *base;
+    size_t off;
+    template <class T> T *take(size_t count) {
+        T *r = reinterpret_cast<T *>(base ? base + off : nullptr);
+        off += (count * sizeof(T) + 255) & ~(size_t)255;
+        return r;
+    }
+};
+
+/* the training forward's buffers (sizes only when base is NULL) */
+size_t carve_saved(char *base, size_t nblk, int nchunks, int N, KdaSaveBufs *sv) {
+    Carve c{base, 0};
+    sv->w = c.take<bf16>(nblk * BT * KD);
+    sv->u = c.take<bf16>(nblk * BT * KD);
+    sv->qg = c.take<bf16>(nblk * BT * KD);
+    sv->kg = c.take<bf16>(nblk * BT * KD);
+    sv->Aqk = c.take<bf16>(nblk * BT * BT);
+    sv->gl = c.take<float>(nblk * KD);
+    sv->Gs = c.take<float>(nblk * BT * KD);
+    sv->Xs = c.take<float>(nblk * BT * BT);
+    sv->Ps = c.take<float>(nblk * BT * BT);
+    sv->nqs = c.take<float>(nblk * BT);
+    sv->nks = c.take<float>(nblk * BT);
+    sv->bs = c.take<float>(nblk * BT);
+    sv->hs = c.take<bf16>(nblk * KD * KD);
+    sv->vns = c.take<bf16>(nblk * BT * KD);
+    int2 *ch = c.take<int2>((size_t)nchunks + N);
+    sv->chunks = ch;
+    sv->seqs = ch ? ch + nchunks : nullptr;
+    sv->nchunks = nchunks;
+    return c.off;
+}
+
+struct DevBuf {
+    void *buf = nullptr;
+    size_t cap = 0;
+};
+DevBuf g_spare; /* a freed training-forward buffer kept for the next one */
+DevBuf g_bws;   /* backward scratch */
+
+lm_status devbuf_reserve(DevBuf &b, size_t bytes, lm_error *err, const char *what) {
+    if (bytes <= b.cap)
+        return LM_OK;
+    if (b.buf)
+        cudaFree(b.buf);
+    b.buf = nullptr;
+    b.cap = 0;
+    cudaError_t e = cudaMalloc(&b.buf, bytes);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return lm_errorf(err, LM_ERR_NOMEM, "kda cuda: cudaMalloc(%s, %zu bytes): %s", what, bytes,
+                         cudaGetErrorString(e));
+    }
+    b.cap = bytes;
+    return LM_OK;
+}
+
+} // namespace
+
+struct lm_kda_cuda_saved {
+    lm_kda_config c; /* cu_seqlens not kept (the chunk tables are) */
+    lm_kda_cuda_inputs in;
+    DevBuf mem;
+    KdaSaveBufs sv;
+    int N, nchunks;
+};
+
+#define CK(call)                                                                                  \
+    do {                                                                                          \
+        cudaError_t e_ = (call);                                                                  \
+        if (e_ != cudaSuccess)                                                                    \
+            return cuda_err(err, e_, #call);                                                      \
+    } while (0)
+
+extern "C" void lm_kda_cuda_saved_free(lm_kda_cuda_saved *saved) {
+    if (!saved)
+        return;
+    if (saved->mem.buf) {
+        if (saved->mem.cap > g_spare.cap) { /* keep the larger one for the next forward */
+            if (g_spare.buf)
+                cudaFree(g_spare.buf);
+            g_spare = saved->mem;
+        } else {
+            cudaFree(saved->mem.buf);
+        }
+    }
+    free(saved);
+}
 
 extern "C" lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cuda_inputs *in,
                                                lm_kda_cuda_outputs *out,
                                                lm_kda_cuda_saved **saved, lm_error *err) {
-    (void)c;
-    (void)in;
-    (void)out;
-    if (saved)
-        *saved = nullptr;
-    return lm_errorf(err, LM_ERR_UNSUPPORTED, "kda cuda: the backward is not built yet");
+    if (!saved)
+        return lm_errorf(err, LM_ERR_INVALID, "kda cuda: forward_train needs 'saved'");
+    *saved = nullptr;
+    if (!out)
+        return lm_errorf(err, LM_ERR_INVALID, "kda cuda: outputs are required");
+    LM_TRY(kda_cuda_check(c, in, out->o, err));
+    const int N = c->N, nchunks = kda_cuda_nchunks(c);
+    const size_t nblk = (size_t)nchunks * c->HV;
+    lm_kda_cuda_saved *sv = (lm_kda_cuda_saved *)calloc(1, sizeof *sv);
+    int2 *hch = (int2 *)malloc(sizeof(int2) * (size_t)(nchunks + N));
+    if (!sv || !hch) {
+        free(sv);
+        free(hch);
+        return lm_errorf(err, LM_ERR_NOMEM, "kda cuda: training forward bookkeeping");
+    }
+    const size_t bytes = carve_saved(nullptr, nblk, nchunks, N, &sv->sv);
+    if (g_spare.buf && g_spare.cap >= bytes) {
+        sv->mem = g_spare;
+        g_spare = DevBuf();
+    } else {
+        lm_status st = devbuf_reserve(sv->mem, bytes, err, "saved tensors");
+        if (st != LM_OK) {
+            free(sv);
+            free(hch);
+            return st;
+        }
+    }
+    carve_saved((char *)sv->mem.buf, nblk, nchunks, N, &sv->sv);
+    kda_cuda_chunk_tables(c, hch, hch + nchunks);
+    cudaError_t e = cudaMemcpy((void *)sv->sv.chunks, hch, sizeof(int2) * (size_t)(nchunks + N),
+                               cudaMemcpyHostToDevice);
+    free(hch);
+    if (e != cudaSuccess) {
+        lm_kda_cuda_saved_free(sv);
+        return cuda_err(err, e, "cudaMemcpy(chunk tables)");
+    }
+    sv->c = *c;
+    sv->c.cu_seqlens = nullptr;
+    sv->in = *in;
+    sv->N = N;
+    sv->nchunks = nchunks;
+    lm_status st = kda_cuda_forward_run(c, in, out, &sv->sv, err);
+    if (st != LM_OK) {
+        lm_kda_cuda_saved_free(sv);
+        return st;
+    }
+    *saved = sv;
+    return LM_OK;
 }
 
 extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda_cuda_grads *gr,
                                           lm_error *err) {
-    (void)saved;
-    (void)gr;
-    return lm_errorf(err, LM_ERR_UNSUPPORTED, "kda cuda: the backward is not built yet");
-}
+    if (!saved || !gr || !gr->do_)
+        return lm_errorf(err, LM_ERR_INVALID, "kda cuda backward: 'saved' and 'do' are required");
+    const lm_kda_config &c = saved->c;
+    const int nchunks = saved->nchunks, N = saved->N, HV = c.HV, H = c.H, K = c.K, V = c.V;
+    const size_t nblk = (size_t)nchunks * HV;
+    const int grp = HV / H;
+    const int64_t rows = (int64_t)c.B * c.T;
+    BwdParams p;
+    memset(&p, 0, sizeof p);
+    p.N = N;
+    p.nchunks = nchunks;
+    p.T = c.T;
+    p.H = H;
+    p.HV = HV;
+    p.K = K;
+    p.V = V;
+    p.gdn = c.kind == LM_GDN;
+    p.gate = (int)c.gate;
+    p.l2 = c.use_qk_l2norm_in_kernel;
+    p.sig = c.use_beta_sigmoid_in_kernel;
+    p.shared_diag = c.gate == LM_GATE_BOUNDED && c.diag != LM_DIAG_SAFE;
+    p.grp = grp;
+    p.lb = c.lower_bound;
+    p.scale = c.scale;
+    const KdaSaveBufs &sv = saved->sv;
+    p.chunks = sv.chunks;
+    p.seqs = sv.seqs;
+    p.q = (const bf16 *)saved->in.q;
+    p.k = (const bf16 *)saved->in.k;
+    p.v = (const bf16 *)saved->in.v;
+    p.g = (const bf16 *)saved->in.g;
+    p.beta = (const bf16 *)saved->in.beta;
+    p.A_log = saved->in.A_log;
+    p.dt_bias = saved->in.dt_bias;
+    p.w = sv.w;
+    p.qg = sv.qg;
+    p.kd = sv.kg;
+    p.Aqk = sv.Aqk;
+    p.gl = sv.gl;
+    p.Gs = sv.Gs;
+    p.Xs = sv.Xs;
+    p.Ps = sv.Ps;
+    p.nqs = sv.nqs;
+    p.nks = sv.nks;
+    p.bs = sv.bs;
+    p.hs = sv.hs;
+    p.vns = sv.vns;
+    p.do_ = (const bf16 *)gr->do_;
+    p.dht = gr->dht;
+    p.dq = (bf16 *)gr->dq;
+    p.dk = (bf16 *)gr->dk;
+    p.dv = (bf16 *)gr->dv;
+    p.dg = (bf16 *)gr->dg;
+    p.dbeta = (bf16 *)gr->dbeta;
+    p.dh0 = gr->dh0;
+    p.dA_log = saved->in.A_log ? gr->dA_log : nullptr;
+    p.ddt_bias = saved->in.dt_bias ? gr->ddt_bias : nullptr;
 
-extern "C" void lm_kda_cuda_saved_free(lm_kda_cuda_saved *saved) { (void)saved; }
+    /* scratch */
+    size_t bytes = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        Carve cv{pass ? (char *)g_bws.buf : nullptr, 0};
+        p.dO = cv.take<bf16>(nblk * BT * KD);
+        p.dh = cv.take<bf16>(nblk * KD * KD);
+        p.dvn = cv.take<bf16>(nblk * BT * KD);
+        p.dW = cv.take<bf16>(nblk * BT * KD);
+        p.dAqk = cv.take<float>(nblk * BT * BT);
+        p.dQg = cv.take<float>(nblk * BT * KD);
+        p.dKd = cv.take<float>(nblk * BT * KD);
+        p.dgam = cv.take<float>(nblk * KD);
+        p.dKg = cv.take<float>(nblk * BT * KD);
+        p.dP = cv.take<float>(nblk * BT * BT);
+        p.dbp = cv.take<float>(nblk * BT);
+        p.dqs = grp > 1 ? cv.take<float>((size_t)rows * HV * K) : nullptr;
+        p.dks = grp > 1 ? cv.take<float>((size_t)rows * HV * K) : nullptr;
+        if (!pass) {
+            bytes = cv.off;
+            LM_TRY(devbuf_reserve(g_bws, bytes, err, "backward scratch"));
+        }
+    }
+    if (p.dA_log)
+        CK(cudaMemsetAsync(p.dA_log, 0, sizeof(float) * HV));
+    if (p.ddt_bias)
+        CK(cudaMemsetAsync(p.ddt_bias, 0, sizeof(float) * HV * (p.gdn ? 1 : K)));
+    if (gr->dA_log && !saved->in.A_log)
+        CK(cudaMemsetAsync(gr->dA_log, 0, sizeof(float) * HV));
+    if (gr->ddt_bias && !saved->in.dt_bias)
+        CK(cudaMemsetAsync(gr->ddt_bias, 0, sizeof(float) * HV * (p.gdn ? 1 : K)));
+
+    const int nsh = N * HV;
+    const int BVsel = nsh * 2 >= 120 ? 64 : (nsh * 4 >= 120 ? 32 : 16);
+    const size_t smDh = BVsel == 64 ? sizeof(DhSmem<64>)
+                                    : (BVsel == 32 ? sizeof(DhSmem<32>) : sizeof(DhSmem<16>));
+    CK(cudaFuncSetAttribute(kda_bwd_dh<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)sizeof(DhSmem<64>)));
+    CK(cudaFuncSetAttribute(kda_bwd_dh<32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)sizeof(DhSmem<32>)));
+    CK(cudaFuncSetAttribute(kda_bwd_dh<16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)sizeof(DhSmem<16>)));
+    CK(cudaFuncSetAttribute(kda_bwd_state, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)sizeof(StateSmem)));
+    CK(cudaFuncSetAttribute(kda_bwd_ut, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)sizeof(UtSmem)));
+    CK(cudaFuncSetAttribute(kda_bwd_pairs, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)sizeof(PairSmem)));
+    static int prof = -1;
+    if (prof < 0)
+        prof = getenv("LINMOE_KDA_CUDA_PROFILE") != nullptr;
+    cudaEvent_t ev[7];
+    if (prof)
+        for (int i = 0; i < 7; i++)
+            CK(cudaEventCreate(&ev[i]));
+    if (prof)
+        CK(cudaEventRecord(ev[0]));
+    const dim3 gb(nchunks, HV);
+    if (nchunks > 0) {
+        kda_bwd_gather_do<<<gb, NTB>>>(p);
+        CK(cudaGetLastError());
+    }
+    if (prof)
+        CK(cudaEventRecord(ev[1]));
+    const dim3 g1(KD / BVsel, N * HV);
+    if (BVsel == 64)
+        kda_bwd_dh<64><<<g1, NT2, smDh>>>(p);
+    else if (BVsel == 32)
+        kda_bwd_dh<32><<<g1, NT2, smDh>>>(p);
+    else
+        kda_bwd_dh<16><<<g1, NT2, smDh>>>(p);
+    CK(cudaGetLastError());
+    if (prof)
+        CK(cudaEventRecord(ev[2]));
+    if (nchunks > 0) {
+        kda_bwd_state<<<gb, NTB, sizeof(StateSmem)>>>(p);
+        CK(cudaGetLastError());
+        if (prof)
+            CK(cudaEventRecord(ev[3]));
+        kda_bwd_ut<<<gb, NTB, sizeof(UtSmem)>>>(p);
+        CK(cudaGetLastError());
+        if (prof)
+            CK(cudaEventRecord(ev[4]));
+        kda_bwd_pairs<<<gb, NTB, sizeof(PairSmem)>>>(p);
+        CK(cudaGetLastError());
+        if (prof)
+            CK(cudaEventRecord(ev[5]));
+        if (grp > 1 && (p.dq || p.dk)) {
+            kda_bwd_gva<<<1024, 256>>>(p, rows);
+            CK(cudaGetLastError());
+        }
+    } else if (prof) {
+        CK(cudaEventRecord(ev[3]));
+        CK(cudaEventRecord(ev[4]));
+        CK(cudaEventRecord(ev[5]));
+    }
+    if (prof)
+        CK(cudaEventRecord(ev[6]));
+    CK(cudaDeviceSynchronize());
+    if (prof) {
+        static const char *names[6] = {"gather", "dh", "state", "ut", "pairs", "gva"};
+        fprintf(stderr, "kda cuda backward:");
+        for (int i = 0; i < 6; i++) {
+            float ms = 0;
+            cudaEventElapsedTime(&ms, ev[i], ev[i + 1]);
+            fprintf(stderr, " %s %.3f ms", names[i], ms);
+        }
+        fprintf(stderr, "\n");
+        for (int i = 0; i < 7; i++)
+            cudaEventDestroy(ev[i]);
+    }
+    return LM_OK;
+}

@@ -1,0 +1,155 @@
+/* Shared pieces of the CUDA KDA kernels (kda_fwd.cu: forward; kda_train.cu: training
+ * forward saves and backward): tile constants, the kernel parameter block, and the
+ * PTX helpers for mma.sync m16n8k16 (bf16 in, fp32 accumulate), ldmatrix and cp.async.
+ * Internal to src/ops/cuda; not a public header. */
+#ifndef LINMOE_KDA_COMMON_CUH
+#define LINMOE_KDA_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "linmoe/kda_cuda.h"
+
+#define BT 64    /* chunk */
+#define KD 128   /* K and V padded to this */
+#define RS 136   /* bf16 row stride of 128-wide tiles in shared memory (272 B) */
+#define AS 72    /* bf16 row stride of 64-wide tiles (144 B) */
+#define FS 68    /* fp32 row stride of 64-wide fp32 tiles */
+#define GS 132   /* fp32 row stride of the G tile */
+#define NT1 256  /* threads of the intra kernel */
+#define NT2 128  /* threads of the recurrence kernel */
+
+typedef __nv_bfloat16 bf16;
+
+namespace {
+
+
+struct Params {
+    const bf16 *q, *k, *v, *g, *beta;
+    const float *A_log, *dt_bias, *h0;
+    bf16 *o;
+    float *ht;
+    /* workspace, one block per (chunk ci, value head hv), cb = ci * HV + hv:
+     * w, u, qg, kg [cb][64][128] bf16; Aqk [cb][64][64] bf16; gl [cb][128] fp32 */
+    bf16 *w, *u, *qg, *kg, *Aqk;
+    float *gl;
+    /* training forward only (NULL otherwise), see KdaSaveBufs */
+    float *Gs, *Xs, *Ps, *nqs, *nks, *bs;
+    bf16 *hs, *vns;
+    const int2 *chunks;   /* [nchunks] (t0, L) in token rows of the flattened [B*T] */
+    const int2 *seqs;     /* [N] (first chunk, number of chunks) */
+    int nchunks, N;
+    int T, H, HV, K, V, gdn, gate, l2, sig, shared_diag;
+    float lb, scale;
+};
+
+__device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+
+
+/* ---------------------------------------------------------------- PTX helpers */
+__device__ __forceinline__ uint32_t smem_u32(const void *ptr) {
+    return (uint32_t)__cvta_generic_to_shared(ptr);
+}
+__device__ __forceinline__ void ldsm4(uint32_t r[4], const void *ptr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(ptr)));
+}
+__device__ __forceinline__ void ldsm4t(uint32_t r[4], const void *ptr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(ptr)));
+}
+/* d += a b: a 16x16 row-major fragment, b 16x8 column fragment, fp32 accumulators */
+__device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* Fragment addresses (lane l). A tile at (m0, k0) of a row-major [m][k] array: */
+__device__ __forceinline__ const bf16 *a_addr(const bf16 *base, int ld, int m0, int k0, int l) {
+    return base + (m0 + (l & 15)) * ld + k0 + (l >> 4) * 8;
+}
+/* A tile at (m0, k0) of A = M^T, M stored row-major [k][m]: */
+__device__ __forceinline__ const bf16 *at_addr(const bf16 *M, int ld, int m0, int k0, int l) {
+    return M + (k0 + (l & 7) + ((l >> 4) & 1) * 8) * ld + m0 + ((l >> 3) & 1) * 8;
+}
+/* Two B tiles (k0..k0+15, n0..n0+15) of B stored row-major [k][n] (use with ldsm4t):
+ * r[0], r[1] = tile n0; r[2], r[3] = tile n0 + 8 */
+__device__ __forceinline__ const bf16 *b_kn_addr(const bf16 *B, int ld, int k0, int n0, int l) {
+    return B + (k0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + n0 + (l >> 4) * 8;
+}
+/* Two B tiles of B = M^T with M stored row-major [n][k] (use with ldsm4) */
+__device__ __forceinline__ const bf16 *b_nk_addr(const bf16 *M, int ld, int k0, int n0, int l) {
+    return M + (n0 + (l & 7) + (l >> 4) * 8) * ld + k0 + ((l >> 3) & 1) * 8;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+/* 8 consecutive values: fp32 from / bf16 to / bf16 from 16-byte aligned addresses */
+__device__ __forceinline__ void ld8f(float f[8], const float *src) {
+    const float4 a = *reinterpret_cast<const float4 *>(src);
+    const float4 b = *reinterpret_cast<const float4 *>(src + 4);
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+__device__ __forceinline__ void ld8h(float f[8], const bf16 *src) {
+    const uint4 u = *reinterpret_cast<const uint4 *>(src);
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int x = 0; x < 4; x++) {
+        f[2 * x] = __low2float(h[x]);
+        f[2 * x + 1] = __high2float(h[x]);
+    }
+}
+__device__ __forceinline__ void st8h(bf16 *dst, const float f[8]) {
+    uint4 u;
+    u.x = pack_bf16(f[0], f[1]);
+    u.y = pack_bf16(f[2], f[3]);
+    u.z = pack_bf16(f[4], f[5]);
+    u.w = pack_bf16(f[6], f[7]);
+    *reinterpret_cast<uint4 *>(dst) = u;
+}
+
+} // namespace
+
+/* Device buffers of a training forward (kda_train.cu) that the forward kernels fill
+ * besides their usual workspace; NULL members are not written. cb = chunk * HV + hv. */
+struct KdaSaveBufs {
+    bf16 *w, *u, *qg, *kg, *Aqk; /* the forward workspace (kept for the backward) */
+    float *gl;
+    const int2 *chunks, *seqs;   /* device chunk tables (already filled) */
+    int nchunks;
+    float *Gs;   /* [cb][64][128] cumulative log-decay G (fp32) */
+    float *Xs;   /* [cb][64][64]  X = (I + beta P)^-1, upper part zero */
+    float *Ps;   /* [cb][64][64]  P[i][j] = sum_d k_i k_j e^(G_i - G_j), j < i (no beta) */
+    float *nqs, *nks, *bs; /* [cb][64] q row factor (l2 norm * scale), k row factor, beta */
+    bf16 *hs;    /* [cb][128][128] state at the chunk start (bf16) */
+    bf16 *vns;   /* [cb][64][128]  v' = u - w S (bf16) */
+};
+
+/* Validates the configuration for the CUDA path and sets c->N (kda_fwd.cu). */
+lm_status kda_cuda_check(lm_kda_config *c, const lm_kda_cuda_inputs *in, const void *o,
+                         lm_error *err);
+/* Number of 64-token chunks (c->N set) and the host chunk tables: chunks[nchunks]
+ * (t0, L), seqs[N] (first chunk, count). */
+int kda_cuda_nchunks(const lm_kda_config *c);
+void kda_cuda_chunk_tables(const lm_kda_config *c, int2 *chunks, int2 *seqs);
+/* The forward kernels; with sv != NULL its buffers and chunk tables are used and the
+ * training quantities saved, otherwise the cached workspace. Synchronous. */
+lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
+                               lm_kda_cuda_outputs *out, const KdaSaveBufs *sv, lm_error *err);
+
+#endif
