@@ -566,12 +566,18 @@ __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
 }
 
 /* ------------------------------------- b4: pair products, assembly, gate backward */
+/* Every pair term dA[r][i] q_r k_i e^(G_r - G_i) enters dG_r with + (row side) and
+ * dG_i with - (column side); the reverse cumulative sum cancels the two for every
+ * pair with both rows after j. So that they cancel to rounding, both sides use the
+ * same operands: dA and dP as bf16 (the same on both sides), the exponential factors
+ * as bf16 hi + lo (about fp32). */
 struct PairSmem {
     float G[BT][GS];
-    float dQ[BT][GS], dK[BT][GS], dG[BT][GS];
+    float dK[BT][GS], dG[BT][GS];
+    float dQb[16][GS]; /* dq of the current row block */
     bf16 qr[BT][RS], kr[BT][RS];
     bf16 dA[BT][AS], dPb[BT][AS];
-    bf16 opq[16][RS], opk[16][RS], opc[BT][RS];
+    bf16 opq[16][RS], opk[16][RS], opql[16][RS], opkl[16][RS], opc[BT][RS], opcl[BT][RS];
     float nq[BT], nk[BT], beta[BT], dgl[KD], red[NTB / 32];
 };
 
@@ -585,13 +591,13 @@ __global__ void __launch_bounds__(NTB) kda_bwd_pairs(BwdParams p) {
     const int64_t cb = (int64_t)ci * HV + hv;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
+    float *dQg = p.dQg + cb * BT * KD; /* dq (before the l2norm backward) is written in place */
     {
         const float *Gs = p.Gs + cb * BT * KD;
         for (int e = tid; e < BT * KD / 4; e += NTB) {
             const int i = e >> 5, d = (e & 31) * 4;
             *reinterpret_cast<float4 *>(&s.G[i][d]) = __ldg(reinterpret_cast<const float4 *>(Gs + i * KD + d));
             const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-            *reinterpret_cast<float4 *>(&s.dQ[i][d]) = z;
             *reinterpret_cast<float4 *>(&s.dK[i][d]) = z;
             *reinterpret_cast<float4 *>(&s.dG[i][d]) = z;
         }
@@ -614,93 +620,111 @@ __global__ void __launch_bounds__(NTB) kda_bwd_pairs(BwdParams p) {
     /* pair products by 16-row blocks a (reference row: the one before the block) */
     for (int a = 0; a < 4; a++) {
         const int ncols = p.shared_diag ? 16 * (a + 1) : 16 * a;
-        if (ncols == 0)
-            continue;
         __syncthreads();
-        for (int e = tid; e < (32 + ncols) * (KD / 8); e += NTB) {
-            const int r = e / (KD / 8), d0 = (e % (KD / 8)) * 8;
-            float ra[8], gr[8], x8[8], f[8];
-            if (a)
-                ld8f(ra, &s.G[a * 16 - 1][d0]);
-            else
+        for (int e = tid; e < 16 * KD / 4; e += NTB) {
+            const int r = e >> 5, d = (e & 31) * 4;
+            *reinterpret_cast<float4 *>(&s.dQb[r][d]) = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        if (ncols > 0) {
+            for (int e = tid; e < (32 + ncols) * (KD / 8); e += NTB) {
+                const int r = e / (KD / 8), d0 = (e % (KD / 8)) * 8;
+                float ra[8], gr[8], x8[8], f[8], lo[8];
+                if (a)
+                    ld8f(ra, &s.G[a * 16 - 1][d0]);
+                else
+#pragma unroll
+                    for (int x = 0; x < 8; x++)
+                        ra[x] = 0.0f;
+                bf16 *dst, *dstl;
+                if (r < 32) {
+                    const int i = a * 16 + (r & 15);
+                    const bool isq = r < 16;
+                    ld8h(x8, isq ? &s.qr[i][d0] : &s.kr[i][d0]);
+                    ld8f(gr, &s.G[i][d0]);
+                    dst = isq ? &s.opq[r][d0] : &s.opk[r - 16][d0];
+                    dstl = isq ? &s.opql[r][d0] : &s.opkl[r - 16][d0];
+                    const float n = isq ? s.nq[i] : s.nk[i];
+#pragma unroll
+                    for (int x = 0; x < 8; x++)
+                        f[x] = x8[x] * n * __expf(gr[x] - ra[x]);
+                } else {
+                    const int j = r - 32;
+                    ld8h(x8, &s.kr[j][d0]);
+                    ld8f(gr, &s.G[j][d0]);
+                    dst = &s.opc[j][d0];
+                    dstl = &s.opcl[j][d0];
+                    const float n = s.nk[j];
+#pragma unroll
+                    for (int x = 0; x < 8; x++)
+                        f[x] = x8[x] * n * __expf(ra[x] - gr[x]);
+                }
 #pragma unroll
                 for (int x = 0; x < 8; x++)
-                    ra[x] = 0.0f;
-            bf16 *dst;
-            if (r < 32) {
-                const int i = a * 16 + (r & 15);
-                const bool isq = r < 16;
-                ld8h(x8, isq ? &s.qr[i][d0] : &s.kr[i][d0]);
-                ld8f(gr, &s.G[i][d0]);
-                dst = isq ? &s.opq[r][d0] : &s.opk[r - 16][d0];
-                const float n = isq ? s.nq[i] : s.nk[i];
-#pragma unroll
-                for (int x = 0; x < 8; x++)
-                    f[x] = x8[x] * n * __expf(gr[x] - ra[x]);
-            } else {
-                const int j = r - 32;
-                ld8h(x8, &s.kr[j][d0]);
-                ld8f(gr, &s.G[j][d0]);
-                dst = &s.opc[j][d0];
-                const float n = s.nk[j];
-#pragma unroll
-                for (int x = 0; x < 8; x++)
-                    f[x] = x8[x] * n * __expf(ra[x] - gr[x]);
+                    lo[x] = f[x] - __bfloat162float(__float2bfloat16(f[x]));
+                st8h(dst, f);
+                st8h(dstl, lo);
             }
-            st8h(dst, f);
+            __syncthreads();
+            /* row side: rows of block a, warp = 16-channel slice: dq += (dAqk Z) e^(G - r_a),
+             * dk += (dP Z) e^(G - r_a), dG += q dq + k dk */
+            {
+                float aq[2][4], ak[2][4];
+                zero_acc<2>(aq);
+                zero_acc<2>(ak);
+                wmma<1, false, false>(aq, &s.dA[0][0], AS, a * 16, 0, &s.opc[0][0], RS, warp * 16, 0,
+                                      ncols / 16, lane);
+                wmma<1, false, false>(aq, &s.dA[0][0], AS, a * 16, 0, &s.opcl[0][0], RS, warp * 16, 0,
+                                      ncols / 16, lane);
+                wmma<1, false, false>(ak, &s.dPb[0][0], AS, a * 16, 0, &s.opc[0][0], RS, warp * 16, 0,
+                                      ncols / 16, lane);
+                wmma<1, false, false>(ak, &s.dPb[0][0], AS, a * 16, 0, &s.opcl[0][0], RS, warp * 16, 0,
+                                      ncols / 16, lane);
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int rl = g + (e >> 1) * 8, r = a * 16 + rl;
+                        const int d = warp * 16 + nt * 8 + 2 * t + (e & 1);
+                        const float f = __expf(s.G[r][d] - (a ? s.G[a * 16 - 1][d] : 0.0f));
+                        const float vq = aq[nt][e] * f, vk = ak[nt][e] * f;
+                        s.dQb[rl][d] += vq;
+                        s.dK[r][d] += vk;
+                        s.dG[r][d] += __bfloat162float(s.qr[r][d]) * s.nq[r] * vq +
+                                      __bfloat162float(s.kr[r][d]) * s.nk[r] * vk;
+                    }
+            }
+            __syncthreads();
+            /* column side: key rows j < ncols: dk_j += (dAqk^T Xq + dP^T Xk) e^(r_a - G_j),
+             * dG_j -= k_j dk_j */
+            for (int job = warp; job < 2 * (ncols / 16); job += NTB / 32) {
+                const int jb = job >> 1, half = job & 1;
+                float acc[8][4];
+                zero_acc<8>(acc);
+                wmma<4, true, false>(acc, &s.dA[0][0], AS, jb * 16, a * 16, &s.opq[0][0], RS,
+                                     half * 64, 0, 1, lane);
+                wmma<4, true, false>(acc, &s.dA[0][0], AS, jb * 16, a * 16, &s.opql[0][0], RS,
+                                     half * 64, 0, 1, lane);
+                wmma<4, true, false>(acc, &s.dPb[0][0], AS, jb * 16, a * 16, &s.opk[0][0], RS,
+                                     half * 64, 0, 1, lane);
+                wmma<4, true, false>(acc, &s.dPb[0][0], AS, jb * 16, a * 16, &s.opkl[0][0], RS,
+                                     half * 64, 0, 1, lane);
+#pragma unroll
+                for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int j = jb * 16 + g + (e >> 1) * 8;
+                        const int d = half * 64 + nt * 8 + 2 * t + (e & 1);
+                        const float f = __expf((a ? s.G[a * 16 - 1][d] : 0.0f) - s.G[j][d]);
+                        const float v = acc[nt][e] * f;
+                        s.dK[j][d] += v;
+                        s.dG[j][d] -= __bfloat162float(s.kr[j][d]) * s.nk[j] * v;
+                    }
+            }
         }
         __syncthreads();
-        /* row side: rows of block a, warp = 16-channel slice: dq += (dAqk Z) e^(G - r_a),
-         * dk += (dP Z) e^(G - r_a), dG += q dq + k dk */
-        {
-            float aq[2][4], ak[2][4];
-            zero_acc<2>(aq);
-            zero_acc<2>(ak);
-            wmma<1, false, false>(aq, &s.dA[0][0], AS, a * 16, 0, &s.opc[0][0], RS, warp * 16, 0,
-                                  ncols / 16, lane);
-            wmma<1, false, false>(ak, &s.dPb[0][0], AS, a * 16, 0, &s.opc[0][0], RS, warp * 16, 0,
-                                  ncols / 16, lane);
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int r = a * 16 + g + (e >> 1) * 8, d = warp * 16 + nt * 8 + 2 * t + (e & 1);
-                    const float f = __expf(s.G[r][d] - (a ? s.G[a * 16 - 1][d] : 0.0f));
-                    const float vq = aq[nt][e] * f, vk = ak[nt][e] * f;
-                    s.dQ[r][d] += vq;
-                    s.dK[r][d] += vk;
-                    s.dG[r][d] += __bfloat162float(s.qr[r][d]) * s.nq[r] * vq +
-                                  __bfloat162float(s.kr[r][d]) * s.nk[r] * vk;
-                }
-        }
-        __syncthreads();
-        /* column side: key rows j < ncols: dk_j += (dAqk^T Xq + dP^T Xk) e^(r_a - G_j),
-         * dG_j -= k_j dk_j */
-        for (int job = warp; job < 2 * (ncols / 16); job += NTB / 32) {
-            const int jb = job >> 1, half = job & 1;
-            float acc[8][4];
-            zero_acc<8>(acc);
-            wmma<4, true, false>(acc, &s.dA[0][0], AS, jb * 16, a * 16, &s.opq[0][0], RS, half * 64,
-                                 0, 1, lane);
-            wmma<4, true, false>(acc, &s.dPb[0][0], AS, jb * 16, a * 16, &s.opk[0][0], RS, half * 64,
-                                 0, 1, lane);
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int j = jb * 16 + g + (e >> 1) * 8, d = half * 64 + nt * 8 + 2 * t + (e & 1);
-                    const float f = __expf((a ? s.G[a * 16 - 1][d] : 0.0f) - s.G[j][d]);
-                    const float v = acc[nt][e] * f;
-                    s.dK[j][d] += v;
-                    s.dG[j][d] -= __bfloat162float(s.kr[j][d]) * s.nk[j] * v;
-                }
-        }
-    }
-    __syncthreads();
-    if (!p.shared_diag) { /* diagonal blocks per pair in fp32: thread (block a, channel d) */
-        const float *dA = p.dAqk + cb * BT * BT, *dP = p.dP + cb * BT * BT;
-        for (int it = tid; it < 4 * KD; it += NTB) {
-            const int a = it >> 7, d = it & 127, o = a * 16;
+        if (!p.shared_diag && tid < KD) { /* diagonal block per pair in fp32: thread = channel */
+            const float *dA = p.dAqk + cb * BT * BT, *dP = p.dP + cb * BT * BT;
+            const int d = tid, o = a * 16;
             float qv[16], kv[16], Gv[16], dq[16], dkr[16], dkc[16];
 #pragma unroll
             for (int r = 0; r < 16; r++) {
@@ -722,38 +746,44 @@ __global__ void __launch_bounds__(NTB) kda_bwd_pairs(BwdParams p) {
                 }
 #pragma unroll
             for (int r = 0; r < 16; r++) {
-                s.dQ[o + r][d] += dq[r];
+                s.dQb[r][d] += dq[r];
                 s.dK[o + r][d] += dkr[r] + dkc[r];
                 s.dG[o + r][d] += qv[r] * dq[r] + kv[r] * (dkr[r] - dkc[r]);
             }
         }
         __syncthreads();
+        /* rows of block a, q side: dq = dQb + dQg e^G (in place of dQg); dG += dQg Qg */
+        for (int e = tid; e < 16 * KD; e += NTB) {
+            const int rl = e >> 7, d = e & 127, r = a * 16 + rl;
+            const float eg = __expf(s.G[r][d]);
+            const float x = dQg[r * KD + d];
+            dQg[r * KD + d] = s.dQb[rl][d] + x * eg;
+            s.dG[r][d] += x * __bfloat162float(s.qr[r][d]) * s.nq[r] * eg;
+        }
     }
-    /* assembly: dq = dQ + dQg e^G; dk = dK + dKg e^G + dKd e^(Gl - G);
-     * dG += dQg Qg + dKg Kg - dKd Kd; dGl += sum_r dKd Kd */
+    __syncthreads();
+    /* assembly (k side): dk = dK + dKg e^G + dKd e^(Gl - G); dG += dKg Kg - dKd Kd;
+     * dGl += sum_r dKd Kd */
     {
-        const float *dQg = p.dQg + cb * BT * KD, *dKd = p.dKd + cb * BT * KD, *dKg = p.dKg + cb * BT * KD;
+        const float *dKd = p.dKd + cb * BT * KD, *dKg = p.dKg + cb * BT * KD;
         const int d0 = (tid & 15) * 8, rr = tid >> 4;
         float gsum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int m = 0; m < 4; m++) {
             const int r = rr + 16 * m;
-            float a[8], b[8], c8[8], G8[8], Gl[8], xq[8], xk[8];
-            ld8f(a, dQg + r * KD + d0);
+            float b[8], c8[8], G8[8], Gl[8], xk[8];
             ld8f(b, dKd + r * KD + d0);
             ld8f(c8, dKg + r * KD + d0);
             ld8f(G8, &s.G[r][d0]);
             ld8f(Gl, &s.G[BT - 1][d0]);
-            ld8h(xq, &s.qr[r][d0]);
             ld8h(xk, &s.kr[r][d0]);
-            const float nq = s.nq[r], nk = s.nk[r];
+            const float nk = s.nk[r];
 #pragma unroll
             for (int x = 0; x < 8; x++) {
                 const float eg = __expf(G8[x]), ed = __expf(Gl[x] - G8[x]);
-                const float qh = xq[x] * nq, kh = xk[x] * nk;
-                s.dQ[r][d0 + x] += a[x] * eg;
+                const float kh = xk[x] * nk;
                 s.dK[r][d0 + x] += c8[x] * eg + b[x] * ed;
                 const float kd = b[x] * kh * ed;
-                s.dG[r][d0 + x] += a[x] * qh * eg + c8[x] * kh * eg - kd;
+                s.dG[r][d0 + x] += c8[x] * kh * eg - kd;
                 gsum[x] += kd;
             }
         }
@@ -889,7 +919,7 @@ __global__ void __launch_bounds__(NTB) kda_bwd_pairs(BwdParams p) {
             float xq[8], xk[8], dq[8], dk[8];
             ld8h(xq, &s.qr[r][d0]);
             ld8h(xk, &s.kr[r][d0]);
-            ld8f(dq, &s.dQ[r][d0]);
+            ld8f(dq, dQg + r * KD + d0);
             ld8f(dk, &s.dK[r][d0]);
             const float rq = s.nq[r] / p.scale, rk = s.nk[r];
             float sq = 0.0f, sk = 0.0f;
