@@ -54,7 +54,7 @@ struct BwdParams {
     const float *dht;
     /* scratch */
     bf16 *dO, *dh, *dvn, *dW;
-    float *dAqk, *dQg, *dKd, *dgam, *dKg, *dP, *dbp, *dqs, *dks;
+    float *dAqk, *dQg, *dKd, *dgam, *dKg, *dP, *dbp, *dqs, *dks, *dgs;
     /* outputs */
     bf16 *dq, *dk, *dv, *dg, *dbeta;
     float *dh0, *dA_log, *ddt_bias;
@@ -566,417 +566,423 @@ __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
 }
 
 /* ------------------------------------- b4: pair products, assembly, gate backward */
-/* Every pair term dA[r][i] q_r k_i e^(G_r - G_i) enters dG_r with + (row side) and
+/* One CTA per (chunk, value head, slice of CW channels): the pair products are
+ * separable over channels, so a CTA needs only its slice (2 CTAs per SM).
+ * Every pair term dA[r][i] q_r k_i e^(G_r - G_i) enters dG_r with + (row side) and
  * dG_i with - (column side); the reverse cumulative sum cancels the two for every
- * pair with both rows after j. So that they cancel to rounding, both sides use the
- * same operands: dA and dP as bf16 (the same on both sides), the exponential factors
- * as bf16 hi + lo (about fp32). */
+ * pair with both rows after j. So that they cancel to rounding, the exponential
+ * factors enter as bf16 hi + lo (about fp32); dA and dP are bf16 on both sides.
+ *
+ * Operands per 16-row block a with r_a = G at the row before the block (r_0 = 0) and
+ * r_{a+1} = G at its last row, all factors <= 1 except the bounded gate's diagonal:
+ *   Q = q e^(G - r_a), K = k e^(G - r_a), Zd = k e^(r_a - G) (diagonal, <= e^(16|lb|)),
+ *   Zc = k e^(r_{a+1} - G).
+ * Row side of block a (warp a): sum over column blocks b < a of dA_ab Zc_b e^(r_a -
+ * r_{b+1}), accumulated in registers by Horner steps (acc *= e^(r_{b+1} - r_b) <= 1
+ * before adding block b), plus dA_aa Zd_a; then times e^(G_r - r_a).
+ * Column side of block a: sum over row blocks a' > a of (dA_a'a^T Q_a' + dP_a'a^T K_a')
+ * e^(r_a' - r_{a+1}) (Horner from a' = 3 down), times e^(r_{a+1} - G_j); plus the
+ * diagonal (dA_aa^T Q_a + dP_aa^T K_a) e^(r_a - G_j). Other gates: the diagonal
+ * blocks per pair in fp32 (lane = channel). */
+#define CW 32       /* channels per CTA */
+#define CWS 40      /* bf16 row stride of the operand tiles */
+#define OS 36       /* fp32 row stride of the slice tiles */
+#define NTP 128     /* threads: warp a = row block a */
+
 struct PairSmem {
-    float G[BT][GS];
-    float dK[BT][GS], dG[BT][GS];
-    float dQb[16][GS]; /* dq of the current row block */
-    bf16 qr[BT][RS], kr[BT][RS];
+    bf16 op[8][BT][CWS]; /* Q hi, lo; K hi, lo; Zd hi, lo; Zc hi, lo */
     bf16 dA[BT][AS], dPb[BT][AS];
-    bf16 opq[16][RS], opk[16][RS], opql[16][RS], opkl[16][RS], opc[BT][RS], opcl[BT][RS];
-    float nq[BT], nk[BT], beta[BT], dgl[KD], red[NTB / 32];
+    float G[BT][OS];
+    float out[3][BT][OS]; /* dq, dk (row side), dk (column side); later dG */
+    float rr[5][CW];
+    float nq[BT], nk[BT], red[4][CW], redw[4];
 };
 
-__global__ void __launch_bounds__(NTB) kda_bwd_pairs(BwdParams p) {
+__device__ __forceinline__ void scale_acc(float (*acc)[4], const float *m, int t) {
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            acc[nt][e] *= m[nt * 8 + 2 * t + (e & 1)];
+}
+
+__device__ __forceinline__ float gate_bwd(const BwdParams &p, float x, float bias, float ga, float dg,
+                                          float &dAl) {
+    if (p.gate == LM_GATE_SOFTPLUS) {
+        const float z = x + bias;
+        const float gv = -ga * (z > 20.0f ? z : log1pf(__expf(z)));
+        if (gv < -87.33f) /* e^g underflows: the forward does not depend on this g */
+            return 0.0f;
+        dAl += dg * gv;
+        return -ga * (z > 20.0f ? 1.0f : sigmoidf_(z)) * dg;
+    }
+    if (p.gate == LM_GATE_BOUNDED) {
+        const float z = x + bias;
+        const float sg = sigmoidf_(ga * z);
+        const float dz = dg * p.lb * sg * (1.0f - sg) * ga;
+        dAl += dz * z;
+        return dz;
+    }
+    return x < -87.33f ? 0.0f : dg;
+}
+
+__global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     PairSmem &s = *reinterpret_cast<PairSmem *>(smem_raw);
-    const int ci = blockIdx.x, hv = blockIdx.y;
+    const int ci = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * CW;
     const int2 ch = p.chunks[ci];
     const int t0 = ch.x, L = ch.y;
     const int K = p.K, HV = p.HV, H = p.H, h = hv / p.grp;
     const int64_t cb = (int64_t)ci * HV + hv;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    float *dQg = p.dQg + cb * BT * KD; /* dq (before the l2norm backward) is written in place */
-    {
-        const float *Gs = p.Gs + cb * BT * KD;
-        for (int e = tid; e < BT * KD / 4; e += NTB) {
-            const int i = e >> 5, d = (e & 31) * 4;
-            *reinterpret_cast<float4 *>(&s.G[i][d]) = __ldg(reinterpret_cast<const float4 *>(Gs + i * KD + d));
-            const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-            *reinterpret_cast<float4 *>(&s.dK[i][d]) = z;
-            *reinterpret_cast<float4 *>(&s.dG[i][d]) = z;
-        }
-        const float *dA = p.dAqk + cb * BT * BT, *dP = p.dP + cb * BT * BT;
-        for (int e = tid; e < BT * BT; e += NTB) {
-            const int i = e >> 6, j = e & 63;
-            s.dA[i][j] = __float2bfloat16(dA[e]);
-            s.dPb[i][j] = __float2bfloat16(dP[e]);
-        }
-        if (tid < BT) {
-            s.nq[tid] = p.nqs[cb * BT + tid];
-            s.nk[tid] = p.nks[cb * BT + tid];
-            s.beta[tid] = p.bs[cb * BT + tid];
-        }
-        if (tid < KD)
-            s.dgl[tid] = 0.0f;
-        load_rows(s.qr, p.q, t0, L, H, h, K, tid);
-        load_rows(s.kr, p.k, t0, L, H, h, K, tid);
-    }
-    /* pair products by 16-row blocks a (reference row: the one before the block) */
-    for (int a = 0; a < 4; a++) {
-        const int ncols = p.shared_diag ? 16 * (a + 1) : 16 * a;
-        __syncthreads();
-        for (int e = tid; e < 16 * KD / 4; e += NTB) {
-            const int r = e >> 5, d = (e & 31) * 4;
-            *reinterpret_cast<float4 *>(&s.dQb[r][d]) = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-        if (ncols > 0) {
-            for (int e = tid; e < (32 + ncols) * (KD / 8); e += NTB) {
-                const int r = e / (KD / 8), d0 = (e % (KD / 8)) * 8;
-                float ra[8], gr[8], x8[8], f[8], lo[8];
-                if (a)
-                    ld8f(ra, &s.G[a * 16 - 1][d0]);
-                else
-#pragma unroll
-                    for (int x = 0; x < 8; x++)
-                        ra[x] = 0.0f;
-                bf16 *dst, *dstl;
-                if (r < 32) {
-                    const int i = a * 16 + (r & 15);
-                    const bool isq = r < 16;
-                    ld8h(x8, isq ? &s.qr[i][d0] : &s.kr[i][d0]);
-                    ld8f(gr, &s.G[i][d0]);
-                    dst = isq ? &s.opq[r][d0] : &s.opk[r - 16][d0];
-                    dstl = isq ? &s.opql[r][d0] : &s.opkl[r - 16][d0];
-                    const float n = isq ? s.nq[i] : s.nk[i];
-#pragma unroll
-                    for (int x = 0; x < 8; x++)
-                        f[x] = x8[x] * n * __expf(gr[x] - ra[x]);
-                } else {
-                    const int j = r - 32;
-                    ld8h(x8, &s.kr[j][d0]);
-                    ld8f(gr, &s.G[j][d0]);
-                    dst = &s.opc[j][d0];
-                    dstl = &s.opcl[j][d0];
-                    const float n = s.nk[j];
-#pragma unroll
-                    for (int x = 0; x < 8; x++)
-                        f[x] = x8[x] * n * __expf(ra[x] - gr[x]);
-                }
-#pragma unroll
-                for (int x = 0; x < 8; x++)
-                    lo[x] = f[x] - __bfloat162float(__float2bfloat16(f[x]));
-                st8h(dst, f);
-                st8h(dstl, lo);
-            }
-            __syncthreads();
-            /* row side: rows of block a, warp = 16-channel slice: dq += (dAqk Z) e^(G - r_a),
-             * dk += (dP Z) e^(G - r_a), dG += q dq + k dk */
-            {
-                float aq[2][4], ak[2][4];
-                zero_acc<2>(aq);
-                zero_acc<2>(ak);
-                wmma<1, false, false>(aq, &s.dA[0][0], AS, a * 16, 0, &s.opc[0][0], RS, warp * 16, 0,
-                                      ncols / 16, lane);
-                wmma<1, false, false>(aq, &s.dA[0][0], AS, a * 16, 0, &s.opcl[0][0], RS, warp * 16, 0,
-                                      ncols / 16, lane);
-                wmma<1, false, false>(ak, &s.dPb[0][0], AS, a * 16, 0, &s.opc[0][0], RS, warp * 16, 0,
-                                      ncols / 16, lane);
-                wmma<1, false, false>(ak, &s.dPb[0][0], AS, a * 16, 0, &s.opcl[0][0], RS, warp * 16, 0,
-                                      ncols / 16, lane);
-#pragma unroll
-                for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int rl = g + (e >> 1) * 8, r = a * 16 + rl;
-                        const int d = warp * 16 + nt * 8 + 2 * t + (e & 1);
-                        const float f = __expf(s.G[r][d] - (a ? s.G[a * 16 - 1][d] : 0.0f));
-                        const float vq = aq[nt][e] * f, vk = ak[nt][e] * f;
-                        s.dQb[rl][d] += vq;
-                        s.dK[r][d] += vk;
-                        s.dG[r][d] += __bfloat162float(s.qr[r][d]) * s.nq[r] * vq +
-                                      __bfloat162float(s.kr[r][d]) * s.nk[r] * vk;
-                    }
-            }
-            __syncthreads();
-            /* column side: key rows j < ncols: dk_j += (dAqk^T Xq + dP^T Xk) e^(r_a - G_j),
-             * dG_j -= k_j dk_j */
-            for (int job = warp; job < 2 * (ncols / 16); job += NTB / 32) {
-                const int jb = job >> 1, half = job & 1;
-                float acc[8][4];
-                zero_acc<8>(acc);
-                wmma<4, true, false>(acc, &s.dA[0][0], AS, jb * 16, a * 16, &s.opq[0][0], RS,
-                                     half * 64, 0, 1, lane);
-                wmma<4, true, false>(acc, &s.dA[0][0], AS, jb * 16, a * 16, &s.opql[0][0], RS,
-                                     half * 64, 0, 1, lane);
-                wmma<4, true, false>(acc, &s.dPb[0][0], AS, jb * 16, a * 16, &s.opk[0][0], RS,
-                                     half * 64, 0, 1, lane);
-                wmma<4, true, false>(acc, &s.dPb[0][0], AS, jb * 16, a * 16, &s.opkl[0][0], RS,
-                                     half * 64, 0, 1, lane);
-#pragma unroll
-                for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int j = jb * 16 + g + (e >> 1) * 8;
-                        const int d = half * 64 + nt * 8 + 2 * t + (e & 1);
-                        const float f = __expf((a ? s.G[a * 16 - 1][d] : 0.0f) - s.G[j][d]);
-                        const float v = acc[nt][e] * f;
-                        s.dK[j][d] += v;
-                        s.dG[j][d] -= __bfloat162float(s.kr[j][d]) * s.nk[j] * v;
-                    }
-            }
-        }
-        __syncthreads();
-        if (!p.shared_diag && tid < KD) { /* diagonal block per pair in fp32: thread = channel */
-            const float *dA = p.dAqk + cb * BT * BT, *dP = p.dP + cb * BT * BT;
-            const int d = tid, o = a * 16;
-            float qv[16], kv[16], Gv[16], dq[16], dkr[16], dkc[16];
-#pragma unroll
-            for (int r = 0; r < 16; r++) {
-                qv[r] = __bfloat162float(s.qr[o + r][d]) * s.nq[o + r];
-                kv[r] = __bfloat162float(s.kr[o + r][d]) * s.nk[o + r];
-                Gv[r] = s.G[o + r][d];
-                dq[r] = dkr[r] = dkc[r] = 0.0f;
-            }
-#pragma unroll
-            for (int r = 0; r < 16; r++)
-#pragma unroll
-                for (int i = 0; i <= r; i++) {
-                    const float aq = __ldg(dA + (o + r) * BT + o + i);
-                    const float ap = i < r ? __ldg(dP + (o + r) * BT + o + i) : 0.0f;
-                    const float e = __expf(Gv[r] - Gv[i]);
-                    dq[r] += aq * kv[i] * e;
-                    dkr[r] += ap * kv[i] * e;
-                    dkc[i] += (aq * qv[r] + ap * kv[r]) * e;
-                }
-#pragma unroll
-            for (int r = 0; r < 16; r++) {
-                s.dQb[r][d] += dq[r];
-                s.dK[o + r][d] += dkr[r] + dkc[r];
-                s.dG[o + r][d] += qv[r] * dq[r] + kv[r] * (dkr[r] - dkc[r]);
-            }
-        }
-        __syncthreads();
-        /* rows of block a, q side: dq = dQb + dQg e^G (in place of dQg); dG += dQg Qg */
-        for (int e = tid; e < 16 * KD; e += NTB) {
-            const int rl = e >> 7, d = e & 127, r = a * 16 + rl;
-            const float eg = __expf(s.G[r][d]);
-            const float x = dQg[r * KD + d];
-            dQg[r * KD + d] = s.dQb[rl][d] + x * eg;
-            s.dG[r][d] += x * __bfloat162float(s.qr[r][d]) * s.nq[r] * eg;
-        }
-    }
-    __syncthreads();
-    /* assembly (k side): dk = dK + dKg e^G + dKd e^(Gl - G); dG += dKg Kg - dKd Kd;
-     * dGl += sum_r dKd Kd */
-    {
-        const float *dKd = p.dKd + cb * BT * KD, *dKg = p.dKg + cb * BT * KD;
-        const int d0 = (tid & 15) * 8, rr = tid >> 4;
-        float gsum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int m = 0; m < 4; m++) {
-            const int r = rr + 16 * m;
-            float b[8], c8[8], G8[8], Gl[8], xk[8];
-            ld8f(b, dKd + r * KD + d0);
-            ld8f(c8, dKg + r * KD + d0);
-            ld8f(G8, &s.G[r][d0]);
-            ld8f(Gl, &s.G[BT - 1][d0]);
-            ld8h(xk, &s.kr[r][d0]);
-            const float nk = s.nk[r];
-#pragma unroll
-            for (int x = 0; x < 8; x++) {
-                const float eg = __expf(G8[x]), ed = __expf(Gl[x] - G8[x]);
-                const float kh = xk[x] * nk;
-                s.dK[r][d0 + x] += c8[x] * eg + b[x] * ed;
-                const float kd = b[x] * kh * ed;
-                s.dG[r][d0 + x] += c8[x] * kh * eg - kd;
-                gsum[x] += kd;
-            }
-        }
-#pragma unroll
-        for (int x = 0; x < 8; x++)
-            atomicAdd(&s.dgl[d0 + x], gsum[x]);
-    }
-    __syncthreads();
-    if (tid < KD)
-        s.dG[BT - 1][tid] += s.dgl[tid] + p.dgam[cb * KD + tid] * p.gl[cb * KD + tid];
-    __syncthreads();
-    /* reverse cumulative sum over rows: dg_j = sum_{r >= j} dG_r (thread: channel, half) */
-    {
-        const int d = tid & (KD - 1), seg = tid >> 7;
-        float gv[32];
-#pragma unroll
-        for (int x = 0; x < 32; x++)
-            gv[x] = s.dG[seg * 32 + x][d];
-#pragma unroll
-        for (int x = 30; x >= 0; x--)
-            gv[x] += gv[x + 1];
-        __syncthreads();
-        if (seg == 1)
-            s.dgl[d] = gv[0];
-        __syncthreads();
-        const float base = seg ? 0.0f : s.dgl[d];
-#pragma unroll
-        for (int x = 0; x < 32; x++)
-            s.dG[seg * 32 + x][d] = gv[x] + base;
-    }
-    __syncthreads();
-    /* gate backward, dg out; dA_log and ddt_bias partial sums */
-    const float ga = p.A_log ? __expf(p.A_log[hv]) : 1.0f;
-    float dAl = 0.0f;
-    if (!p.gdn) {
-        const int d = tid & (KD - 1), seg = tid >> 7;
-        const float bias = (p.dt_bias && d < K) ? p.dt_bias[hv * K + d] : 0.0f;
-        float dbias = 0.0f;
-        if (d < K) {
-            for (int r = seg * 32; r < seg * 32 + 32 && r < L; r++) {
-                const int64_t o = ((int64_t)(t0 + r) * HV + hv) * K + d;
-                const float x = __bfloat162float(p.g[o]);
-                float dg = s.dG[r][d], dz = dg;
-                if (p.gate == LM_GATE_SOFTPLUS) {
-                    const float z = x + bias;
-                    const float sp = z > 20.0f ? z : log1pf(__expf(z));
-                    const float gv = -ga * sp;
-                    if (gv < -87.33f)
-                        dg = 0.0f;
-                    dz = -ga * (z > 20.0f ? 1.0f : sigmoidf_(z)) * dg;
-                    dAl += dg * gv;
-                } else if (p.gate == LM_GATE_BOUNDED) {
-                    const float z = x + bias;
-                    const float sg = sigmoidf_(ga * z);
-                    dz = dg * p.lb * sg * (1.0f - sg) * ga;
-                    dAl += dz * z;
-                } else if (x < -87.33f) {
-                    dz = 0.0f;
-                }
-                dbias += dz;
-                if (p.dg)
-                    p.dg[o] = __float2bfloat16(dz);
-            }
-            if (p.ddt_bias)
-                atomicAdd(&p.ddt_bias[hv * K + d], dbias);
-        }
-    } else {
-        /* GDN: the scalar gate's gradient is the sum over channels; warp w: rows 8w.. */
-        float dbias = 0.0f;
-        for (int r = warp * 8; r < warp * 8 + 8; r++) {
-            float acc = 0.0f;
-            for (int d = lane; d < K; d += 32)
-                acc += s.dG[r][d];
-#pragma unroll
-            for (int o = 16; o; o >>= 1)
-                acc += __shfl_xor_sync(0xffffffffu, acc, o);
-            if (lane == 0 && r < L) {
-                const int64_t o = (int64_t)(t0 + r) * HV + hv;
-                const float x = __bfloat162float(p.g[o]);
-                const float bias = p.dt_bias ? p.dt_bias[hv] : 0.0f;
-                float dg = acc, dz = dg;
-                if (p.gate == LM_GATE_SOFTPLUS) {
-                    const float z = x + bias;
-                    const float gv = -ga * (z > 20.0f ? z : log1pf(__expf(z)));
-                    if (gv < -87.33f)
-                        dg = 0.0f;
-                    dz = -ga * (z > 20.0f ? 1.0f : sigmoidf_(z)) * dg;
-                    dAl += dg * gv;
-                } else if (p.gate == LM_GATE_BOUNDED) {
-                    const float z = x + bias;
-                    const float sg = sigmoidf_(ga * z);
-                    dz = dg * p.lb * sg * (1.0f - sg) * ga;
-                    dAl += dz * z;
-                } else if (x < -87.33f) {
-                    dz = 0.0f;
-                }
-                dbias += dz;
-                if (p.dg)
-                    p.dg[o] = __float2bfloat16(dz);
-            }
-        }
-        if (lane == 0 && p.ddt_bias && dbias != 0.0f)
-            atomicAdd(&p.ddt_bias[hv], dbias);
-    }
-    if (p.dA_log) {
-#pragma unroll
-        for (int o = 16; o; o >>= 1)
-            dAl += __shfl_xor_sync(0xffffffffu, dAl, o);
-        if (lane == 0)
-            s.red[warp] = dAl;
-        __syncthreads();
-        if (tid == 0) {
-            float x = 0.0f;
-            for (int w = 0; w < NTB / 32; w++)
-                x += s.red[w];
-            atomicAdd(&p.dA_log[hv], x);
-        }
-    }
-    /* beta (sigmoid) backward */
-    if (tid < L && p.dbeta) {
+    if (blockIdx.z == 0 && tid < L && p.dbeta) { /* beta (sigmoid) backward */
         float db = p.dbp[cb * BT + tid];
         if (p.sig) {
-            const float b = s.beta[tid];
+            const float b = p.bs[cb * BT + tid];
             db *= b * (1.0f - b);
         }
         p.dbeta[(int64_t)(t0 + tid) * HV + hv] = __float2bfloat16(db);
     }
-    /* l2norm / scale backward of q and k; 16 lanes per row, 8 channels each */
+    if (c0 >= K)
+        return;
+    const int d = c0 + lane; /* this lane's channel in the lane = channel phases */
+    const bool dok = d < K;
+    /* 1. loads: G slice, dA / dP as bf16, row factors */
     {
-        const int d0 = (tid & 15) * 8, rr = tid >> 4;
-        for (int m = 0; m < 4; m++) {
-            const int r = rr + 16 * m;
-            float xq[8], xk[8], dq[8], dk[8];
-            ld8h(xq, &s.qr[r][d0]);
-            ld8h(xk, &s.kr[r][d0]);
-            ld8f(dq, dQg + r * KD + d0);
-            ld8f(dk, &s.dK[r][d0]);
-            const float rq = s.nq[r] / p.scale, rk = s.nk[r];
-            float sq = 0.0f, sk = 0.0f;
+        const float *Gs = p.Gs + cb * BT * KD + c0;
+        for (int r = warp; r < BT; r += 4)
+            s.G[r][lane] = Gs[r * KD + lane];
+        const float *dA = p.dAqk + cb * BT * BT, *dP = p.dP + cb * BT * BT;
+        for (int e = tid; e < BT * BT / 4; e += NTP) {
+            const int i = e >> 4, j = (e & 15) * 4;
+            const float4 a = __ldg(reinterpret_cast<const float4 *>(dA + i * BT + j));
+            const float4 b = __ldg(reinterpret_cast<const float4 *>(dP + i * BT + j));
+            *reinterpret_cast<uint2 *>(&s.dA[i][j]) = make_uint2(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w));
+            *reinterpret_cast<uint2 *>(&s.dPb[i][j]) = make_uint2(pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
+        }
+        if (tid < BT) {
+            s.nq[tid] = p.nqs[cb * BT + tid];
+            s.nk[tid] = p.nks[cb * BT + tid];
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < 5 * CW; e += NTP) {
+        const int a = e / CW, x = e % CW;
+        s.rr[a][x] = a ? s.G[a * 16 - 1][x] : 0.0f;
+    }
+    __syncthreads();
+    /* 2. operands (lane = channel, warp = rows) */
+    for (int r = warp; r < BT; r += 4) {
+        const int a = r >> 4;
+        float qv = 0.0f, kv = 0.0f;
+        if (r < L && dok) {
+            const int64_t o = ((int64_t)(t0 + r) * H + h) * K + d;
+            qv = __bfloat162float(p.q[o]) * s.nq[r];
+            kv = __bfloat162float(p.k[o]) * s.nk[r];
+        }
+        const float G = s.G[r][lane], ra = s.rr[a][lane], rn = s.rr[a + 1][lane];
+        const float eg = __expf(G - ra);
+        float f[4] = {qv * eg, kv * eg, p.shared_diag ? kv * __expf(ra - G) : 0.0f, kv * __expf(rn - G)};
 #pragma unroll
-            for (int x = 0; x < 8; x++) {
-                dq[x] *= p.scale; /* d/dy with q_hat = scale y */
-                sq += xq[x] * rq * dq[x];
-                sk += xk[x] * rk * dk[x];
+        for (int m = 0; m < 4; m++)
+            split_bf16(f[m], s.op[2 * m][r][lane], s.op[2 * m + 1][r][lane]);
+    }
+    __syncthreads();
+    /* 3. row and column sides of block a = warp */
+    const int a = warp;
+    {
+        float aq[4][4], ak[4][4], ac[4][4], ad[4][4];
+        zero_acc<4>(aq);
+        zero_acc<4>(ak);
+        zero_acc<4>(ac);
+        zero_acc<4>(ad);
+        for (int b = 0; b < a; b++) {
+            if (b > 0) {
+                float m[CW];
+#pragma unroll
+                for (int x = 0; x < CW; x++)
+                    m[x] = 0.0f;
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int x = nt * 8 + 2 * t + e;
+                        m[x] = __expf(s.rr[b + 1][x] - s.rr[b][x]);
+                    }
+                scale_acc(aq, m, t);
+                scale_acc(ak, m, t);
             }
 #pragma unroll
-            for (int o = 1; o < 16; o <<= 1) {
-                sq += __shfl_xor_sync(0xffffffffu, sq, o);
-                sk += __shfl_xor_sync(0xffffffffu, sk, o);
+            for (int hl = 0; hl < 2; hl++) {
+                wmma<2, false, false>(aq, &s.dA[0][0], AS, a * 16, b * 16, &s.op[6 + hl][0][0], CWS, 0,
+                                      b * 16, 1, lane);
+                wmma<2, false, false>(ak, &s.dPb[0][0], AS, a * 16, b * 16, &s.op[6 + hl][0][0], CWS, 0,
+                                      b * 16, 1, lane);
             }
-            if (r >= L)
-                continue;
+        }
+        if (p.shared_diag) {
 #pragma unroll
-            for (int x = 0; x < 8; x++) {
-                if (p.l2) { /* y = x r: dx = r (dy - y (y . dy)) */
-                    dq[x] = rq * (dq[x] - xq[x] * rq * sq);
-                    dk[x] = rk * (dk[x] - xk[x] * rk * sk);
-                }
+            for (int hl = 0; hl < 2; hl++) {
+                wmma<2, false, false>(aq, &s.dA[0][0], AS, a * 16, a * 16, &s.op[4 + hl][0][0], CWS, 0,
+                                      a * 16, 1, lane);
+                wmma<2, false, false>(ak, &s.dPb[0][0], AS, a * 16, a * 16, &s.op[4 + hl][0][0], CWS, 0,
+                                      a * 16, 1, lane);
+                wmma<2, true, false>(ad, &s.dA[0][0], AS, a * 16, a * 16, &s.op[0 + hl][0][0], CWS, 0,
+                                     a * 16, 1, lane);
+                wmma<2, true, false>(ad, &s.dPb[0][0], AS, a * 16, a * 16, &s.op[2 + hl][0][0], CWS, 0,
+                                     a * 16, 1, lane);
             }
-            const int64_t trow = t0 + r;
-            if (p.grp == 1) {
-                for (int x = 0; x < 8 && d0 + x < K; x++) {
-                    if (p.dq)
-                        p.dq[(trow * H + h) * K + d0 + x] = __float2bfloat16(dq[x]);
-                    if (p.dk)
-                        p.dk[(trow * H + h) * K + d0 + x] = __float2bfloat16(dk[x]);
-                }
-            } else {
-                for (int x = 0; x < 8 && d0 + x < K; x++) {
-                    p.dqs[(trow * HV + hv) * K + d0 + x] = dq[x];
-                    p.dks[(trow * HV + hv) * K + d0 + x] = dk[x];
-                }
+        }
+        for (int a2 = 3; a2 > a; a2--) {
+            if (a2 < 3) {
+                float m[CW];
+#pragma unroll
+                for (int x = 0; x < CW; x++)
+                    m[x] = 0.0f;
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int x = nt * 8 + 2 * t + e;
+                        m[x] = __expf(s.rr[a2 + 1][x] - s.rr[a2][x]);
+                    }
+                scale_acc(ac, m, t);
             }
+#pragma unroll
+            for (int hl = 0; hl < 2; hl++) {
+                wmma<2, true, false>(ac, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0 + hl][0][0], CWS, 0,
+                                     a2 * 16, 1, lane);
+                wmma<2, true, false>(ac, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[2 + hl][0][0], CWS, 0,
+                                     a2 * 16, 1, lane);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = a * 16 + g + (e >> 1) * 8, x = nt * 8 + 2 * t + (e & 1);
+                const float G = s.G[r][x];
+                const float fr = __expf(G - s.rr[a][x]);
+                s.out[0][r][x] = aq[nt][e] * fr;
+                s.out[1][r][x] = ak[nt][e] * fr;
+                float vc = ac[nt][e] * __expf(s.rr[a + 1][x] - G);
+                if (p.shared_diag)
+                    vc += ad[nt][e] * __expf(s.rr[a][x] - G);
+                s.out[2][r][x] = vc;
+            }
+    }
+    __syncwarp();
+    if (!p.shared_diag) { /* diagonal block per pair in fp32 (lane = channel) */
+        const float *dA = p.dAqk + cb * BT * BT, *dP = p.dP + cb * BT * BT;
+        const int o = a * 16;
+        float qv[16], kv[16], Gv[16], dq[16], dkr[16], dkc[16];
+#pragma unroll
+#pragma unroll
+        for (int r = 0; r < 16; r++) {
+            Gv[r] = s.G[o + r][lane];
+            qv[r] = kv[r] = dq[r] = dkr[r] = dkc[r] = 0.0f;
+        }
+        for (int r = 0; r < 16; r++) {
+            const int row = o + r;
+            if (row < L && dok) {
+                const int64_t off = ((int64_t)(t0 + row) * H + h) * K + d;
+                qv[r] = __bfloat162float(p.q[off]) * s.nq[row];
+                kv[r] = __bfloat162float(p.k[off]) * s.nk[row];
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 16; r++)
+#pragma unroll
+            for (int i = 0; i <= r; i++) {
+                const float aqv = __ldg(dA + (o + r) * BT + o + i);
+                const float apv = i < r ? __ldg(dP + (o + r) * BT + o + i) : 0.0f;
+                const float e = __expf(Gv[r] - Gv[i]);
+                dq[r] += aqv * kv[i] * e;
+                dkr[r] += apv * kv[i] * e;
+                dkc[i] += (aqv * qv[r] + apv * kv[r]) * e;
+            }
+#pragma unroll
+        for (int r = 0; r < 16; r++) {
+            s.out[0][o + r][lane] += dq[r];
+            s.out[1][o + r][lane] += dkr[r];
+            s.out[2][o + r][lane] += dkc[r];
+        }
+        __syncwarp();
+    }
+    /* 4. assembly (lane = channel, rows of block a):
+     * dq = dq_pair + dQg e^G;  dk = dk_row + dk_col + dKg e^G + dKd e^(Gl - G);
+     * dG = q dq_pair + k (dk_row - dk_col) + dQg Qg + dKg Kg - dKd Kd; dGl += sum dKd Kd */
+    {
+        const float *dQg = p.dQg + cb * BT * KD + c0, *dKd = p.dKd + cb * BT * KD + c0;
+        const float *dKg = p.dKg + cb * BT * KD + c0;
+        const float Gl = s.G[BT - 1][lane];
+        float gsum = 0.0f;
+        for (int r = a * 16; r < a * 16 + 16; r++) {
+            float qv = 0.0f, kv = 0.0f;
+            if (r < L && dok) {
+                const int64_t off = ((int64_t)(t0 + r) * H + h) * K + d;
+                qv = __bfloat162float(p.q[off]) * s.nq[r];
+                kv = __bfloat162float(p.k[off]) * s.nk[r];
+            }
+            const float G = s.G[r][lane], eg = __expf(G), ed = __expf(Gl - G);
+            const float xq = dQg[r * KD + lane], xd = dKd[r * KD + lane], xg = dKg[r * KD + lane];
+            const float pq = s.out[0][r][lane], pr = s.out[1][r][lane], pc = s.out[2][r][lane];
+            const float dq = pq + xq * eg;
+            const float dk = pr + pc + xg * eg + xd * ed;
+            const float kdd = xd * kv * ed;
+            s.out[0][r][lane] = qv * pq + kv * (pr - pc) + xq * qv * eg + xg * kv * eg - kdd;
+            gsum += kdd;
+            if (r < L && dok) {
+                const int64_t o2 = ((int64_t)(t0 + r) * HV + hv) * K + d;
+                p.dqs[o2] = dq;
+                p.dks[o2] = dk;
+            }
+        }
+        s.red[a][lane] = gsum;
+    }
+    __syncthreads();
+    if (warp == 3) {
+        const float x = s.red[0][lane] + s.red[1][lane] + s.red[2][lane] + s.red[3][lane];
+        s.out[0][BT - 1][lane] += dok ? x + p.dgam[cb * KD + d] * p.gl[cb * KD + d] : 0.0f;
+    }
+    __syncthreads();
+    /* 5. reverse cumulative sum over rows: within block a, then the later blocks' totals */
+    {
+        float acc = 0.0f;
+        for (int r = a * 16 + 15; r >= a * 16; r--) {
+            acc += s.out[0][r][lane];
+            s.out[0][r][lane] = acc;
+        }
+        s.red[a][lane] = acc;
+    }
+    __syncthreads();
+    float base = 0.0f;
+    for (int a2 = a + 1; a2 < 4; a2++)
+        base += s.red[a2][lane];
+    __syncthreads(); /* red is reused below */
+    /* 6. gate backward (KDA), or the per-row channel sum (GDN) */
+    const float ga = p.A_log ? __expf(p.A_log[hv]) : 1.0f;
+    float dAl = 0.0f;
+    if (!p.gdn) {
+        const float bias = (p.dt_bias && dok) ? p.dt_bias[hv * K + d] : 0.0f;
+        float dbias = 0.0f;
+        for (int r = a * 16; r < a * 16 + 16 && r < L; r++) {
+            if (!dok)
+                break;
+            const int64_t o = ((int64_t)(t0 + r) * HV + hv) * K + d;
+            const float dz = gate_bwd(p, __bfloat162float(p.g[o]), bias, ga, s.out[0][r][lane] + base, dAl);
+            dbias += dz;
+            if (p.dg)
+                p.dg[o] = __float2bfloat16(dz);
+        }
+        s.red[a][lane] = dbias; /* the previous reads of red are before the barrier above */
+        __syncthreads();
+        if (warp == 0 && p.ddt_bias && dok)
+            atomicAdd(&p.ddt_bias[hv * K + d], s.red[0][lane] + s.red[1][lane] + s.red[2][lane] + s.red[3][lane]);
+        if (p.dA_log) {
+#pragma unroll
+            for (int o = 16; o; o >>= 1)
+                dAl += __shfl_xor_sync(0xffffffffu, dAl, o);
+            if (lane == 0)
+                s.redw[warp] = dAl;
+            __syncthreads();
+            if (tid == 0)
+                atomicAdd(&p.dA_log[hv], s.redw[0] + s.redw[1] + s.redw[2] + s.redw[3]);
+        }
+    } else {
+        for (int r = a * 16; r < a * 16 + 16; r++) {
+            float x = dok ? s.out[0][r][lane] + base : 0.0f;
+#pragma unroll
+            for (int o = 16; o; o >>= 1)
+                x += __shfl_xor_sync(0xffffffffu, x, o);
+            if (lane == 0 && r < L)
+                atomicAdd(&p.dgs[(int64_t)(t0 + r) * HV + hv], x);
         }
     }
 }
 
-/* ------------------------------------------------------------- b5: GVA reduce */
-__global__ void kda_bwd_gva(BwdParams p, int64_t rows) {
-    const int64_t n = rows * p.H * p.K;
+/* ------------------------------------------- b5: GDN gate backward (per token, head) */
+__global__ void kda_bwd_gdn_gate(BwdParams p, int64_t rows) {
+    const int64_t n = rows * p.HV;
     for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n;
          e += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t d = e % p.K, th = e / p.K, hh = th % p.H, tr = th / p.H;
-        float aq = 0.0f, ak = 0.0f;
-        for (int x = 0; x < p.grp; x++) {
-            const int64_t o = (tr * p.HV + hh * p.grp + x) * p.K + d;
-            aq += p.dqs[o];
-            ak += p.dks[o];
+        const int hv = (int)(e % p.HV);
+        const float ga = p.A_log ? __expf(p.A_log[hv]) : 1.0f;
+        const float bias = p.dt_bias ? p.dt_bias[hv] : 0.0f;
+        float dA1 = 0.0f;
+        const float dz = gate_bwd(p, __bfloat162float(p.g[e]), bias, ga, p.dgs[e], dA1);
+        if (p.dg)
+            p.dg[e] = __float2bfloat16(dz);
+        if (p.ddt_bias)
+            atomicAdd(&p.ddt_bias[hv], dz);
+        if (p.dA_log)
+            atomicAdd(&p.dA_log[hv], dA1);
+    }
+}
+
+/* ------------------------ b6: dq, dk: GVA sum, l2norm and scale backward (warp per row) */
+__global__ void kda_bwd_qk(BwdParams p, int64_t rows) {
+    const int lane = threadIdx.x & 31;
+    const int64_t nw = rows * p.H;
+    const int K = p.K;
+    for (int64_t wi = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5; wi < nw;
+         wi += ((int64_t)gridDim.x * blockDim.x) >> 5) {
+        const int64_t tr = wi / p.H;
+        const int hh = (int)(wi % p.H);
+        float xq[4], xk[4], dq[4], dk[4];
+        float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int d = lane + 32 * i;
+            xq[i] = xk[i] = dq[i] = dk[i] = 0.0f;
+            if (d < K) {
+                xq[i] = __bfloat162float(p.q[wi * K + d]);
+                xk[i] = __bfloat162float(p.k[wi * K + d]);
+                for (int x = 0; x < p.grp; x++) {
+                    const int64_t o = (tr * p.HV + hh * p.grp + x) * K + d;
+                    dq[i] += p.dqs[o];
+                    dk[i] += p.dks[o];
+                }
+                dq[i] *= p.scale; /* q_hat = scale y */
+            }
+            sq += xq[i] * xq[i];
+            sk += xk[i] * xk[i];
         }
-        if (p.dq)
-            p.dq[e] = __float2bfloat16(aq);
-        if (p.dk)
-            p.dk[e] = __float2bfloat16(ak);
+        if (p.l2) { /* y = x r, r = (|x|^2 + 1e-6)^-1/2: dx = r (dy - y (y . dy)) */
+#pragma unroll
+            for (int o = 16; o; o >>= 1) {
+                sq += __shfl_xor_sync(0xffffffffu, sq, o);
+                sk += __shfl_xor_sync(0xffffffffu, sk, o);
+            }
+            const float rq = rsqrtf(sq + 1e-6f), rk = rsqrtf(sk + 1e-6f);
+            float dotq = 0.0f, dotk = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                dotq += xq[i] * rq * dq[i];
+                dotk += xk[i] * rk * dk[i];
+            }
+#pragma unroll
+            for (int o = 16; o; o >>= 1) {
+                dotq += __shfl_xor_sync(0xffffffffu, dotq, o);
+                dotk += __shfl_xor_sync(0xffffffffu, dotk, o);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                dq[i] = rq * (dq[i] - xq[i] * rq * dotq);
+                dk[i] = rk * (dk[i] - xk[i] * rk * dotk);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int d = lane + 32 * i;
+            if (d < K) {
+                if (p.dq)
+                    p.dq[wi * K + d] = __float2bfloat16(dq[i]);
+                if (p.dk)
+                    p.dk[wi * K + d] = __float2bfloat16(dk[i]);
+            }
+        }
     }
 }
 
@@ -1203,8 +1209,9 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
         p.dKg = cv.take<float>(nblk * BT * KD);
         p.dP = cv.take<float>(nblk * BT * BT);
         p.dbp = cv.take<float>(nblk * BT);
-        p.dqs = grp > 1 ? cv.take<float>((size_t)rows * HV * K) : nullptr;
-        p.dks = grp > 1 ? cv.take<float>((size_t)rows * HV * K) : nullptr;
+        p.dqs = cv.take<float>((size_t)rows * HV * K);
+        p.dks = cv.take<float>((size_t)rows * HV * K);
+        p.dgs = p.gdn ? cv.take<float>((size_t)rows * HV) : nullptr;
         if (!pass) {
             bytes = cv.off;
             LM_TRY(devbuf_reserve(g_bws, bytes, err, "backward scratch"));
@@ -1270,12 +1277,18 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
         CK(cudaGetLastError());
         if (prof)
             CK(cudaEventRecord(ev[4]));
-        kda_bwd_pairs<<<gb, NTB, sizeof(PairSmem)>>>(p);
+        if (p.dgs)
+            CK(cudaMemsetAsync(p.dgs, 0, sizeof(float) * (size_t)rows * HV));
+        kda_bwd_pairs<<<dim3(nchunks, HV, KD / CW), NTP, sizeof(PairSmem)>>>(p);
         CK(cudaGetLastError());
         if (prof)
             CK(cudaEventRecord(ev[5]));
-        if (grp > 1 && (p.dq || p.dk)) {
-            kda_bwd_gva<<<1024, 256>>>(p, rows);
+        if (p.gdn) {
+            kda_bwd_gdn_gate<<<1024, 256>>>(p, rows);
+            CK(cudaGetLastError());
+        }
+        if (p.dq || p.dk) {
+            kda_bwd_qk<<<2048, 256>>>(p, rows);
             CK(cudaGetLastError());
         }
     } else if (prof) {
@@ -1287,7 +1300,7 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
         CK(cudaEventRecord(ev[6]));
     CK(cudaDeviceSynchronize());
     if (prof) {
-        static const char *names[6] = {"gather", "dh", "state", "ut", "pairs", "gva"};
+        static const char *names[6] = {"gather", "dh", "state", "ut", "pairs", "qk"};
         fprintf(stderr, "kda cuda backward:");
         for (int i = 0; i < 6; i++) {
             float ms = 0;
