@@ -370,13 +370,20 @@ struct UtSmem {
 /* rows of an input [B*T][heads][D] (bf16) into a [64][RS] tile, zeros outside [L, D] */
 __device__ __forceinline__ void load_rows(bf16 (*dst)[RS], const bf16 *src, int t0, int L,
                                           int heads, int head, int D, int tid) {
-    if ((D & 7) == 0) {
-        for (int e = tid; e < BT * KD / 8; e += NTB) {
-            const int r = e >> 4, c = (e & 15) * 8;
-            uint4 x = make_uint4(0, 0, 0, 0);
+    if ((D & 7) == 0) { /* every load in flight before the first store */
+        constexpr int NI = BT * KD / 8 / NTB;
+        uint4 x[NI];
+#pragma unroll
+        for (int m = 0; m < NI; m++) {
+            const int e = tid + m * NTB, r = e >> 4, c = (e & 15) * 8;
+            x[m] = make_uint4(0, 0, 0, 0);
             if (r < L && c < D)
-                x = __ldg(reinterpret_cast<const uint4 *>(src + ((int64_t)(t0 + r) * heads + head) * D + c));
-            *reinterpret_cast<uint4 *>(&dst[r][c]) = x;
+                x[m] = __ldg(reinterpret_cast<const uint4 *>(src + ((int64_t)(t0 + r) * heads + head) * D + c));
+        }
+#pragma unroll
+        for (int m = 0; m < NI; m++) {
+            const int e = tid + m * NTB, r = e >> 4, c = (e & 15) * 8;
+            *reinterpret_cast<uint4 *>(&dst[r][c]) = x[m];
         }
     } else {
         for (int e = tid; e < BT * KD; e += NTB) {
@@ -401,7 +408,7 @@ __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
         const float *Gs = p.Gs + cb * BT * KD;
         for (int e = tid; e < BT * KD / 4; e += NTB) {
             const int i = e >> 5, d = (e & 31) * 4;
-            *reinterpret_cast<float4 *>(&s.G[i][d]) = __ldg(reinterpret_cast<const float4 *>(Gs + i * KD + d));
+            cp_async16(&s.G[i][d], Gs + i * KD + d);
         }
         const bf16 *dvn = p.dvn + cb * BT * KD, *dW = p.dW + cb * BT * KD;
         for (int e = tid; e < BT * KD / 8; e += NTB) {
@@ -411,9 +418,17 @@ __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
         }
         cp_async_commit();
         const float *X = p.Xs + cb * BT * BT;
-        for (int e = tid; e < BT * BT; e += NTB) {
-            const int i = e >> 6, j = e & 63;
-            split_bf16(X[e], s.Xh[i][j], s.Xl[i][j]);
+        float4 xr[BT * BT / 4 / NTB];
+#pragma unroll
+        for (int m = 0; m < BT * BT / 4 / NTB; m++)
+            xr[m] = __ldg(reinterpret_cast<const float4 *>(X) + tid + m * NTB);
+#pragma unroll
+        for (int m = 0; m < BT * BT / 4 / NTB; m++) {
+            const int e = (tid + m * NTB) * 4, i = e >> 6, j = e & 63;
+            split_bf16(xr[m].x, s.Xh[i][j], s.Xl[i][j]);
+            split_bf16(xr[m].y, s.Xh[i][j + 1], s.Xl[i][j + 1]);
+            split_bf16(xr[m].z, s.Xh[i][j + 2], s.Xl[i][j + 2]);
+            split_bf16(xr[m].w, s.Xh[i][j + 3], s.Xl[i][j + 3]);
         }
         if (tid < BT) {
             s.beta[tid] = p.bs[cb * BT + tid];
@@ -651,15 +666,26 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     /* 1. loads: G slice, dA / dP as bf16, row factors */
     {
         const float *Gs = p.Gs + cb * BT * KD + c0;
-        for (int r = warp; r < BT; r += 4)
-            s.G[r][lane] = Gs[r * KD + lane];
+        float gv[16];
+#pragma unroll
+        for (int m = 0; m < 16; m++)
+            gv[m] = __ldg(Gs + (warp + 4 * m) * KD + lane);
+#pragma unroll
+        for (int m = 0; m < 16; m++)
+            s.G[warp + 4 * m][lane] = gv[m];
         const float *dA = p.dAqk + cb * BT * BT, *dP = p.dP + cb * BT * BT;
-        for (int e = tid; e < BT * BT / 4; e += NTP) {
-            const int i = e >> 4, j = (e & 15) * 4;
-            const float4 a = __ldg(reinterpret_cast<const float4 *>(dA + i * BT + j));
-            const float4 b = __ldg(reinterpret_cast<const float4 *>(dP + i * BT + j));
-            *reinterpret_cast<uint2 *>(&s.dA[i][j]) = make_uint2(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w));
-            *reinterpret_cast<uint2 *>(&s.dPb[i][j]) = make_uint2(pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
+        constexpr int NI = BT * BT / 4 / NTP;
+        float4 ra[NI], rb[NI];
+#pragma unroll
+        for (int m = 0; m < NI; m++) {
+            ra[m] = __ldg(reinterpret_cast<const float4 *>(dA) + tid + m * NTP);
+            rb[m] = __ldg(reinterpret_cast<const float4 *>(dP) + tid + m * NTP);
+        }
+#pragma unroll
+        for (int m = 0; m < NI; m++) {
+            const int e = tid + m * NTP, i = e >> 4, j = (e & 15) * 4;
+            *reinterpret_cast<uint2 *>(&s.dA[i][j]) = make_uint2(pack_bf16(ra[m].x, ra[m].y), pack_bf16(ra[m].z, ra[m].w));
+            *reinterpret_cast<uint2 *>(&s.dPb[i][j]) = make_uint2(pack_bf16(rb[m].x, rb[m].y), pack_bf16(rb[m].z, rb[m].w));
         }
         if (tid < BT) {
             s.nq[tid] = p.nqs[cb * BT + tid];
@@ -673,14 +699,23 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     }
     __syncthreads();
     /* 2. operands (lane = channel, warp = rows) */
-    for (int r = warp; r < BT; r += 4) {
-        const int a = r >> 4;
-        float qv = 0.0f, kv = 0.0f;
+    bf16 qraw[16], kraw[16];
+#pragma unroll
+    for (int m = 0; m < 16; m++) {
+        const int r = warp + 4 * m;
+        qraw[m] = kraw[m] = __float2bfloat16(0.0f);
         if (r < L && dok) {
             const int64_t o = ((int64_t)(t0 + r) * H + h) * K + d;
-            qv = __bfloat162float(p.q[o]) * s.nq[r];
-            kv = __bfloat162float(p.k[o]) * s.nk[r];
+            qraw[m] = p.q[o];
+            kraw[m] = p.k[o];
         }
+    }
+#pragma unroll
+    for (int m = 0; m < 16; m++) {
+        const int r = warp + 4 * m;
+        const int a = r >> 4;
+        const float qv = __bfloat162float(qraw[m]) * s.nq[r];
+        const float kv = __bfloat162float(kraw[m]) * s.nk[r];
         const float G = s.G[r][lane], ra = s.rr[a][lane], rn = s.rr[a + 1][lane];
         const float eg = __expf(G - ra);
         float f[4] = {qv * eg, kv * eg, p.shared_diag ? kv * __expf(ra - G) : 0.0f, kv * __expf(rn - G)};
@@ -818,15 +853,27 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         const float *dKg = p.dKg + cb * BT * KD + c0;
         const float Gl = s.G[BT - 1][lane];
         float gsum = 0.0f;
-        for (int r = a * 16; r < a * 16 + 16; r++) {
-            float qv = 0.0f, kv = 0.0f;
+        for (int half = 0; half < 2; half++) {
+        float pq_[8], pk_[8], xq_[8], xd_[8], xg_[8];
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+            const int r = a * 16 + half * 8 + m;
+            pq_[m] = pk_[m] = 0.0f;
             if (r < L && dok) {
                 const int64_t off = ((int64_t)(t0 + r) * H + h) * K + d;
-                qv = __bfloat162float(p.q[off]) * s.nq[r];
-                kv = __bfloat162float(p.k[off]) * s.nk[r];
+                pq_[m] = __bfloat162float(p.q[off]);
+                pk_[m] = __bfloat162float(p.k[off]);
             }
+            xq_[m] = __ldg(dQg + r * KD + lane);
+            xd_[m] = __ldg(dKd + r * KD + lane);
+            xg_[m] = __ldg(dKg + r * KD + lane);
+        }
+#pragma unroll
+        for (int m = 0; m < 8; m++) {
+            const int r = a * 16 + half * 8 + m;
+            const float qv = pq_[m] * s.nq[r], kv = pk_[m] * s.nk[r];
             const float G = s.G[r][lane], eg = __expf(G), ed = __expf(Gl - G);
-            const float xq = dQg[r * KD + lane], xd = dKd[r * KD + lane], xg = dKg[r * KD + lane];
+            const float xq = xq_[m], xd = xd_[m], xg = xg_[m];
             const float pq = s.out[0][r][lane], pr = s.out[1][r][lane], pc = s.out[2][r][lane];
             const float dq = pq + xq * eg;
             const float dk = pr + pc + xg * eg + xd * ed;
@@ -838,6 +885,7 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
                 p.dqs[o2] = dq;
                 p.dks[o2] = dk;
             }
+        }
         }
         s.red[a][lane] = gsum;
     }
@@ -867,11 +915,21 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     if (!p.gdn) {
         const float bias = (p.dt_bias && dok) ? p.dt_bias[hv * K + d] : 0.0f;
         float dbias = 0.0f;
-        for (int r = a * 16; r < a * 16 + 16 && r < L; r++) {
-            if (!dok)
+        bf16 graw[16];
+#pragma unroll
+        for (int m = 0; m < 16; m++) {
+            const int r = a * 16 + m;
+            graw[m] = __float2bfloat16(0.0f);
+            if (r < L && dok)
+                graw[m] = p.g[((int64_t)(t0 + r) * HV + hv) * K + d];
+        }
+#pragma unroll
+        for (int m = 0; m < 16; m++) {
+            const int r = a * 16 + m;
+            if (r >= L || !dok)
                 break;
             const int64_t o = ((int64_t)(t0 + r) * HV + hv) * K + d;
-            const float dz = gate_bwd(p, __bfloat162float(p.g[o]), bias, ga, s.out[0][r][lane] + base, dAl);
+            const float dz = gate_bwd(p, __bfloat162float(graw[m]), bias, ga, s.out[0][r][lane] + base, dAl);
             dbias += dz;
             if (p.dg)
                 p.dg[o] = __float2bfloat16(dz);
