@@ -610,6 +610,7 @@ struct PairSmem {
     float G[BT][OS];
     float out[3][BT][OS]; /* dq, dk (row side), dk (column side); later dG */
     float rr[5][CW];
+    float dAd[4][16][17], dPd[4][16][17]; /* diagonal blocks in fp32 (the safe path) */
     float nq[BT], nk[BT], red[4][CW], redw[4];
 };
 
@@ -690,6 +691,21 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         if (tid < BT) {
             s.nq[tid] = p.nqs[cb * BT + tid];
             s.nk[tid] = p.nks[cb * BT + tid];
+        }
+        if (!p.shared_diag) {
+            float xa[8], xp[8];
+#pragma unroll
+            for (int m = 0; m < 8; m++) {
+                const int e = tid + m * NTP, a = e >> 8, r = (e >> 4) & 15, c = e & 15;
+                xa[m] = __ldg(dA + (a * 16 + r) * BT + a * 16 + c);
+                xp[m] = __ldg(dP + (a * 16 + r) * BT + a * 16 + c);
+            }
+#pragma unroll
+            for (int m = 0; m < 8; m++) {
+                const int e = tid + m * NTP, a = e >> 8, r = (e >> 4) & 15, c = e & 15;
+                s.dAd[a][r][c] = xa[m];
+                s.dPd[a][r][c] = xp[m];
+            }
         }
     }
     __syncthreads();
@@ -809,15 +825,14 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     }
     __syncwarp();
     if (!p.shared_diag) { /* diagonal block per pair in fp32 (lane = channel) */
-        const float *dA = p.dAqk + cb * BT * BT, *dP = p.dP + cb * BT * BT;
         const int o = a * 16;
         float qv[16], kv[16], Gv[16], dq[16], dkr[16], dkc[16];
-#pragma unroll
 #pragma unroll
         for (int r = 0; r < 16; r++) {
             Gv[r] = s.G[o + r][lane];
             qv[r] = kv[r] = dq[r] = dkr[r] = dkc[r] = 0.0f;
         }
+#pragma unroll
         for (int r = 0; r < 16; r++) {
             const int row = o + r;
             if (row < L && dok) {
@@ -830,8 +845,8 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         for (int r = 0; r < 16; r++)
 #pragma unroll
             for (int i = 0; i <= r; i++) {
-                const float aqv = __ldg(dA + (o + r) * BT + o + i);
-                const float apv = i < r ? __ldg(dP + (o + r) * BT + o + i) : 0.0f;
+                const float aqv = s.dAd[a][r][i];
+                const float apv = i < r ? s.dPd[a][r][i] : 0.0f;
                 const float e = __expf(Gv[r] - Gv[i]);
                 dq[r] += aqv * kv[i] * e;
                 dkr[r] += apv * kv[i] * e;
@@ -1346,7 +1361,8 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
             CK(cudaGetLastError());
         }
         if (p.dq || p.dk) {
-            kda_bwd_qk<<<2048, 256>>>(p, rows);
+            const int64_t nwarps = rows * H;
+            kda_bwd_qk<<<(unsigned)((nwarps + 7) / 8), 256>>>(p, rows);
             CK(cudaGetLastError());
         }
     } else if (prof) {
