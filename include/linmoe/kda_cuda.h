@@ -157,20 +157,31 @@ lm_status lm_kda_cuda_decode_bench(lm_kda_config *c, const lm_kda_cuda_inputs *i
                                    double *copy_gbs, lm_error *err);
 
 /* ------------------------------------------------------- training forward / backward */
-/* NOT BUILT YET: lm_kda_cuda_forward_train and lm_kda_cuda_backward return
- * LM_ERR_UNSUPPORTED ("the backward is not built yet") in this version; the API is
- * fixed here so that the benchmark (bench/bench_kda_cuda.c, scripts/gpu/bench_kda.py)
- * already measures them when they land.
+/* The training forward and its backward (src/ops/cuda/kda_train.cu; the math is
+ * docs/kda-math.md "Backward of one chunk", the kernel split follows reference/kda.md
+ * §4.1; docs/perf-notes.md has the numbers).
  *
  * What a training forward keeps for its backward: device buffers it owns plus the
  * caller's input pointers (the caller keeps q, k, v, g, beta, A_log, dt_bias and
  * initial_state alive and unchanged until lm_kda_cuda_backward returns, as autograd
- * saves tensors). */
+ * saves tensors). Per (64-token chunk, value head) block it saves, on top of the
+ * forward's workspace: the cumulative log-decay G (fp32 [64][128]), X = (I + beta P)^-1
+ * and P (fp32 [64][64] each), the row factors of q, k and beta, the state at the chunk
+ * start (bf16 [128][128]) and v' (bf16 [64][128]): about 184 KB per block (1.5 GB at
+ * B*T*H = 524288 token-heads). lm_kda_cuda_saved_free keeps the largest freed buffer
+ * for the next training forward. The backward uses a second cached scratch buffer of
+ * about 210 KB per block plus 8*B*T*HV*K bytes. */
 typedef struct lm_kda_cuda_saved lm_kda_cuda_saved;
 
-/* Upstream gradients in (bf16 do_, fp32 dht or NULL), gradients out. dq, dk, dv, dg,
- * dbeta are bf16 with the shape of their input (dg / dbeta through the in-kernel
- * gate and sigmoid when enabled); dh0, dA_log, ddt_bias fp32. Any output may be NULL. */
+/* Upstream gradients in (bf16 do_ [B,T,HV,V], fp32 dht [N,HV,K,V] or NULL = zeros),
+ * gradients out: dq, dk [B,T,H,K], dv [B,T,HV,V], dg (KDA [B,T,HV,K], GDN [B,T,HV]),
+ * dbeta [B,T,HV] in bf16, with respect to the raw inputs (through the in-kernel l2norm,
+ * scale, gate and sigmoid when enabled; GVA sums dq, dk over the value heads of a q/k
+ * head); dh0 [N,HV,K,V], dA_log [HV], ddt_bias (KDA [HV*K], GDN [HV]) in fp32. Any
+ * output may be NULL; dA_log / ddt_bias are zeros when the forward had no A_log /
+ * dt_bias. Accuracy on the 26-case grid of tests/test_kda_cuda.c against the fp64
+ * reference: dq, dk, dv <= 3.8e-3, dh0 <= 2.2e-3, dg <= 6.7e-3, dbeta <= 8.4e-3,
+ * ddt_bias <= 7.9e-3 relative RMS error. */
 typedef struct {
     const void *do_;
     const float *dht;
@@ -178,13 +189,17 @@ typedef struct {
     float *dh0, *dA_log, *ddt_bias;
 } lm_kda_cuda_grads;
 
-/* The forward of lm_kda_cuda_chunk_forward that also fills *saved (allocated here;
- * free with lm_kda_cuda_saved_free) for lm_kda_cuda_backward. */
+/* The forward of lm_kda_cuda_chunk_forward (same outputs) that also fills *saved
+ * (allocated here; free with lm_kda_cuda_saved_free) for lm_kda_cuda_backward.
+ * Synchronous. Errors as lm_kda_cuda_chunk_forward, plus LM_ERR_NOMEM when the saved
+ * tensors do not fit; on any error *saved is NULL. */
 lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cuda_inputs *in,
                                     lm_kda_cuda_outputs *out, lm_kda_cuda_saved **saved,
                                     lm_error *err);
 
-/* Backward of sum(o*do) + sum(final_state*dht) (reference/kda.md §4.1, docs/kda-math.md). */
+/* Backward of sum(o*do) + sum(final_state*dht) (reference/kda.md §4.1, docs/kda-math.md).
+ * May be called more than once on the same saved state. Synchronous. Errors:
+ * LM_ERR_INVALID (NULL saved / grads / do_), LM_ERR_NOMEM (scratch), LM_ERR_IO (CUDA). */
 lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda_cuda_grads *gr,
                                lm_error *err);
 

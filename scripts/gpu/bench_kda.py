@@ -539,7 +539,11 @@ def main():
                         ref_grads is not None:
                     errs = {n: rel_rms(tr.grads[n], ref_grads[n]) for n in ref_grads}
                     r[f"linmoe_grads_{gname}_vs_fla"] = errs
-                    ok &= max(errs.values()) <= TOL_GRAD
+                    # dA_log and ddt_bias are sums over every token (cancellation-heavy);
+                    # fla's own error on them is larger than linmoe's against the fp64
+                    # reference (tests/test_kda_cuda.c: ddt_bias <= 8e-3), so they are
+                    # printed, not checked, against fla
+                    ok &= max(v for n, v in errs.items() if n not in ("A_log", "dt_bias")) <= TOL_GRAD
                 del tr
             except NotBuilt as e:
                 r[f"linmoe_fwdbwd_{gname}_ms"] = None
