@@ -614,12 +614,16 @@ struct PairSmem {
     float nq[BT], nk[BT], red[4][CW], redw[4];
 };
 
-__device__ __forceinline__ void scale_acc(float (*acc)[4], const float *m, int t) {
+/* A Horner step of the off-diagonal accumulation: acc[., channel x] *= e^(hi[x] - lo[x])
+ * (<= 1: hi is the log-decay at a later row than lo) */
+__device__ __forceinline__ void horner_step(float (*acc)[4], const float *hi, const float *lo, int t) {
 #pragma unroll
     for (int nt = 0; nt < 4; nt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-            acc[nt][e] *= m[nt * 8 + 2 * t + (e & 1)];
+        for (int e = 0; e < 4; e++) {
+            const int x = nt * 8 + 2 * t + (e & 1);
+            acc[nt][e] *= __expf(hi[x] - lo[x]);
+        }
 }
 
 __device__ __forceinline__ float gate_bwd(const BwdParams &p, float x, float bias, float ga, float dg,
@@ -750,19 +754,8 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         zero_acc<4>(ad);
         for (int b = 0; b < a; b++) {
             if (b > 0) {
-                float m[CW];
-#pragma unroll
-                for (int x = 0; x < CW; x++)
-                    m[x] = 0.0f;
-#pragma unroll
-                for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int x = nt * 8 + 2 * t + e;
-                        m[x] = __expf(s.rr[b + 1][x] - s.rr[b][x]);
-                    }
-                scale_acc(aq, m, t);
-                scale_acc(ak, m, t);
+                horner_step(aq, s.rr[b + 1], s.rr[b], t);
+                horner_step(ak, s.rr[b + 1], s.rr[b], t);
             }
 #pragma unroll
             for (int hl = 0; hl < 2; hl++) {
@@ -786,20 +779,8 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             }
         }
         for (int a2 = 3; a2 > a; a2--) {
-            if (a2 < 3) {
-                float m[CW];
-#pragma unroll
-                for (int x = 0; x < CW; x++)
-                    m[x] = 0.0f;
-#pragma unroll
-                for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int x = nt * 8 + 2 * t + e;
-                        m[x] = __expf(s.rr[a2 + 1][x] - s.rr[a2][x]);
-                    }
-                scale_acc(ac, m, t);
-            }
+            if (a2 < 3)
+                horner_step(ac, s.rr[a2 + 1], s.rr[a2], t);
 #pragma unroll
             for (int hl = 0; hl < 2; hl++) {
                 wmma<2, true, false>(ac, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0 + hl][0][0], CWS, 0,
