@@ -180,7 +180,7 @@ typedef struct lm_kda_cuda_saved lm_kda_cuda_saved;
  * head); dh0 [N,HV,K,V], dA_log [HV], ddt_bias (KDA [HV*K], GDN [HV]) in fp32. Any
  * output may be NULL; dA_log / ddt_bias are zeros when the forward had no A_log /
  * dt_bias. Accuracy on the 26-case grid of tests/test_kda_cuda.c against the fp64
- * reference: dq, dk, dv <= 3.8e-3, dh0 <= 2.2e-3, dg <= 6.7e-3, dbeta <= 8.4e-3,
+ * reference: dq, dk, dv <= 3.9e-3, dh0 <= 2.2e-3, dg <= 6.7e-3, dbeta <= 8.4e-3,
  * ddt_bias <= 7.9e-3 relative RMS error. */
 typedef struct {
     const void *do_;

@@ -123,6 +123,40 @@ __device__ __forceinline__ void st8h(bf16 *dst, const float f[8]) {
     *reinterpret_cast<uint4 *>(dst) = u;
 }
 
+
+/* The recurrence kernels' state slice in mma accumulator registers: warp w holds state
+ * rows 32w + 16mt + (g, g + 8) and columns c0 + 8nt + 2t + (0, 1) (g = lane / 4,
+ * t = lane % 4) of the [K][V] fp32 matrix at src / dst (NULL src: zeros). */
+template <int NTV>
+__device__ __forceinline__ void state_regs_load(float (&S)[2][NTV][4], const float *src, int K,
+                                                int V, int c0, int warp, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NTV; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int d = warp * 32 + mt * 16 + (lane >> 2) + (e >> 1) * 8;
+                const int c = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                S[mt][nt][e] = (src && d < K && c < V) ? src[(int64_t)d * V + c] : 0.0f;
+            }
+}
+template <int NTV>
+__device__ __forceinline__ void state_regs_store(const float (&S)[2][NTV][4], float *dst, int K,
+                                                 int V, int c0, int warp, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NTV; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int d = warp * 32 + mt * 16 + (lane >> 2) + (e >> 1) * 8;
+                const int c = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                if (d < K && c < V)
+                    dst[(int64_t)d * V + c] = S[mt][nt][e];
+            }
+}
+
 } // namespace
 
 /* Device buffers of a training forward (kda_train.cu) that the forward kernels fill

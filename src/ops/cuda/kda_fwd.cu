@@ -516,18 +516,8 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_inter_tc(Params p) 
     const int g = lane >> 2, t = lane & 3;
 
     float S[2][NTV][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-        for (int nt = 0; nt < NTV; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int d = warp * 32 + mt * 16 + g + (e >> 1) * 8;
-                const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                S[mt][nt][e] = (p.h0 && d < K && c < V)
-                                   ? p.h0[(((int64_t)n * HV + hv) * K + d) * V + c]
-                                   : 0.0f;
-            }
+    state_regs_load<NTV>(S, p.h0 ? p.h0 + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0,
+                         warp, lane);
     const int2 sq = p.seqs[n];
     if (sq.y > 0) {
         inter_load<BV>(p, s.st[0], (int64_t)sq.x * HV + hv, c0, tid);
@@ -664,19 +654,8 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_inter_tc(Params p) 
         }
         __syncthreads();
     }
-    if (p.ht) {
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-            for (int nt = 0; nt < NTV; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int d = warp * 32 + mt * 16 + g + (e >> 1) * 8;
-                    const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                    if (d < K && c < V)
-                        p.ht[(((int64_t)n * HV + hv) * K + d) * V + c] = S[mt][nt][e];
-                }
-    }
+    if (p.ht)
+        state_regs_store<NTV>(S, p.ht + ((int64_t)n * HV + hv) * K * V, K, V, c0, warp, lane);
 }
 
 /* ------------------------------------------------------------------ host side */

@@ -168,18 +168,8 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_bwd_dh(BwdParams p)
     const int g = lane >> 2, t = lane & 3;
 
     float S[2][NTV][4]; /* dS, state rows 32 warp + 16 mt + ... */
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-        for (int nt = 0; nt < NTV; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int d = warp * 32 + mt * 16 + g + (e >> 1) * 8;
-                const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                S[mt][nt][e] = (p.dht && d < K && c < V)
-                                   ? p.dht[(((int64_t)n * HV + hv) * K + d) * V + c]
-                                   : 0.0f;
-            }
+    state_regs_load<NTV>(S, p.dht ? p.dht + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0,
+                         warp, lane);
     const int2 sq = p.seqs[n];
     if (sq.y > 0) {
         dh_load<BV>(p, s.st[0], (int64_t)(sq.x + sq.y - 1) * HV + hv, c0, tid);
@@ -255,19 +245,8 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_bwd_dh(BwdParams p)
         }
         __syncthreads();
     }
-    if (p.dh0) {
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-            for (int nt = 0; nt < NTV; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int d = warp * 32 + mt * 16 + g + (e >> 1) * 8;
-                    const int c = c0 + nt * 8 + 2 * t + (e & 1);
-                    if (d < K && c < V)
-                        p.dh0[(((int64_t)n * HV + hv) * K + d) * V + c] = S[mt][nt][e];
-                }
-    }
+    if (p.dh0)
+        state_regs_store<NTV>(S, p.dh0 + ((int64_t)n * HV + hv) * K * V, K, V, c0, warp, lane);
 }
 
 /* ------------------------------------------------------ b2: the state products */
@@ -394,6 +373,19 @@ __device__ __forceinline__ void load_rows(bf16 (*dst)[RS], const bf16 *src, int 
     }
 }
 
+/* Per-row partial sums of an mma fragment (db[hh]: row g + 8 hh of row block a, this
+ * lane's columns) reduced over the 4 lanes of a row and added to sums[row]. */
+__device__ __forceinline__ void add_row_sums(float *sums, const float db[2], int a, int lane) {
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        float x = db[hh];
+        x += __shfl_xor_sync(0xffffffffu, x, 1);
+        x += __shfl_xor_sync(0xffffffffu, x, 2);
+        if ((lane & 3) == 0)
+            atomicAdd(&sums[a * 16 + (lane >> 2) + hh * 8], x);
+    }
+}
+
 __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     UtSmem &s = *reinterpret_cast<UtSmem *>(smem_raw);
@@ -513,14 +505,7 @@ __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
                             make_float2(b * v0, b * v1);
                     }
                 }
-#pragma unroll
-            for (int hh = 0; hh < 2; hh++) {
-                float x = db[hh];
-                x += __shfl_xor_sync(0xffffffffu, x, 1);
-                x += __shfl_xor_sync(0xffffffffu, x, 2);
-                if (t == 0)
-                    atomicAdd(&s.dbeta[a * 16 + g + hh * 8], x);
-            }
+            add_row_sums(s.dbeta, db, a, lane);
         }
     }
     __syncthreads();
@@ -566,14 +551,7 @@ __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
                 const float b = s.beta[r];
                 *reinterpret_cast<float2 *>(p.dP + (cb * BT + r) * BT + c) = make_float2(b * d0, b * d1);
             }
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            float x = db[hh];
-            x += __shfl_xor_sync(0xffffffffu, x, 1);
-            x += __shfl_xor_sync(0xffffffffu, x, 2);
-            if (t == 0)
-                atomicAdd(&s.dbeta[a * 16 + g + hh * 8], x);
-        }
+        add_row_sums(s.dbeta, db, a, lane);
     }
     __syncthreads();
     if (tid < BT)
@@ -1109,8 +1087,7 @@ struct lm_kda_cuda_saved {
     lm_kda_config c; /* cu_seqlens not kept (the chunk tables are) */
     lm_kda_cuda_inputs in;
     DevBuf mem;
-    KdaSaveBufs sv;
-    int N, nchunks;
+    KdaSaveBufs sv; /* sv.nchunks; c.N is the number of sequences */
 };
 
 #define CK(call)                                                                                  \
@@ -1177,8 +1154,6 @@ extern "C" lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cu
     sv->c = *c;
     sv->c.cu_seqlens = nullptr;
     sv->in = *in;
-    sv->N = N;
-    sv->nchunks = nchunks;
     lm_status st = kda_cuda_forward_run(c, in, out, &sv->sv, err);
     if (st != LM_OK) {
         lm_kda_cuda_saved_free(sv);
@@ -1193,7 +1168,7 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     if (!saved || !gr || !gr->do_)
         return lm_errorf(err, LM_ERR_INVALID, "kda cuda backward: 'saved' and 'do' are required");
     const lm_kda_config &c = saved->c;
-    const int nchunks = saved->nchunks, N = saved->N, HV = c.HV, H = c.H, K = c.K, V = c.V;
+    const int nchunks = saved->sv.nchunks, N = c.N, HV = c.HV, H = c.H, K = c.K, V = c.V;
     const size_t nblk = (size_t)nchunks * HV;
     const int grp = HV / H;
     const int64_t rows = (int64_t)c.B * c.T;
