@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         }
     }
     /* gate parameters of this thread's channels */
-    const float ga = p.A_log ? __expf(p.A_log[hv]) : 1.0f;
+    const float ga = p.A_log ? fexp(p.A_log[hv]) : 1.0f;
     float gb[8];
 #pragma unroll
     for (int x = 0; x < 8; x++)
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             if (i < L && d0 + x < K) {
                 if (p.gate == LM_GATE_SOFTPLUS) {
                     const float zz = xin + gb[x];
-                    gv = -ga * (zz > 20.0f ? zz : __logf(1.0f + __expf(zz)));
+                    gv = -ga * (zz > 20.0f ? zz : __logf(1.0f + fexp(zz)));
                 } else if (p.gate == LM_GATE_BOUNDED) {
                     gv = p.lb * sigmoidf_(ga * (xin + gb[x]));
                 } else {
@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             float aq = 0, ak = 0;
             if (j <= i) {
                 for (int d = 0; d < KD; d++) {
-                    const float f = __expf(s.G[i][d] - s.G[j][d]) * __bfloat162float(s.k[j][d]);
+                    const float f = fexp(s.G[i][d] - s.G[j][d]) * __bfloat162float(s.k[j][d]);
                     aq += __bfloat162float(s.q[i][d]) * f;
                     ak += __bfloat162float(s.k[i][d]) * f;
                 }
@@ -252,15 +252,17 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         if (ncols == 0)
             continue;
         __syncthreads();
-        for (int e = tid; e < (32 + ncols) * (KD / 8); e += NT1) {
-            const int r = e / (KD / 8), d0 = (e % (KD / 8)) * 8;
-            float ra[8], gr[8], x8[8], f[8];
-            if (a)
-                ld8f(ra, &s.G[a * 16 - 1][d0]);
-            else
+        /* this thread's channels are the same d0 in every item (NT1 is a multiple of 16) */
+        float ra[8];
+        if (a)
+            ld8f(ra, &s.G[a * 16 - 1][d0]);
+        else
 #pragma unroll
-                for (int x = 0; x < 8; x++)
-                    ra[x] = 0.0f;
+            for (int x = 0; x < 8; x++)
+                ra[x] = 0.0f;
+        for (int e = tid; e < (32 + ncols) * (KD / 8); e += NT1) {
+            const int r = e / (KD / 8);
+            float gr[8], x8[8], f[8];
             bf16 *dst;
             if (r < 32) { /* q and k rows of block a: x_i exp(G_i - r_a) */
                 const int i = a * 16 + (r & 15);
@@ -271,7 +273,7 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
                 const float n = isq ? s.nq[i] : s.nk[i];
 #pragma unroll
                 for (int x = 0; x < 8; x++)
-                    f[x] = x8[x] * n * __expf(gr[x] - ra[x]);
+                    f[x] = x8[x] * n * fexp(gr[x] - ra[x]);
             } else { /* key rows j: k_j exp(r_a - G_j) */
                 const int j = r - 32;
                 ld8h(x8, &s.k[j][d0]);
@@ -280,7 +282,7 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
                 const float n = s.nk[j];
 #pragma unroll
                 for (int x = 0; x < 8; x++)
-                    f[x] = x8[x] * n * __expf(ra[x] - gr[x]);
+                    f[x] = x8[x] * n * fexp(ra[x] - gr[x]);
             }
             st8h(dst, f);
         }
@@ -412,9 +414,9 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
 #pragma unroll
         for (int x = 0; x < 8; x++) {
             const float kq = xk[x] * nk;
-            const float eg = __expf(G[x]);
+            const float eg = fexp(G[x]);
             fq[x] = xq[x] * nq * eg;
-            fk[x] = kq * __expf(Gl[x] - G[x]);
+            fk[x] = kq * fexp(Gl[x] - G[x]);
             fb[x] = be * kq * eg;
             fv[x] = be * __bfloat162float(vb[x]);
         }
@@ -424,7 +426,7 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         st8h(&s.k[i][d0], fv);
     }
     if (tid < KD)
-        p.gl[cb * KD + tid] = __expf(s.G[BT - 1][tid]);
+        p.gl[cb * KD + tid] = fexp(s.G[BT - 1][tid]);
     __syncthreads();
     /* w = X (beta k e^G), u = X (beta v): jobs (row block a, matrix, 64-column half),
      * 2 per warp, stored from the fragments */

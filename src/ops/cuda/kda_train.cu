@@ -443,7 +443,7 @@ __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
 #pragma unroll
         for (int x = 0; x < 8; x++) {
             xv[x] *= b;
-            xk[x] *= f * __expf(G8[x]);
+            xk[x] *= f * fexp(G8[x]);
         }
         st8h(&s.vb[r][c], xv);
         st8h(&s.kb[r][c], xk);
@@ -499,8 +499,8 @@ __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
                         const __nv_bfloat162 x =
                             *reinterpret_cast<const __nv_bfloat162 *>(&s.kr[r][c]);
                         const float nk = s.nk[r];
-                        db[hh] += nk * (__low2float(x) * __expf(s.G[r][c]) * v0 +
-                                        __high2float(x) * __expf(s.G[r][c + 1]) * v1);
+                        db[hh] += nk * (__low2float(x) * fexp(s.G[r][c]) * v0 +
+                                        __high2float(x) * fexp(s.G[r][c + 1]) * v1);
                         *reinterpret_cast<float2 *>(p.dKg + (cb * BT + r) * KD + c) =
                             make_float2(b * v0, b * v1);
                     }
@@ -600,7 +600,7 @@ __device__ __forceinline__ void horner_step(float (*acc)[4], const float *hi, co
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int x = nt * 8 + 2 * t + (e & 1);
-            acc[nt][e] *= __expf(hi[x] - lo[x]);
+            acc[nt][e] *= fexp(hi[x] - lo[x]);
         }
 }
 
@@ -608,7 +608,7 @@ __device__ __forceinline__ float gate_bwd(const BwdParams &p, float x, float bia
                                           float &dAl) {
     if (p.gate == LM_GATE_SOFTPLUS) {
         const float z = x + bias;
-        const float gv = -ga * (z > 20.0f ? z : log1pf(__expf(z)));
+        const float gv = -ga * (z > 20.0f ? z : log1pf(fexp(z)));
         if (gv < -87.33f) /* e^g underflows: the forward does not depend on this g */
             return 0.0f;
         dAl += dg * gv;
@@ -646,16 +646,28 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         return;
     const int d = c0 + lane; /* this lane's channel in the lane = channel phases */
     const bool dok = d < K;
-    /* 1. loads: G slice, dA / dP as bf16, row factors */
+    const int a = warp;  /* row block of this warp: rows 16a .. 16a + 15 */
+    /* 1. loads. Everything this warp reads from global memory is issued here, before
+     * the first shared-memory store, in two waves, so that the kernel pays about two
+     * load latencies instead of one per phase (at 8 warps per SM the phases cannot hide
+     * each other's). Wave 1: the G slice, q, k (raw), dA / dP, row factors. */
+    /* rows past L or channels past K load element 0 (branch-free, so that the compiler
+     * keeps every load in flight together) and are zeroed on conversion */
+    const int nrow = dok ? min(max(L - a * 16, 0), 16) : 0; /* valid rows of this lane */
+    float gv[16], qraw[16], kraw[16];
     {
         const float *Gs = p.Gs + cb * BT * KD + c0;
-        float gv[16];
+        unsigned short qr[16], kr[16];
+        const unsigned short *q16 = reinterpret_cast<const unsigned short *>(p.q);
+        const unsigned short *k16 = reinterpret_cast<const unsigned short *>(p.k);
 #pragma unroll
-        for (int m = 0; m < 16; m++)
-            gv[m] = __ldg(Gs + (warp + 4 * m) * KD + lane);
-#pragma unroll
-        for (int m = 0; m < 16; m++)
-            s.G[warp + 4 * m][lane] = gv[m];
+        for (int m = 0; m < 16; m++) {
+            const int r = a * 16 + m;
+            gv[m] = __ldg(Gs + r * KD + lane);
+            const int64_t o = m < nrow ? ((int64_t)(t0 + r) * H + h) * K + d : 0;
+            qr[m] = __ldg(q16 + o);
+            kr[m] = __ldg(k16 + o);
+        }
         const float *dA = p.dAqk + cb * BT * BT, *dP = p.dP + cb * BT * BT;
         constexpr int NI = BT * BT / 4 / NTP;
         float4 ra[NI], rb[NI];
@@ -664,6 +676,23 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             ra[m] = __ldg(reinterpret_cast<const float4 *>(dA) + tid + m * NTP);
             rb[m] = __ldg(reinterpret_cast<const float4 *>(dP) + tid + m * NTP);
         }
+        float nqv = 0.0f, nkv = 0.0f;
+        if (tid < BT) {
+            nqv = p.nqs[cb * BT + tid];
+            nkv = p.nks[cb * BT + tid];
+        }
+        float xa[8], xp[8];
+        if (!p.shared_diag) {
+#pragma unroll
+            for (int m = 0; m < 8; m++) {
+                const int e = tid + m * NTP, b = e >> 8, r = (e >> 4) & 15, c = e & 15;
+                xa[m] = __ldg(dA + (b * 16 + r) * BT + b * 16 + c);
+                xp[m] = __ldg(dP + (b * 16 + r) * BT + b * 16 + c);
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < 16; m++)
+            s.G[a * 16 + m][lane] = gv[m];
 #pragma unroll
         for (int m = 0; m < NI; m++) {
             const int e = tid + m * NTP, i = e >> 4, j = (e & 15) * 4;
@@ -671,59 +700,67 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             *reinterpret_cast<uint2 *>(&s.dPb[i][j]) = make_uint2(pack_bf16(rb[m].x, rb[m].y), pack_bf16(rb[m].z, rb[m].w));
         }
         if (tid < BT) {
-            s.nq[tid] = p.nqs[cb * BT + tid];
-            s.nk[tid] = p.nks[cb * BT + tid];
+            s.nq[tid] = nqv;
+            s.nk[tid] = nkv;
         }
         if (!p.shared_diag) {
-            float xa[8], xp[8];
 #pragma unroll
             for (int m = 0; m < 8; m++) {
-                const int e = tid + m * NTP, a = e >> 8, r = (e >> 4) & 15, c = e & 15;
-                xa[m] = __ldg(dA + (a * 16 + r) * BT + a * 16 + c);
-                xp[m] = __ldg(dP + (a * 16 + r) * BT + a * 16 + c);
-            }
-#pragma unroll
-            for (int m = 0; m < 8; m++) {
-                const int e = tid + m * NTP, a = e >> 8, r = (e >> 4) & 15, c = e & 15;
-                s.dAd[a][r][c] = xa[m];
-                s.dPd[a][r][c] = xp[m];
+                const int e = tid + m * NTP, b = e >> 8, r = (e >> 4) & 15, c = e & 15;
+                s.dAd[b][r][c] = xa[m];
+                s.dPd[b][r][c] = xp[m];
             }
         }
+#pragma unroll
+        for (int m = 0; m < 16; m++) {
+            qraw[m] = m < nrow ? __uint_as_float((uint32_t)qr[m] << 16) : 0.0f;
+            kraw[m] = m < nrow ? __uint_as_float((uint32_t)kr[m] << 16) : 0.0f;
+        }
     }
+    /* wave 2, used only by the assembly and the gate backward (after the products):
+     * dQg, dKd, dKg, the raw gate, dgamma and gl of this lane's channel */
+    float xq_[16], xd_[16], xg_[16];
+    unsigned short gr[16]; /* raw gate (bf16 bits), converted where used */
+    float gam_l = 0.0f;
+    {
+        const float *dQg = p.dQg + cb * BT * KD + c0, *dKd = p.dKd + cb * BT * KD + c0;
+        const float *dKg = p.dKg + cb * BT * KD + c0;
+        const unsigned short *g16 = reinterpret_cast<const unsigned short *>(p.g);
+#pragma unroll
+        for (int m = 0; m < 16; m++) {
+            const int r = a * 16 + m;
+            xq_[m] = __ldg(dQg + r * KD + lane);
+            xd_[m] = __ldg(dKd + r * KD + lane);
+            xg_[m] = __ldg(dKg + r * KD + lane);
+            const int64_t o = (!p.gdn && m < nrow) ? ((int64_t)(t0 + r) * HV + hv) * K + d : 0;
+            gr[m] = __ldg(g16 + o);
+        }
+        if (warp == 3 && dok)
+            gam_l = p.dgam[cb * KD + d] * p.gl[cb * KD + d];
+    }
+    const float ga = p.A_log ? fexp(p.A_log[hv]) : 1.0f;
+    const float bias = (!p.gdn && p.dt_bias && dok) ? p.dt_bias[hv * K + d] : 0.0f;
     __syncthreads();
     for (int e = tid; e < 5 * CW; e += NTP) {
-        const int a = e / CW, x = e % CW;
-        s.rr[a][x] = a ? s.G[a * 16 - 1][x] : 0.0f;
+        const int b = e / CW, x = e % CW;
+        s.rr[b][x] = b ? s.G[b * 16 - 1][x] : 0.0f;
     }
     __syncthreads();
     /* 2. operands (lane = channel, warp = rows) */
-    bf16 qraw[16], kraw[16];
 #pragma unroll
     for (int m = 0; m < 16; m++) {
-        const int r = warp + 4 * m;
-        qraw[m] = kraw[m] = __float2bfloat16(0.0f);
-        if (r < L && dok) {
-            const int64_t o = ((int64_t)(t0 + r) * H + h) * K + d;
-            qraw[m] = p.q[o];
-            kraw[m] = p.k[o];
-        }
-    }
+        const int r = a * 16 + m;
+        const float qv = qraw[m] * s.nq[r];
+        const float kv = kraw[m] * s.nk[r];
+        const float G = gv[m], ra = s.rr[a][lane], rn = s.rr[a + 1][lane];
+        const float eg = fexp(G - ra);
+        float f[4] = {qv * eg, kv * eg, p.shared_diag ? kv * fexp(ra - G) : 0.0f, kv * fexp(rn - G)};
 #pragma unroll
-    for (int m = 0; m < 16; m++) {
-        const int r = warp + 4 * m;
-        const int a = r >> 4;
-        const float qv = __bfloat162float(qraw[m]) * s.nq[r];
-        const float kv = __bfloat162float(kraw[m]) * s.nk[r];
-        const float G = s.G[r][lane], ra = s.rr[a][lane], rn = s.rr[a + 1][lane];
-        const float eg = __expf(G - ra);
-        float f[4] = {qv * eg, kv * eg, p.shared_diag ? kv * __expf(ra - G) : 0.0f, kv * __expf(rn - G)};
-#pragma unroll
-        for (int m = 0; m < 4; m++)
-            split_bf16(f[m], s.op[2 * m][r][lane], s.op[2 * m + 1][r][lane]);
+        for (int x = 0; x < 4; x++)
+            split_bf16(f[x], s.op[2 * x][r][lane], s.op[2 * x + 1][r][lane]);
     }
     __syncthreads();
     /* 3. row and column sides of block a = warp */
-    const int a = warp;
     {
         float aq[4][4], ak[4][4], ac[4][4], ad[4][4];
         zero_acc<4>(aq);
@@ -773,32 +810,25 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             for (int e = 0; e < 4; e++) {
                 const int r = a * 16 + g + (e >> 1) * 8, x = nt * 8 + 2 * t + (e & 1);
                 const float G = s.G[r][x];
-                const float fr = __expf(G - s.rr[a][x]);
+                const float fr = fexp(G - s.rr[a][x]);
                 s.out[0][r][x] = aq[nt][e] * fr;
                 s.out[1][r][x] = ak[nt][e] * fr;
-                float vc = ac[nt][e] * __expf(s.rr[a + 1][x] - G);
+                float vc = ac[nt][e] * fexp(s.rr[a + 1][x] - G);
                 if (p.shared_diag)
-                    vc += ad[nt][e] * __expf(s.rr[a][x] - G);
+                    vc += ad[nt][e] * fexp(s.rr[a][x] - G);
                 s.out[2][r][x] = vc;
             }
     }
     __syncwarp();
     if (!p.shared_diag) { /* diagonal block per pair in fp32 (lane = channel) */
         const int o = a * 16;
-        float qv[16], kv[16], Gv[16], dq[16], dkr[16], dkc[16];
+        float qv[16], kv[16], dq[16], dkr[16], dkc[16];
+        const float *Gv = gv;
 #pragma unroll
         for (int r = 0; r < 16; r++) {
-            Gv[r] = s.G[o + r][lane];
-            qv[r] = kv[r] = dq[r] = dkr[r] = dkc[r] = 0.0f;
-        }
-#pragma unroll
-        for (int r = 0; r < 16; r++) {
-            const int row = o + r;
-            if (row < L && dok) {
-                const int64_t off = ((int64_t)(t0 + row) * H + h) * K + d;
-                qv[r] = __bfloat162float(p.q[off]) * s.nq[row];
-                kv[r] = __bfloat162float(p.k[off]) * s.nk[row];
-            }
+            qv[r] = qraw[r] * s.nq[o + r];
+            kv[r] = kraw[r] * s.nk[o + r];
+            dq[r] = dkr[r] = dkc[r] = 0.0f;
         }
 #pragma unroll
         for (int r = 0; r < 16; r++)
@@ -806,7 +836,7 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             for (int i = 0; i <= r; i++) {
                 const float aqv = s.dAd[a][r][i];
                 const float apv = i < r ? s.dPd[a][r][i] : 0.0f;
-                const float e = __expf(Gv[r] - Gv[i]);
+                const float e = fexp(Gv[r] - Gv[i]);
                 dq[r] += aqv * kv[i] * e;
                 dkr[r] += apv * kv[i] * e;
                 dkc[i] += (aqv * qv[r] + apv * kv[r]) * e;
@@ -823,30 +853,13 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
      * dq = dq_pair + dQg e^G;  dk = dk_row + dk_col + dKg e^G + dKd e^(Gl - G);
      * dG = q dq_pair + k (dk_row - dk_col) + dQg Qg + dKg Kg - dKd Kd; dGl += sum dKd Kd */
     {
-        const float *dQg = p.dQg + cb * BT * KD + c0, *dKd = p.dKd + cb * BT * KD + c0;
-        const float *dKg = p.dKg + cb * BT * KD + c0;
         const float Gl = s.G[BT - 1][lane];
         float gsum = 0.0f;
-        for (int half = 0; half < 2; half++) {
-        float pq_[8], pk_[8], xq_[8], xd_[8], xg_[8];
 #pragma unroll
-        for (int m = 0; m < 8; m++) {
-            const int r = a * 16 + half * 8 + m;
-            pq_[m] = pk_[m] = 0.0f;
-            if (r < L && dok) {
-                const int64_t off = ((int64_t)(t0 + r) * H + h) * K + d;
-                pq_[m] = __bfloat162float(p.q[off]);
-                pk_[m] = __bfloat162float(p.k[off]);
-            }
-            xq_[m] = __ldg(dQg + r * KD + lane);
-            xd_[m] = __ldg(dKd + r * KD + lane);
-            xg_[m] = __ldg(dKg + r * KD + lane);
-        }
-#pragma unroll
-        for (int m = 0; m < 8; m++) {
-            const int r = a * 16 + half * 8 + m;
-            const float qv = pq_[m] * s.nq[r], kv = pk_[m] * s.nk[r];
-            const float G = s.G[r][lane], eg = __expf(G), ed = __expf(Gl - G);
+        for (int m = 0; m < 16; m++) {
+            const int r = a * 16 + m;
+            const float qv = qraw[m] * s.nq[r], kv = kraw[m] * s.nk[r];
+            const float G = gv[m], eg = fexp(G), ed = fexp(Gl - G);
             const float xq = xq_[m], xd = xd_[m], xg = xg_[m];
             const float pq = s.out[0][r][lane], pr = s.out[1][r][lane], pc = s.out[2][r][lane];
             const float dq = pq + xq * eg;
@@ -860,13 +873,12 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
                 p.dks[o2] = dk;
             }
         }
-        }
         s.red[a][lane] = gsum;
     }
     __syncthreads();
     if (warp == 3) {
         const float x = s.red[0][lane] + s.red[1][lane] + s.red[2][lane] + s.red[3][lane];
-        s.out[0][BT - 1][lane] += dok ? x + p.dgam[cb * KD + d] * p.gl[cb * KD + d] : 0.0f;
+        s.out[0][BT - 1][lane] += dok ? x + gam_l : 0.0f;
     }
     __syncthreads();
     /* 5. reverse cumulative sum over rows: within block a, then the later blocks' totals */
@@ -884,26 +896,16 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         base += s.red[a2][lane];
     __syncthreads(); /* red is reused below */
     /* 6. gate backward (KDA), or the per-row channel sum (GDN) */
-    const float ga = p.A_log ? __expf(p.A_log[hv]) : 1.0f;
     float dAl = 0.0f;
     if (!p.gdn) {
-        const float bias = (p.dt_bias && dok) ? p.dt_bias[hv * K + d] : 0.0f;
         float dbias = 0.0f;
-        bf16 graw[16];
-#pragma unroll
-        for (int m = 0; m < 16; m++) {
-            const int r = a * 16 + m;
-            graw[m] = __float2bfloat16(0.0f);
-            if (r < L && dok)
-                graw[m] = p.g[((int64_t)(t0 + r) * HV + hv) * K + d];
-        }
 #pragma unroll
         for (int m = 0; m < 16; m++) {
             const int r = a * 16 + m;
             if (r >= L || !dok)
                 break;
             const int64_t o = ((int64_t)(t0 + r) * HV + hv) * K + d;
-            const float dz = gate_bwd(p, __bfloat162float(graw[m]), bias, ga, s.out[0][r][lane] + base, dAl);
+            const float dz = gate_bwd(p, __uint_as_float((uint32_t)gr[m] << 16), bias, ga, s.out[0][r][lane] + base, dAl);
             dbias += dz;
             if (p.dg)
                 p.dg[o] = __float2bfloat16(dz);
@@ -940,7 +942,7 @@ __global__ void kda_bwd_gdn_gate(BwdParams p, int64_t rows) {
     for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n;
          e += (int64_t)gridDim.x * blockDim.x) {
         const int hv = (int)(e % p.HV);
-        const float ga = p.A_log ? __expf(p.A_log[hv]) : 1.0f;
+        const float ga = p.A_log ? fexp(p.A_log[hv]) : 1.0f;
         const float bias = p.dt_bias ? p.dt_bias[hv] : 0.0f;
         float dA1 = 0.0f;
         const float dz = gate_bwd(p, __bfloat162float(p.g[e]), bias, ga, p.dgs[e], dA1);
