@@ -250,12 +250,35 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_bwd_dh(BwdParams p)
 }
 
 /* ------------------------------------------------------ b2: the state products */
+/* 128-wide bf16 tiles without padding (112 KB in all, so that 2 CTAs fit on an SM): the
+ * 16-byte chunk x of row r sits at chunk x ^ (r & 7), which keeps the 8 rows that one
+ * ldmatrix 8x8 reads in distinct banks. */
 struct StateSmem {
-    bf16 S0[KD][RS], dS[KD][RS];
-    bf16 dO[BT][RS], vn[BT][RS], dvn[BT][RS];
+    bf16 S0[KD * KD], dS[KD * KD];
+    bf16 dO[BT * KD], vn[BT * KD], dvn[BT * KD];
 };
+__device__ __forceinline__ int swz_chunk(int r, int c) { return r * KD + ((((c >> 3) ^ (r & 7)) & 15) << 3); }
 
-__global__ void __launch_bounds__(NTB) kda_bwd_state(BwdParams p) {
+/* acc[2 NP][4] += A (16 rows at m0, all 128 columns) * M^T (M rows n0 .. n0 + 16 NP - 1),
+ * A and M swizzled 128-wide tiles */
+template <int NP>
+__device__ __forceinline__ void wmma_swz(float (*acc)[4], const bf16 *A, int m0, const bf16 *M, int n0,
+                                         int lane) {
+#pragma unroll 2
+    for (int ks = 0; ks < KD / 16; ks++) {
+        uint32_t fa[4];
+        ldsm4(fa, A + swz_chunk(m0 + (lane & 15), ks * 16 + (lane >> 4) * 8));
+#pragma unroll
+        for (int np = 0; np < NP; np++) {
+            uint32_t fb[4];
+            ldsm4(fb, M + swz_chunk(n0 + np * 16 + (lane & 7) + (lane >> 4) * 8, ks * 16 + ((lane >> 3) & 1) * 8));
+            mma16816(acc[2 * np], fa, fb[0], fb[1]);
+            mma16816(acc[2 * np + 1], fa, fb[2], fb[3]);
+        }
+    }
+}
+
+__global__ void __launch_bounds__(NTB, 2) kda_bwd_state(BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     StateSmem &s = *reinterpret_cast<StateSmem *>(smem_raw);
     const int ci = blockIdx.x, hv = blockIdx.y;
@@ -266,15 +289,15 @@ __global__ void __launch_bounds__(NTB) kda_bwd_state(BwdParams p) {
         const bf16 *S0 = p.hs + cb * KD * KD, *dS = p.dh + cb * KD * KD;
         for (int e = tid; e < KD * KD / 8; e += NTB) {
             const int r = e >> 4, c = (e & 15) * 8;
-            cp_async16(&s.S0[r][c], S0 + r * KD + c);
-            cp_async16(&s.dS[r][c], dS + r * KD + c);
+            cp_async16(&s.S0[swz_chunk(r, c)], S0 + r * KD + c);
+            cp_async16(&s.dS[swz_chunk(r, c)], dS + r * KD + c);
         }
         const bf16 *dO = p.dO + cb * BT * KD, *vn = p.vns + cb * BT * KD, *dvn = p.dvn + cb * BT * KD;
         for (int e = tid; e < BT * KD / 8; e += NTB) {
             const int r = e >> 4, c = (e & 15) * 8;
-            cp_async16(&s.dO[r][c], dO + r * KD + c);
-            cp_async16(&s.vn[r][c], vn + r * KD + c);
-            cp_async16(&s.dvn[r][c], dvn + r * KD + c);
+            cp_async16(&s.dO[swz_chunk(r, c)], dO + r * KD + c);
+            cp_async16(&s.vn[swz_chunk(r, c)], vn + r * KD + c);
+            cp_async16(&s.dvn[swz_chunk(r, c)], dvn + r * KD + c);
         }
         cp_async_commit();
         cp_async_wait<0>();
@@ -286,8 +309,8 @@ __global__ void __launch_bounds__(NTB) kda_bwd_state(BwdParams p) {
         float acc = 0.0f;
         for (int c = 0; c < 64; c += 8) {
             float a[8], b[8];
-            ld8h(a, &s.S0[d][h2 + c]);
-            ld8h(b, &s.dS[d][h2 + c]);
+            ld8h(a, &s.S0[swz_chunk(d, h2 + c)]);
+            ld8h(b, &s.dS[swz_chunk(d, h2 + c)]);
 #pragma unroll
             for (int x = 0; x < 8; x++)
                 acc += a[x] * b[x];
@@ -300,11 +323,11 @@ __global__ void __launch_bounds__(NTB) kda_bwd_state(BwdParams p) {
     for (int job = warp; job < 32; job += NTB / 32) {
         if (job < 24) {
             const int mat = job >> 3, a = (job >> 1) & 3, half = job & 1;
-            const bf16 *A = mat == 0 ? &s.dO[0][0] : (mat == 1 ? &s.vn[0][0] : &s.dvn[0][0]);
-            const bf16 *B = mat == 1 ? &s.dS[0][0] : &s.S0[0][0];
+            const bf16 *A = mat == 0 ? s.dO : (mat == 1 ? s.vn : s.dvn);
+            const bf16 *B = mat == 1 ? s.dS : s.S0;
             float acc[8][4];
             zero_acc<8>(acc);
-            wmma<4, false, true>(acc, A, RS, a * 16, 0, B, RS, half * 64, 0, KD / 16, lane);
+            wmma_swz<4>(acc, A, a * 16, B, half * 64, lane);
 #pragma unroll
             for (int nt = 0; nt < 8; nt++)
 #pragma unroll
@@ -323,8 +346,7 @@ __global__ void __launch_bounds__(NTB) kda_bwd_state(BwdParams p) {
             const int a = (job - 24) >> 1, half = job & 1;
             float acc[4][4];
             zero_acc<4>(acc);
-            wmma<2, false, true>(acc, &s.dO[0][0], RS, a * 16, 0, &s.vn[0][0], RS, half * 32, 0,
-                                 KD / 16, lane);
+            wmma_swz<2>(acc, s.dO, a * 16, s.vn, half * 32, lane);
 #pragma unroll
             for (int nt = 0; nt < 4; nt++)
 #pragma unroll
@@ -956,16 +978,106 @@ __global__ void kda_bwd_gdn_gate(BwdParams p, int64_t rows) {
 }
 
 /* ------------------------ b6: dq, dk: GVA sum, l2norm and scale backward (warp per row) */
+/* y = x r with r = (|x|^2 + 1e-6)^-1/2 (l2norm), then q_hat = scale y: dx = r (dy - y (y . dy)).
+ * Lane l holds channels 4l .. 4l + 3 (K a multiple of 4) or l + 32 i (otherwise); each warp
+ * takes QK_ROWS rows and issues every load of them before the first use. */
+#define QK_ROWS 2
+__device__ __forceinline__ void l2_bwd_row(const BwdParams &p, float (&xq)[4], float (&xk)[4],
+                                           float (&dq)[4], float (&dk)[4]) {
+    float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        dq[i] *= p.scale;
+        sq += xq[i] * xq[i];
+        sk += xk[i] * xk[i];
+    }
+    if (!p.l2)
+        return;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    }
+    const float rq = rsqrtf(sq + 1e-6f), rk = rsqrtf(sk + 1e-6f);
+    float dotq = 0.0f, dotk = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        dotq += xq[i] * rq * dq[i];
+        dotk += xk[i] * rk * dk[i];
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+        dotq += __shfl_xor_sync(0xffffffffu, dotq, o);
+        dotk += __shfl_xor_sync(0xffffffffu, dotk, o);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        dq[i] = rq * (dq[i] - xq[i] * rq * dotq);
+        dk[i] = rk * (dk[i] - xk[i] * rk * dotk);
+    }
+}
+
 __global__ void kda_bwd_qk(BwdParams p, int64_t rows) {
     const int lane = threadIdx.x & 31;
     const int64_t nw = rows * p.H;
     const int K = p.K;
-    for (int64_t wi = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5; wi < nw;
-         wi += ((int64_t)gridDim.x * blockDim.x) >> 5) {
+    const int64_t w0 = ((blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5) * QK_ROWS;
+    if ((K & 3) == 0) { /* 4 consecutive channels per lane, 8- and 16-byte loads */
+        const int d0 = 4 * lane;
+        float xq[QK_ROWS][4], xk[QK_ROWS][4], dq[QK_ROWS][4], dk[QK_ROWS][4];
+        bool ok[QK_ROWS];
+#pragma unroll
+        for (int rr = 0; rr < QK_ROWS; rr++) {
+            const int64_t wi = w0 + rr;
+            ok[rr] = wi < nw && d0 < K;
+            const int64_t tr = wi / p.H;
+            const int hh = (int)(wi % p.H);
+            const int64_t oq = ok[rr] ? wi * K + d0 : 0;
+            const uint2 q2 = __ldg(reinterpret_cast<const uint2 *>(p.q + oq));
+            const uint2 k2 = __ldg(reinterpret_cast<const uint2 *>(p.k + oq));
+            const __nv_bfloat162 *hq = reinterpret_cast<const __nv_bfloat162 *>(&q2);
+            const __nv_bfloat162 *hk = reinterpret_cast<const __nv_bfloat162 *>(&k2);
+            xq[rr][0] = __low2float(hq[0]); xq[rr][1] = __high2float(hq[0]);
+            xq[rr][2] = __low2float(hq[1]); xq[rr][3] = __high2float(hq[1]);
+            xk[rr][0] = __low2float(hk[0]); xk[rr][1] = __high2float(hk[0]);
+            xk[rr][2] = __low2float(hk[1]); xk[rr][3] = __high2float(hk[1]);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                dq[rr][i] = dk[rr][i] = 0.0f;
+            for (int x = 0; x < p.grp; x++) {
+                const int64_t o = ok[rr] ? (tr * p.HV + hh * p.grp + x) * K + d0 : 0;
+                const float4 a = __ldg(reinterpret_cast<const float4 *>(p.dqs + o));
+                const float4 b = __ldg(reinterpret_cast<const float4 *>(p.dks + o));
+                dq[rr][0] += a.x; dq[rr][1] += a.y; dq[rr][2] += a.z; dq[rr][3] += a.w;
+                dk[rr][0] += b.x; dk[rr][1] += b.y; dk[rr][2] += b.z; dk[rr][3] += b.w;
+            }
+        }
+#pragma unroll
+        for (int rr = 0; rr < QK_ROWS; rr++) {
+            if (!ok[rr]) /* zero rows: no contribution to the warp sums */
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    xq[rr][i] = xk[rr][i] = dq[rr][i] = dk[rr][i] = 0.0f;
+            l2_bwd_row(p, xq[rr], xk[rr], dq[rr], dk[rr]);
+            if (!ok[rr])
+                continue;
+            const int64_t o = (w0 + rr) * K + d0;
+            if (p.dq)
+                *reinterpret_cast<uint2 *>(p.dq + o) =
+                    make_uint2(pack_bf16(dq[rr][0], dq[rr][1]), pack_bf16(dq[rr][2], dq[rr][3]));
+            if (p.dk)
+                *reinterpret_cast<uint2 *>(p.dk + o) =
+                    make_uint2(pack_bf16(dk[rr][0], dk[rr][1]), pack_bf16(dk[rr][2], dk[rr][3]));
+        }
+        return;
+    }
+    for (int rr = 0; rr < QK_ROWS; rr++) { /* any K <= 128: channels lane + 32 i */
+        const int64_t wi = w0 + rr;
+        if (wi >= nw)
+            return; /* whole warp: wi is uniform */
         const int64_t tr = wi / p.H;
         const int hh = (int)(wi % p.H);
         float xq[4], xk[4], dq[4], dk[4];
-        float sq = 0.0f, sk = 0.0f;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int d = lane + 32 * i;
@@ -978,35 +1090,9 @@ __global__ void kda_bwd_qk(BwdParams p, int64_t rows) {
                     dq[i] += p.dqs[o];
                     dk[i] += p.dks[o];
                 }
-                dq[i] *= p.scale; /* q_hat = scale y */
-            }
-            sq += xq[i] * xq[i];
-            sk += xk[i] * xk[i];
-        }
-        if (p.l2) { /* y = x r, r = (|x|^2 + 1e-6)^-1/2: dx = r (dy - y (y . dy)) */
-#pragma unroll
-            for (int o = 16; o; o >>= 1) {
-                sq += __shfl_xor_sync(0xffffffffu, sq, o);
-                sk += __shfl_xor_sync(0xffffffffu, sk, o);
-            }
-            const float rq = rsqrtf(sq + 1e-6f), rk = rsqrtf(sk + 1e-6f);
-            float dotq = 0.0f, dotk = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                dotq += xq[i] * rq * dq[i];
-                dotk += xk[i] * rk * dk[i];
-            }
-#pragma unroll
-            for (int o = 16; o; o >>= 1) {
-                dotq += __shfl_xor_sync(0xffffffffu, dotq, o);
-                dotk += __shfl_xor_sync(0xffffffffu, dotk, o);
-            }
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                dq[i] = rq * (dq[i] - xq[i] * rq * dotq);
-                dk[i] = rk * (dk[i] - xk[i] * rk * dotk);
             }
         }
+        l2_bwd_row(p, xq, xk, dq, dk);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int d = lane + 32 * i;
@@ -1319,7 +1405,7 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
             CK(cudaGetLastError());
         }
         if (p.dq || p.dk) {
-            const int64_t nwarps = rows * H;
+            const int64_t nwarps = (rows * H + QK_ROWS - 1) / QK_ROWS;
             kda_bwd_qk<<<(unsigned)((nwarps + 7) / 8), 256>>>(p, rows);
             CK(cudaGetLastError());
         }
