@@ -361,10 +361,18 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_state(BwdParams p) {
 }
 
 /* -------------------------------------------------------- b3: the UT transform */
+/* 107 KB, 2 CTAs per SM: beta enters dTm in its epilogue (by column) instead of through
+ * beta-scaled copies of v and Kg, G is used in registers only (Kg = nk k e^G is built
+ * while loading), and T = dTm Tm^T (hi, lo) reuses dvn's space once dv, dKg are out. */
 struct UtSmem {
-    float G[BT][GS];
-    bf16 dvn[BT][RS], dW[BT][RS], vr[BT][RS], kr[BT][RS], vb[BT][RS], kb[BT][RS];
-    bf16 Xh[BT][AS], Xl[BT][AS], Dh[BT][AS], Dl[BT][AS], Th[BT][AS], Tl[BT][AS];
+    union {
+        bf16 dvn[BT][RS];
+        struct {
+            bf16 h[BT][AS], l[BT][AS];
+        } T;
+    } u;
+    bf16 dW[BT][RS], vr[BT][RS], kg[BT][RS];
+    bf16 Xh[BT][AS], Xl[BT][AS], Dh[BT][AS], Dl[BT][AS];
     float beta[BT], nk[BT], dbeta[BT];
 };
 
@@ -408,7 +416,7 @@ __device__ __forceinline__ void add_row_sums(float *sums, const float db[2], int
     }
 }
 
-__global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
+__global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     UtSmem &s = *reinterpret_cast<UtSmem *>(smem_raw);
     const int ci = blockIdx.x, hv = blockIdx.y;
@@ -419,15 +427,10 @@ __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     {
-        const float *Gs = p.Gs + cb * BT * KD;
-        for (int e = tid; e < BT * KD / 4; e += NTB) {
-            const int i = e >> 5, d = (e & 31) * 4;
-            cp_async16(&s.G[i][d], Gs + i * KD + d);
-        }
         const bf16 *dvn = p.dvn + cb * BT * KD, *dW = p.dW + cb * BT * KD;
         for (int e = tid; e < BT * KD / 8; e += NTB) {
             const int r = e >> 4, c = (e & 15) * 8;
-            cp_async16(&s.dvn[r][c], dvn + r * KD + c);
+            cp_async16(&s.u.dvn[r][c], dvn + r * KD + c);
             cp_async16(&s.dW[r][c], dW + r * KD + c);
         }
         cp_async_commit();
@@ -436,39 +439,64 @@ __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
 #pragma unroll
         for (int m = 0; m < BT * BT / 4 / NTB; m++)
             xr[m] = __ldg(reinterpret_cast<const float4 *>(X) + tid + m * NTB);
+        /* v, X (bf16 hi + lo), beta, nk to shared memory */
+        auto stage_v_x_beta = [&]() {
+            load_rows(s.vr, p.v, t0, L, HV, hv, p.V, tid);
+            if (tid < BT) {
+                s.beta[tid] = p.bs[cb * BT + tid];
+                s.nk[tid] = p.nks[cb * BT + tid];
+                s.dbeta[tid] = 0.0f;
+            }
 #pragma unroll
-        for (int m = 0; m < BT * BT / 4 / NTB; m++) {
-            const int e = (tid + m * NTB) * 4, i = e >> 6, j = e & 63;
-            split_bf16(xr[m].x, s.Xh[i][j], s.Xl[i][j]);
-            split_bf16(xr[m].y, s.Xh[i][j + 1], s.Xl[i][j + 1]);
-            split_bf16(xr[m].z, s.Xh[i][j + 2], s.Xl[i][j + 2]);
-            split_bf16(xr[m].w, s.Xh[i][j + 3], s.Xl[i][j + 3]);
+            for (int m = 0; m < BT * BT / 4 / NTB; m++) {
+                const int e = (tid + m * NTB) * 4, i = e >> 6, j = e & 63;
+                split_bf16(xr[m].x, s.Xh[i][j], s.Xl[i][j]);
+                split_bf16(xr[m].y, s.Xh[i][j + 1], s.Xl[i][j + 1]);
+                split_bf16(xr[m].z, s.Xh[i][j + 2], s.Xl[i][j + 2]);
+                split_bf16(xr[m].w, s.Xh[i][j + 3], s.Xl[i][j + 3]);
+            }
+        };
+        /* Kg = nk k e^G (bf16), G straight from global memory; every load issued before
+         * the first store */
+        const float *Gs = p.Gs + cb * BT * KD;
+        const float *nks = p.nks + cb * BT;
+        if ((p.K & 7) == 0) {
+            constexpr int NI = BT * KD / 8 / NTB;
+            uint4 kx[NI];
+            float gk[NI][8];
+#pragma unroll
+            for (int m = 0; m < NI; m++) {
+                const int e = tid + m * NTB, r = e >> 4, c = (e & 15) * 8;
+                const bool ok = r < L && c < p.K;
+                kx[m] = __ldg(reinterpret_cast<const uint4 *>(p.k + (ok ? ((int64_t)(t0 + r) * p.H + h) * p.K + c : 0)));
+                if (!ok)
+                    kx[m] = make_uint4(0, 0, 0, 0);
+                ld8f(gk[m], Gs + r * KD + c);
+            }
+            stage_v_x_beta();
+#pragma unroll
+            for (int m = 0; m < NI; m++) {
+                const int e = tid + m * NTB, r = e >> 4, c = (e & 15) * 8;
+                const float n = __ldg(nks + r);
+                float xk[8];
+                const __nv_bfloat162 *hk = reinterpret_cast<const __nv_bfloat162 *>(&kx[m]);
+#pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    xk[2 * x] = __low2float(hk[x]) * n * fexp(gk[m][2 * x]);
+                    xk[2 * x + 1] = __high2float(hk[x]) * n * fexp(gk[m][2 * x + 1]);
+                }
+                st8h(&s.kg[r][c], xk);
+            }
+        } else {
+            stage_v_x_beta();
+            for (int e = tid; e < BT * KD; e += NTB) {
+                const int r = e >> 7, c = e & 127;
+                const float x = (r < L && c < p.K)
+                                    ? __bfloat162float(p.k[((int64_t)(t0 + r) * p.H + h) * p.K + c]) : 0.0f;
+                s.kg[r][c] = __float2bfloat16(x * nks[r] * fexp(Gs[r * KD + c]));
+            }
         }
-        if (tid < BT) {
-            s.beta[tid] = p.bs[cb * BT + tid];
-            s.nk[tid] = p.nks[cb * BT + tid];
-            s.dbeta[tid] = 0.0f;
-        }
-        load_rows(s.vr, p.v, t0, L, HV, hv, p.V, tid);
-        load_rows(s.kr, p.k, t0, L, p.H, h, p.K, tid);
         cp_async_wait<0>();
-    }
-    __syncthreads();
-    /* beta v and beta k e^G (the B operands of dTm) */
-    for (int e = tid; e < BT * KD / 8; e += NTB) {
-        const int r = e >> 4, c = (e & 15) * 8;
-        float xv[8], xk[8], G8[8];
-        ld8h(xv, &s.vr[r][c]);
-        ld8h(xk, &s.kr[r][c]);
-        ld8f(G8, &s.G[r][c]);
-        const float b = s.beta[r], f = b * s.nk[r];
-#pragma unroll
-        for (int x = 0; x < 8; x++) {
-            xv[x] *= b;
-            xk[x] *= f * fexp(G8[x]);
-        }
-        st8h(&s.vb[r][c], xv);
-        st8h(&s.kb[r][c], xk);
     }
     __syncthreads();
     /* jobs: 8 x dTm (16 x 32), 8 x dBv (16 x 64), 8 x dBk (16 x 64) */
@@ -477,20 +505,20 @@ __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
             const int a = job >> 1, half = job & 1;
             float acc[4][4];
             zero_acc<4>(acc);
-            wmma<2, false, true>(acc, &s.dvn[0][0], RS, a * 16, 0, &s.vb[0][0], RS, half * 32, 0,
+            wmma<2, false, true>(acc, &s.u.dvn[0][0], RS, a * 16, 0, &s.vr[0][0], RS, half * 32, 0,
                                  KD / 16, lane);
-            wmma<2, false, true>(acc, &s.dW[0][0], RS, a * 16, 0, &s.kb[0][0], RS, half * 32, 0,
+            wmma<2, false, true>(acc, &s.dW[0][0], RS, a * 16, 0, &s.kg[0][0], RS, half * 32, 0,
                                  KD / 16, lane);
 #pragma unroll
             for (int nt = 0; nt < 4; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int r = a * 16 + g + (e >> 1) * 8, c = half * 32 + nt * 8 + 2 * t + (e & 1);
-                    split_bf16(acc[nt][e], s.Dh[r][c], s.Dl[r][c]);
+                    split_bf16(acc[nt][e] * s.beta[c], s.Dh[r][c], s.Dl[r][c]);
                 }
         } else {
             const int isk = job >= 16, a = ((job - 8) >> 1) & 3, half = job & 1;
-            const bf16 *B = isk ? &s.dW[0][0] : &s.dvn[0][0];
+            const bf16 *B = isk ? &s.dW[0][0] : &s.u.dvn[0][0];
             float acc[8][4];
             zero_acc<8>(acc);
             /* Tm^T[r][i] = X[i][r], nonzero for i >= r: k blocks a..3 */
@@ -510,19 +538,20 @@ __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
                         const __nv_bfloat162 x =
                             *reinterpret_cast<const __nv_bfloat162 *>(&s.vr[r][c]);
                         db[hh] += __low2float(x) * v0 + __high2float(x) * v1;
-                        if (r < L && p.dv) {
+                        if (r < L && p.dv && c < p.V) {
                             bf16 *dst = p.dv + ((int64_t)(t0 + r) * HV + hv) * p.V + c;
-                            if (c < p.V)
+                            if ((p.V & 1) == 0) /* c even: c + 1 < V too */
+                                *reinterpret_cast<uint32_t *>(dst) = pack_bf16(b * v0, b * v1);
+                            else {
                                 dst[0] = __float2bfloat16(b * v0);
-                            if (c + 1 < p.V)
-                                dst[1] = __float2bfloat16(b * v1);
+                                if (c + 1 < p.V)
+                                    dst[1] = __float2bfloat16(b * v1);
+                            }
                         }
                     } else { /* dKg = beta dBk; dbeta += Kg . dBk */
                         const __nv_bfloat162 x =
-                            *reinterpret_cast<const __nv_bfloat162 *>(&s.kr[r][c]);
-                        const float nk = s.nk[r];
-                        db[hh] += nk * (__low2float(x) * fexp(s.G[r][c]) * v0 +
-                                        __high2float(x) * fexp(s.G[r][c + 1]) * v1);
+                            *reinterpret_cast<const __nv_bfloat162 *>(&s.kg[r][c]);
+                        db[hh] += __low2float(x) * v0 + __high2float(x) * v1;
                         *reinterpret_cast<float2 *>(p.dKg + (cb * BT + r) * KD + c) =
                             make_float2(b * v0, b * v1);
                     }
@@ -544,7 +573,7 @@ __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int r = a * 16 + g + (e >> 1) * 8, c = half * 32 + nt * 8 + 2 * t + (e & 1);
-                split_bf16(acc[nt][e], s.Th[r][c], s.Tl[r][c]);
+                split_bf16(acc[nt][e], s.u.T.h[r][c], s.u.T.l[r][c]);
             }
     }
     __syncthreads();
@@ -553,11 +582,11 @@ __global__ void __launch_bounds__(NTB) kda_bwd_ut(BwdParams p) {
         const int a = warp >> 1, half = warp & 1;
         float acc[4][4];
         zero_acc<4>(acc);
-        wmma<2, true, false>(acc, &s.Xh[0][0], AS, a * 16, a * 16, &s.Th[0][0], AS, half * 32, a * 16,
+        wmma<2, true, false>(acc, &s.Xh[0][0], AS, a * 16, a * 16, &s.u.T.h[0][0], AS, half * 32, a * 16,
                              4 - a, lane);
-        wmma<2, true, false>(acc, &s.Xl[0][0], AS, a * 16, a * 16, &s.Th[0][0], AS, half * 32, a * 16,
+        wmma<2, true, false>(acc, &s.Xl[0][0], AS, a * 16, a * 16, &s.u.T.h[0][0], AS, half * 32, a * 16,
                              4 - a, lane);
-        wmma<2, true, false>(acc, &s.Xh[0][0], AS, a * 16, a * 16, &s.Tl[0][0], AS, half * 32, a * 16,
+        wmma<2, true, false>(acc, &s.Xh[0][0], AS, a * 16, a * 16, &s.u.T.l[0][0], AS, half * 32, a * 16,
                              4 - a, lane);
         const float *P = p.Ps + cb * BT * BT;
         float db[2] = {0.0f, 0.0f};
