@@ -483,23 +483,23 @@ template <int BV> struct InterSmem {
     bf16 vn[BT][BV + 8]; /* v' in bf16 */
 };
 
-template <int BV>
+template <int BV, int NT>
 __device__ __forceinline__ void inter_load(const Params &p, InterStage<BV> &st, int64_t cb, int c0,
                                            int tid) {
     const bf16 *w = p.w + cb * BT * KD, *qg = p.qg + cb * BT * KD, *kg = p.kg + cb * BT * KD;
-    for (int e = tid; e < BT * (KD / 8); e += NT2) {
+    for (int e = tid; e < BT * (KD / 8); e += NT) {
         const int i = e >> 4, d0 = (e & 15) * 8;
         cp_async16(&st.w[i][d0], w + i * KD + d0);
         cp_async16(&st.qg[i][d0], qg + i * KD + d0);
         cp_async16(&st.kg[i][d0], kg + i * KD + d0);
     }
     const bf16 *A = p.Aqk + cb * BT * BT;
-    for (int e = tid; e < BT * (BT / 8); e += NT2) {
+    for (int e = tid; e < BT * (BT / 8); e += NT) {
         const int i = e >> 3, j0 = (e & 7) * 8;
         cp_async16(&st.A[i][j0], A + i * BT + j0);
     }
     const bf16 *u = p.u + cb * BT * KD + c0;
-    for (int e = tid; e < BT * (BV / 8); e += NT2) {
+    for (int e = tid; e < BT * (BV / 8); e += NT) {
         const int i = e / (BV / 8), c = (e % (BV / 8)) * 8;
         cp_async16(&st.u[i][c], u + i * KD + c);
     }
@@ -507,22 +507,28 @@ __device__ __forceinline__ void inter_load(const Params &p, InterStage<BV> &st, 
         cp_async16(&st.gl[tid * 4], p.gl + cb * KD + tid * 4);
 }
 
-template <int BV> __global__ void __launch_bounds__(NT2) kda_inter_tc(Params p) {
+/* WC column groups of 4 warps: warp (wr = warp % 4, wc = warp / 4) takes rows 16 wr
+ * (v', o) and 32 wr (state) of the columns wc * BV / WC .. of the slice. WC = 2 puts two
+ * warps on each SM sub-partition, whose tensor pipe one warp's dependent mma chain
+ * leaves mostly idle (the grid has about one CTA per SM). */
+template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_tc(Params p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     InterSmem<BV> &s = *reinterpret_cast<InterSmem<BV> *>(smem_raw);
-    constexpr int NTV = BV / 8; /* n-tiles */
+    constexpr int NTV = BV / 8 / WC; /* n-tiles of this warp */
+    constexpr int NT = NT2 * WC;       /* threads */
     const int c0 = blockIdx.x * BV;
     const int n = blockIdx.y / p.HV, hv = blockIdx.y % p.HV;
     const int K = p.K, V = p.V, HV = p.HV;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wc = tid >> 7;
     const int g = lane >> 2, t = lane & 3;
+    const int cw = wc * (BV / WC); /* this warp's first column in the slice */
 
     float S[2][NTV][4];
-    state_regs_load<NTV>(S, p.h0 ? p.h0 + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0,
+    state_regs_load<NTV>(S, p.h0 ? p.h0 + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0 + cw,
                          warp, lane);
     const int2 sq = p.seqs[n];
     if (sq.y > 0) {
-        inter_load<BV>(p, s.st[0], (int64_t)sq.x * HV + hv, c0, tid);
+        inter_load<BV, NT>(p, s.st[0], (int64_t)sq.x * HV + hv, c0, tid);
         cp_async_commit();
     }
     for (int cc = 0; cc < sq.y; cc++) {
@@ -531,7 +537,7 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_inter_tc(Params p) 
         const int t0 = ch.x, L = ch.y;
         InterStage<BV> &st = s.st[cc & 1];
         if (cc + 1 < sq.y) {
-            inter_load<BV>(p, s.st[(cc + 1) & 1], (int64_t)(ci + 1) * HV + hv, c0, tid);
+            inter_load<BV, NT>(p, s.st[(cc + 1) & 1], (int64_t)(ci + 1) * HV + hv, c0, tid);
             cp_async_commit();
         }
         /* S -> bf16 tile */
@@ -539,7 +545,7 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_inter_tc(Params p) 
         for (int mt = 0; mt < 2; mt++)
 #pragma unroll
             for (int nt = 0; nt < NTV; nt++) {
-                const int d = warp * 32 + mt * 16 + g, c = nt * 8 + 2 * t;
+                const int d = warp * 32 + mt * 16 + g, c = cw + nt * 8 + 2 * t;
                 const uint32_t lo = pack_bf16(S[mt][nt][0], S[mt][nt][1]);
                 const uint32_t hi = pack_bf16(S[mt][nt][2], S[mt][nt][3]);
                 *reinterpret_cast<uint32_t *>(&s.S[d][c]) = lo;
@@ -570,7 +576,7 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_inter_tc(Params p) 
 #pragma unroll
             for (int np = 0; np < NTV / 2; np++) {
                 uint32_t fb[4];
-                ldsm4t(fb, b_kn_addr(&s.S[0][0], BV + 8, ks * 16, np * 16, lane));
+                ldsm4t(fb, b_kn_addr(&s.S[0][0], BV + 8, ks * 16, cw + np * 16, lane));
                 mma16816(av[2 * np], fw, fb[0], fb[1]);
                 mma16816(av[2 * np + 1], fw, fb[2], fb[3]);
                 mma16816(ao[2 * np], fq, fb[0], fb[1]);
@@ -579,7 +585,7 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_inter_tc(Params p) 
         }
 #pragma unroll
         for (int nt = 0; nt < NTV; nt++) {
-            const int r = warp * 16 + g, c = nt * 8 + 2 * t;
+            const int r = warp * 16 + g, c = cw + nt * 8 + 2 * t;
             const __nv_bfloat162 u0 = *reinterpret_cast<const __nv_bfloat162 *>(&st.u[r][c]);
             const __nv_bfloat162 u1 = *reinterpret_cast<const __nv_bfloat162 *>(&st.u[r + 8][c]);
             const float v0 = __low2float(u0) - av[nt][0], v1 = __high2float(u0) - av[nt][1];
@@ -600,14 +606,14 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_inter_tc(Params p) 
 #pragma unroll
             for (int np = 0; np < NTV / 2; np++) {
                 uint32_t fb[4];
-                ldsm4t(fb, b_kn_addr(&s.vn[0][0], BV + 8, ks * 16, np * 16, lane));
+                ldsm4t(fb, b_kn_addr(&s.vn[0][0], BV + 8, ks * 16, cw + np * 16, lane));
                 mma16816(ao[2 * np], fa, fb[0], fb[1]);
                 mma16816(ao[2 * np + 1], fa, fb[2], fb[3]);
             }
         }
 #pragma unroll
         for (int nt = 0; nt < NTV; nt++) {
-            const int c = c0 + nt * 8 + 2 * t;
+            const int c = c0 + cw + nt * 8 + 2 * t;
 #pragma unroll
             for (int hh = 0; hh < 2; hh++) {
                 const int r = warp * 16 + g + hh * 8;
@@ -646,7 +652,7 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_inter_tc(Params p) 
 #pragma unroll
             for (int np = 0; np < NTV / 2; np++) {
                 uint32_t fb[4];
-                ldsm4t(fb, b_kn_addr(&s.vn[0][0], BV + 8, ks * 16, np * 16, lane));
+                ldsm4t(fb, b_kn_addr(&s.vn[0][0], BV + 8, ks * 16, cw + np * 16, lane));
 #pragma unroll
                 for (int mt = 0; mt < 2; mt++) {
                     mma16816(S[mt][2 * np], fa[mt], fb[0], fb[1]);
@@ -657,7 +663,7 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_inter_tc(Params p) 
         __syncthreads();
     }
     if (p.ht)
-        state_regs_store<NTV>(S, p.ht + ((int64_t)n * HV + hv) * K * V, K, V, c0, warp, lane);
+        state_regs_store<NTV>(S, p.ht + ((int64_t)n * HV + hv) * K * V, K, V, c0 + cw, warp, lane);
 }
 
 /* ------------------------------------------------------------------ host side */
@@ -886,11 +892,11 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
     const size_t sm2 = BVsel == 64 ? sizeof(InterSmem<64>)
                                    : (BVsel == 32 ? sizeof(InterSmem<32>) : sizeof(InterSmem<16>));
     CK(cudaFuncSetAttribute(kda_intra_tc, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm1));
-    CK(cudaFuncSetAttribute(kda_inter_tc<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CK(cudaFuncSetAttribute(kda_inter_tc<64, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             (int)sizeof(InterSmem<64>)));
-    CK(cudaFuncSetAttribute(kda_inter_tc<32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CK(cudaFuncSetAttribute(kda_inter_tc<32, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             (int)sizeof(InterSmem<32>)));
-    CK(cudaFuncSetAttribute(kda_inter_tc<16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CK(cudaFuncSetAttribute(kda_inter_tc<16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             (int)sizeof(InterSmem<16>)));
     /* LINMOE_KDA_CUDA_PROFILE=1: per-kernel times on stderr (docs/perf-notes.md) */
     static int prof = -1;
@@ -912,11 +918,11 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
      * whole by the backward; columns >= V come out zero) */
     const dim3 g2(sv ? KD / BVsel : (V + BVsel - 1) / BVsel, N * HV);
     if (BVsel == 64)
-        kda_inter_tc<64><<<g2, NT2, sm2>>>(p);
+        kda_inter_tc<64, 2><<<g2, NT2 * 2, sm2>>>(p);
     else if (BVsel == 32)
-        kda_inter_tc<32><<<g2, NT2, sm2>>>(p);
+        kda_inter_tc<32, 2><<<g2, NT2 * 2, sm2>>>(p);
     else
-        kda_inter_tc<16><<<g2, NT2, sm2>>>(p);
+        kda_inter_tc<16, 1><<<g2, NT2, sm2>>>(p);
     CK(cudaGetLastError());
     if (prof)
         CK(cudaEventRecord(ev[2]));

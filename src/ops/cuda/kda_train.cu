@@ -133,23 +133,23 @@ template <int BV> struct DhSmem {
     bf16 dvn[BT][BV + 8], ndvn[BT][BV + 8];
 };
 
-template <int BV>
+template <int BV, int NT>
 __device__ __forceinline__ void dh_load(const BwdParams &p, DhStage<BV> &st, int64_t cb, int c0,
                                         int tid) {
     const bf16 *w = p.w + cb * BT * KD, *qg = p.qg + cb * BT * KD, *kd = p.kd + cb * BT * KD;
-    for (int e = tid; e < BT * (KD / 8); e += NT2) {
+    for (int e = tid; e < BT * (KD / 8); e += NT) {
         const int i = e >> 4, d0 = (e & 15) * 8;
         cp_async16(&st.w[i][d0], w + i * KD + d0);
         cp_async16(&st.qg[i][d0], qg + i * KD + d0);
         cp_async16(&st.kd[i][d0], kd + i * KD + d0);
     }
     const bf16 *A = p.Aqk + cb * BT * BT;
-    for (int e = tid; e < BT * (BT / 8); e += NT2) {
+    for (int e = tid; e < BT * (BT / 8); e += NT) {
         const int i = e >> 3, j0 = (e & 7) * 8;
         cp_async16(&st.A[i][j0], A + i * BT + j0);
     }
     const bf16 *dO = p.dO + cb * BT * KD + c0;
-    for (int e = tid; e < BT * (BV / 8); e += NT2) {
+    for (int e = tid; e < BT * (BV / 8); e += NT) {
         const int i = e / (BV / 8), c = (e % (BV / 8)) * 8;
         cp_async16(&st.dO[i][c], dO + i * KD + c);
     }
@@ -157,22 +157,25 @@ __device__ __forceinline__ void dh_load(const BwdParams &p, DhStage<BV> &st, int
         cp_async16(&st.gl[tid * 4], p.gl + cb * KD + tid * 4);
 }
 
-template <int BV> __global__ void __launch_bounds__(NT2) kda_bwd_dh(BwdParams p) {
+/* WC column groups of 4 warps, as in the forward's kda_inter_tc */
+template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh(BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     DhSmem<BV> &s = *reinterpret_cast<DhSmem<BV> *>(smem_raw);
-    constexpr int NTV = BV / 8;
+    constexpr int NTV = BV / 8 / WC;
+    constexpr int NT = NT2 * WC;
     const int c0 = blockIdx.x * BV;
     const int n = blockIdx.y / p.HV, hv = blockIdx.y % p.HV;
     const int K = p.K, V = p.V, HV = p.HV;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wc = tid >> 7;
     const int g = lane >> 2, t = lane & 3;
+    const int cw = wc * (BV / WC);
 
     float S[2][NTV][4]; /* dS, state rows 32 warp + 16 mt + ... */
-    state_regs_load<NTV>(S, p.dht ? p.dht + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0,
+    state_regs_load<NTV>(S, p.dht ? p.dht + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0 + cw,
                          warp, lane);
     const int2 sq = p.seqs[n];
     if (sq.y > 0) {
-        dh_load<BV>(p, s.st[0], (int64_t)(sq.x + sq.y - 1) * HV + hv, c0, tid);
+        dh_load<BV, NT>(p, s.st[0], (int64_t)(sq.x + sq.y - 1) * HV + hv, c0, tid);
         cp_async_commit();
     }
     for (int jj = 0; jj < sq.y; jj++) {
@@ -180,7 +183,7 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_bwd_dh(BwdParams p)
         const int64_t cb = (int64_t)ci * HV + hv;
         DhStage<BV> &st = s.st[jj & 1];
         if (jj + 1 < sq.y) {
-            dh_load<BV>(p, s.st[(jj + 1) & 1], cb - HV, c0, tid);
+            dh_load<BV, NT>(p, s.st[(jj + 1) & 1], cb - HV, c0, tid);
             cp_async_commit();
         }
         /* dS -> bf16 tile and dh[cb] */
@@ -188,7 +191,7 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_bwd_dh(BwdParams p)
         for (int mt = 0; mt < 2; mt++)
 #pragma unroll
             for (int nt = 0; nt < NTV; nt++) {
-                const int d = warp * 32 + mt * 16 + g, c = nt * 8 + 2 * t;
+                const int d = warp * 32 + mt * 16 + g, c = cw + nt * 8 + 2 * t;
                 const uint32_t lo = pack_bf16(S[mt][nt][0], S[mt][nt][1]);
                 const uint32_t hi = pack_bf16(S[mt][nt][2], S[mt][nt][3]);
                 *reinterpret_cast<uint32_t *>(&s.dS[d][c]) = lo;
@@ -206,12 +209,12 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_bwd_dh(BwdParams p)
         float av[NTV][4];
         zero_acc<NTV>(av);
         wmma<NTV / 2, true, false>(av, &st.A[0][0], AS, warp * 16, warp * 16, &st.dO[0][0], BV + 8,
-                                   0, warp * 16, 4 - warp, lane);
-        wmma<NTV / 2, false, false>(av, &st.kd[0][0], RS, warp * 16, 0, &s.dS[0][0], BV + 8, 0, 0,
+                                   cw, warp * 16, 4 - warp, lane);
+        wmma<NTV / 2, false, false>(av, &st.kd[0][0], RS, warp * 16, 0, &s.dS[0][0], BV + 8, cw, 0,
                                     KD / 16, lane);
 #pragma unroll
         for (int nt = 0; nt < NTV; nt++) {
-            const int r = warp * 16 + g, c = nt * 8 + 2 * t;
+            const int r = warp * 16 + g, c = cw + nt * 8 + 2 * t;
             const uint32_t a0 = pack_bf16(av[nt][0], av[nt][1]);
             const uint32_t a1 = pack_bf16(av[nt][2], av[nt][3]);
             *reinterpret_cast<uint32_t *>(&s.dvn[r][c]) = a0;
@@ -239,14 +242,14 @@ template <int BV> __global__ void __launch_bounds__(NT2) kda_bwd_dh(BwdParams p)
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
             wmma<NTV / 2, true, false>(S[mt], &st.qg[0][0], RS, warp * 32 + mt * 16, 0,
-                                       &st.dO[0][0], BV + 8, 0, 0, BT / 16, lane);
+                                       &st.dO[0][0], BV + 8, cw, 0, BT / 16, lane);
             wmma<NTV / 2, true, false>(S[mt], &st.w[0][0], RS, warp * 32 + mt * 16, 0,
-                                       &s.ndvn[0][0], BV + 8, 0, 0, BT / 16, lane);
+                                       &s.ndvn[0][0], BV + 8, cw, 0, BT / 16, lane);
         }
         __syncthreads();
     }
     if (p.dh0)
-        state_regs_store<NTV>(S, p.dh0 + ((int64_t)n * HV + hv) * K * V, K, V, c0, warp, lane);
+        state_regs_store<NTV>(S, p.dh0 + ((int64_t)n * HV + hv) * K * V, K, V, c0 + cw, warp, lane);
 }
 
 /* ------------------------------------------------------ b2: the state products */
@@ -1376,11 +1379,11 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     const int BVsel = nsh * 2 >= 120 ? 64 : (nsh * 4 >= 120 ? 32 : 16);
     const size_t smDh = BVsel == 64 ? sizeof(DhSmem<64>)
                                     : (BVsel == 32 ? sizeof(DhSmem<32>) : sizeof(DhSmem<16>));
-    CK(cudaFuncSetAttribute(kda_bwd_dh<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CK(cudaFuncSetAttribute(kda_bwd_dh<64, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             (int)sizeof(DhSmem<64>)));
-    CK(cudaFuncSetAttribute(kda_bwd_dh<32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CK(cudaFuncSetAttribute(kda_bwd_dh<32, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             (int)sizeof(DhSmem<32>)));
-    CK(cudaFuncSetAttribute(kda_bwd_dh<16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CK(cudaFuncSetAttribute(kda_bwd_dh<16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             (int)sizeof(DhSmem<16>)));
     CK(cudaFuncSetAttribute(kda_bwd_state, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             (int)sizeof(StateSmem)));
@@ -1406,11 +1409,11 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
         CK(cudaEventRecord(ev[1]));
     const dim3 g1(KD / BVsel, N * HV);
     if (BVsel == 64)
-        kda_bwd_dh<64><<<g1, NT2, smDh>>>(p);
+        kda_bwd_dh<64, 2><<<g1, NT2 * 2, smDh>>>(p);
     else if (BVsel == 32)
-        kda_bwd_dh<32><<<g1, NT2, smDh>>>(p);
+        kda_bwd_dh<32, 2><<<g1, NT2 * 2, smDh>>>(p);
     else
-        kda_bwd_dh<16><<<g1, NT2, smDh>>>(p);
+        kda_bwd_dh<16, 1><<<g1, NT2, smDh>>>(p);
     CK(cudaGetLastError());
     if (prof)
         CK(cudaEventRecord(ev[2]));
