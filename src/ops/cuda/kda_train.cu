@@ -54,7 +54,8 @@ struct BwdParams {
     const float *dht;
     /* scratch */
     bf16 *dO, *dh, *dvn, *dW;
-    float *dAqk, *dQg, *dKd, *dgam, *dKg, *dP, *dbp, *dqs, *dks, *dgs;
+    bf16 *dAqk, *dP; /* bf16: the pair products take them as bf16 operands */
+    float *dQg, *dKd, *dgam, *dKg, *dbp, *dqs, *dks, *dgs;
     /* outputs */
     bf16 *dq, *dk, *dv, *dg, *dbeta;
     float *dh0, *dA_log, *ddt_bias;
@@ -355,9 +356,8 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_state(BwdParams p) {
 #pragma unroll
                 for (int hh = 0; hh < 2; hh++) {
                     const int r = a * 16 + g + hh * 8, c = half * 32 + nt * 8 + 2 * t;
-                    *reinterpret_cast<float2 *>(p.dAqk + (cb * BT + r) * BT + c) =
-                        make_float2(c <= r ? acc[nt][2 * hh] : 0.0f,
-                                    c + 1 <= r ? acc[nt][2 * hh + 1] : 0.0f);
+                    *reinterpret_cast<uint32_t *>(p.dAqk + (cb * BT + r) * BT + c) =
+                        pack_bf16(c <= r ? acc[nt][2 * hh] : 0.0f, c + 1 <= r ? acc[nt][2 * hh + 1] : 0.0f);
                 }
         }
     }
@@ -603,7 +603,7 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
                 const float2 pp = __ldg(reinterpret_cast<const float2 *>(P + r * BT + c));
                 db[hh] += d0 * pp.x + d1 * pp.y;
                 const float b = s.beta[r];
-                *reinterpret_cast<float2 *>(p.dP + (cb * BT + r) * BT + c) = make_float2(b * d0, b * d1);
+                *reinterpret_cast<uint32_t *>(p.dP + (cb * BT + r) * BT + c) = pack_bf16(b * d0, b * d1);
             }
         add_row_sums(s.dbeta, db, a, lane);
     }
@@ -642,7 +642,6 @@ struct PairSmem {
     float G[BT][OS];
     float out[3][BT][OS]; /* dq, dk (row side), dk (column side); later dG */
     float rr[5][CW];
-    float dAd[4][16][17], dPd[4][16][17]; /* diagonal blocks in fp32 (the safe path) */
     float nq[BT], nk[BT], red[4][CW], redw[4];
 };
 
@@ -722,48 +721,24 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             qr[m] = __ldg(q16 + o);
             kr[m] = __ldg(k16 + o);
         }
-        const float *dA = p.dAqk + cb * BT * BT, *dP = p.dP + cb * BT * BT;
-        constexpr int NI = BT * BT / 4 / NTP;
-        float4 ra[NI], rb[NI];
-#pragma unroll
-        for (int m = 0; m < NI; m++) {
-            ra[m] = __ldg(reinterpret_cast<const float4 *>(dA) + tid + m * NTP);
-            rb[m] = __ldg(reinterpret_cast<const float4 *>(dP) + tid + m * NTP);
+        const bf16 *dA = p.dAqk + cb * BT * BT, *dP = p.dP + cb * BT * BT;
+        for (int e = tid; e < BT * BT / 8; e += NTP) {
+            const int i = e >> 3, j = (e & 7) * 8;
+            cp_async16(&s.dA[i][j], dA + i * BT + j);
+            cp_async16(&s.dPb[i][j], dP + i * BT + j);
         }
+        cp_async_commit();
         float nqv = 0.0f, nkv = 0.0f;
         if (tid < BT) {
             nqv = p.nqs[cb * BT + tid];
             nkv = p.nks[cb * BT + tid];
         }
-        float xa[8], xp[8];
-        if (!p.shared_diag) {
-#pragma unroll
-            for (int m = 0; m < 8; m++) {
-                const int e = tid + m * NTP, b = e >> 8, r = (e >> 4) & 15, c = e & 15;
-                xa[m] = __ldg(dA + (b * 16 + r) * BT + b * 16 + c);
-                xp[m] = __ldg(dP + (b * 16 + r) * BT + b * 16 + c);
-            }
-        }
 #pragma unroll
         for (int m = 0; m < 16; m++)
             s.G[a * 16 + m][lane] = gv[m];
-#pragma unroll
-        for (int m = 0; m < NI; m++) {
-            const int e = tid + m * NTP, i = e >> 4, j = (e & 15) * 4;
-            *reinterpret_cast<uint2 *>(&s.dA[i][j]) = make_uint2(pack_bf16(ra[m].x, ra[m].y), pack_bf16(ra[m].z, ra[m].w));
-            *reinterpret_cast<uint2 *>(&s.dPb[i][j]) = make_uint2(pack_bf16(rb[m].x, rb[m].y), pack_bf16(rb[m].z, rb[m].w));
-        }
         if (tid < BT) {
             s.nq[tid] = nqv;
             s.nk[tid] = nkv;
-        }
-        if (!p.shared_diag) {
-#pragma unroll
-            for (int m = 0; m < 8; m++) {
-                const int e = tid + m * NTP, b = e >> 8, r = (e >> 4) & 15, c = e & 15;
-                s.dAd[b][r][c] = xa[m];
-                s.dPd[b][r][c] = xp[m];
-            }
         }
 #pragma unroll
         for (int m = 0; m < 16; m++) {
@@ -794,6 +769,7 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     }
     const float ga = p.A_log ? fexp(p.A_log[hv]) : 1.0f;
     const float bias = (!p.gdn && p.dt_bias && dok) ? p.dt_bias[hv * K + d] : 0.0f;
+    cp_async_wait<0>();
     __syncthreads();
     for (int e = tid; e < 5 * CW; e += NTP) {
         const int b = e / CW, x = e % CW;
@@ -888,8 +864,8 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         for (int r = 0; r < 16; r++)
 #pragma unroll
             for (int i = 0; i <= r; i++) {
-                const float aqv = s.dAd[a][r][i];
-                const float apv = i < r ? s.dPd[a][r][i] : 0.0f;
+                const float aqv = __bfloat162float(s.dA[o + r][o + i]);
+                const float apv = i < r ? __bfloat162float(s.dPb[o + r][o + i]) : 0.0f;
                 const float e = fexp(Gv[r] - Gv[i]);
                 dq[r] += aqv * kv[i] * e;
                 dkr[r] += apv * kv[i] * e;
@@ -1351,12 +1327,12 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
         p.dh = cv.take<bf16>(nblk * KD * KD);
         p.dvn = cv.take<bf16>(nblk * BT * KD);
         p.dW = cv.take<bf16>(nblk * BT * KD);
-        p.dAqk = cv.take<float>(nblk * BT * BT);
+        p.dAqk = cv.take<bf16>(nblk * BT * BT);
         p.dQg = cv.take<float>(nblk * BT * KD);
         p.dKd = cv.take<float>(nblk * BT * KD);
         p.dgam = cv.take<float>(nblk * KD);
         p.dKg = cv.take<float>(nblk * BT * KD);
-        p.dP = cv.take<float>(nblk * BT * BT);
+        p.dP = cv.take<bf16>(nblk * BT * BT);
         p.dbp = cv.take<float>(nblk * BT);
         p.dqs = cv.take<float>((size_t)rows * HV * K);
         p.dks = cv.take<float>((size_t)rows * HV * K);
