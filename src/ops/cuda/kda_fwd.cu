@@ -36,6 +36,29 @@
 
 namespace {
 
+/* m16n8k16 operand fragments from fp32 shared memory, split into bf16 hi + lo (lane l:
+ * g = l / 4, t = l % 4). A: 16 x 16 row-major at A (row stride ld); B: 16 x 8 stored
+ * [k][n] at B. */
+__device__ __forceinline__ void split_pack(float x, float y, uint32_t &hi, uint32_t &lo) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    hi = *reinterpret_cast<const uint32_t *>(&h);
+    lo = pack_bf16(x - __low2float(h), y - __high2float(h));
+}
+__device__ __forceinline__ void frag_a_f32(uint32_t hi[4], uint32_t lo[4], const float *A, int ld, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 v = *reinterpret_cast<const float2 *>(A + (g + (i & 1) * 8) * ld + 2 * t + (i >> 1) * 8);
+        split_pack(v.x, v.y, hi[i], lo[i]);
+    }
+}
+__device__ __forceinline__ void frag_b_f32(uint32_t hi[2], uint32_t lo[2], const float *B, int ld, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+        split_pack(B[(2 * t + 8 * i) * ld + g], B[(2 * t + 8 * i + 1) * ld + g], hi[i], lo[i]);
+}
+
 /* ------------------------------------------------------------------ kernel 1 */
 /* One CTA per (chunk, value head), 8 warps. Shared memory layout (bytes): */
 struct IntraSmem {
@@ -344,49 +367,51 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         }
     }
     __syncthreads();
-    /* block rows I = 1..3: X_IJ = -X_II sum_{J <= K < I} A_IK X_KJ; the sums are parked
-     * in the (unused) upper-right blocks: [J*16 + r][I*16 + c] */
+    /* block rows I = 1..3: X_IJ = -X_II T_IJ, T_IJ = sum_{J <= K < I} A_IK X_KJ, a warp per
+     * 16 x 16 tile (J = warp) on the tensor cores with fp32 operands as bf16 hi + lo (three
+     * mma per product: hi hi, hi lo, lo hi; about fp32 accuracy). T is parked in the unused
+     * upper-right block [J*16 + r][I*16 + c] and read back as the B operand. */
     for (int I = 1; I < 4; I++) {
-        float v[3] = {0, 0, 0}; /* up to 3 * 256 entries per stage */
+        const int J = warp, g = lane >> 2, t = lane & 3;
+        if (J < I) {
+            float acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+            for (int Kb = J; Kb < I; Kb++) {
+                uint32_t ah[4], al[4];
+                frag_a_f32(ah, al, &s.A[I * 16][Kb * 16], FS, lane);
 #pragma unroll
-        for (int q2 = 0; q2 < 3; q2++) {
-            const int e = tid + q2 * NT1;
-            if (e < I * 256) {
-                const int J = e >> 8, r = (e >> 4) & 15, c = e & 15;
-                float acc = 0.0f;
-                for (int kk = J * 16; kk < I * 16; kk++)
-                    acc += s.A[I * 16 + r][kk] * s.A[kk][J * 16 + c];
-                v[q2] = acc;
+                for (int nt = 0; nt < 2; nt++) {
+                    uint32_t bh[2], bl[2];
+                    frag_b_f32(bh, bl, &s.A[Kb * 16][J * 16 + nt * 8], FS, lane);
+                    mma16816(acc[nt], ah, bh[0], bh[1]);
+                    mma16816(acc[nt], ah, bl[0], bl[1]);
+                    mma16816(acc[nt], al, bh[0], bh[1]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                float *dst = &s.A[J * 16 + g][I * 16 + nt * 8 + 2 * t];
+                *reinterpret_cast<float2 *>(dst) = make_float2(acc[nt][0], acc[nt][1]);
+                *reinterpret_cast<float2 *>(dst + 8 * FS) = make_float2(acc[nt][2], acc[nt][3]);
             }
         }
-        __syncthreads();
+        __syncthreads(); /* every A_IK read before X_IJ overwrites A_IJ */
+        if (J < I) {
+            float acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+            uint32_t ah[4], al[4];
+            frag_a_f32(ah, al, &s.A[I * 16][I * 16], FS, lane);
 #pragma unroll
-        for (int q2 = 0; q2 < 3; q2++) {
-            const int e = tid + q2 * NT1;
-            if (e < I * 256) {
-                const int J = e >> 8, r = (e >> 4) & 15, c = e & 15;
-                s.A[J * 16 + r][I * 16 + c] = v[q2];
+            for (int nt = 0; nt < 2; nt++) {
+                uint32_t bh[2], bl[2];
+                frag_b_f32(bh, bl, &s.A[J * 16][I * 16 + nt * 8], FS, lane);
+                mma16816(acc[nt], ah, bh[0], bh[1]);
+                mma16816(acc[nt], ah, bl[0], bl[1]);
+                mma16816(acc[nt], al, bh[0], bh[1]);
             }
-        }
-        __syncthreads();
 #pragma unroll
-        for (int q2 = 0; q2 < 3; q2++) {
-            const int e = tid + q2 * NT1;
-            if (e < I * 256) {
-                const int J = e >> 8, r = (e >> 4) & 15, c = e & 15;
-                float acc = 0.0f;
-                for (int kk = 0; kk <= r; kk++)
-                    acc += s.A[I * 16 + r][I * 16 + kk] * s.A[J * 16 + kk][I * 16 + c];
-                v[q2] = -acc;
-            }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int q2 = 0; q2 < 3; q2++) {
-            const int e = tid + q2 * NT1;
-            if (e < I * 256) {
-                const int J = e >> 8, r = (e >> 4) & 15, c = e & 15;
-                s.A[I * 16 + r][J * 16 + c] = v[q2];
+            for (int nt = 0; nt < 2; nt++) {
+                float *dst = &s.A[I * 16 + g][J * 16 + nt * 8 + 2 * t];
+                *reinterpret_cast<float2 *>(dst) = make_float2(-acc[nt][0], -acc[nt][1]);
+                *reinterpret_cast<float2 *>(dst + 8 * FS) = make_float2(-acc[nt][2], -acc[nt][3]);
             }
         }
         __syncthreads();
