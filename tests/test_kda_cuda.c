@@ -86,6 +86,8 @@ static const ccase CASES[] = {
     {"kda varlen T4096 D128 bounded",    KDA, GBD, 1, 1, -5, 1, 1,  1, 4096, 2, 2,  128, CU_4096, 5, 0,    0, 21},
     {"kda T2048 D128 bounded B2 H4",     KDA, GBD, 1, 1, -5, 1, 1,  2, 2048, 4, 4,  128, NULL,    0, 0,    1, 22},
     /* wide head counts: the recurrence's 64- and 32-column V slices (N*HV >= 60 / 30) */
+    {"kda T300 D128 bounded B2 H64",     KDA, GBD, 1, 1, -5, 1, 1,  2, 300,  64, 64, 128, NULL,    0, 0,    1, 26},
+    {"kda T200 D100 softplus B4 gva2",   KDA, GSP, 1, 1, 0,  1, 1,  4, 200,  16, 32, 100, NULL,    0, 0,    1, 27},
     {"kda T640 D128 bounded H64",        KDA, GBD, 1, 1, -5, 1, 1,  1, 640,  64, 64, 128, NULL,    0, 0,    0, 23},
     {"kda T700 D100 softplus B2 H16",    KDA, GSP, 1, 1, 0,  1, 1,  2, 700,  16, 16, 100, NULL,    0, 0,    1, 24},
     {"kda T8192 D128 bounded long",      KDA, GBD, 1, 1, -5, 1, 1,  1, 8192, 1, 1,  128, NULL,    0, 0,    0, 25},

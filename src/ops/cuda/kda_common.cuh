@@ -182,6 +182,12 @@ struct KdaSaveBufs {
     bf16 *vns;   /* [cb][64][128]  v' = u - w S (bf16) */
 };
 
+/* V slice width of the recurrence kernels (forward kda_inter_tc, backward kda_bwd_dh) for
+ * nsh = sequences x value heads: the widest of 16 / 32 / 64 that still gives about one CTA
+ * per SM (kda_fwd.cu). A 128-wide slice with 16 warps was measured slower at nsh = 128
+ * (docs/perf-notes.md). */
+int kda_cuda_bv(int nsh);
+
 /* Validates the configuration for the CUDA path and sets c->N (kda_fwd.cu). */
 lm_status kda_cuda_check(lm_kda_config *c, const lm_kda_cuda_inputs *in, const void *o,
                          lm_error *err);

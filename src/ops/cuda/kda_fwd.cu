@@ -712,6 +712,19 @@ lm_status cuda_err(lm_error *err, cudaError_t e, const char *what) {
             return cuda_err(err, e_, #call);                                                      \
     } while (0)
 
+int kda_cuda_bv(int nsh) {
+    /* LINMOE_KDA_CUDA_BV=16|32|64 overrides the choice (measurements, docs/perf-notes.md) */
+    static int forced = -1;
+    if (forced < 0) {
+        const char *e = getenv("LINMOE_KDA_CUDA_BV");
+        const int v = e ? atoi(e) : 0;
+        forced = (v == 16 || v == 32 || v == 64) ? v : 0;
+    }
+    if (forced)
+        return forced;
+    return nsh * 2 >= 120 ? 64 : (nsh * 4 >= 120 ? 32 : 16);
+}
+
 extern "C" int lm_cuda_device_count(void) {
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) {
@@ -912,7 +925,7 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
     p.shared_diag = c->gate == LM_GATE_BOUNDED && c->diag != LM_DIAG_SAFE;
     /* V slice of the recurrence: the widest that still gives about a CTA per SM */
     const int nsh = N * HV;
-    const int BVsel = nsh * 2 >= 120 ? 64 : (nsh * 4 >= 120 ? 32 : 16);
+    const int BVsel = kda_cuda_bv(nsh);
     const size_t sm1 = sizeof(IntraSmem);
     const size_t sm2 = BVsel == 64 ? sizeof(InterSmem<64>)
                                    : (BVsel == 32 ? sizeof(InterSmem<32>) : sizeof(InterSmem<16>));

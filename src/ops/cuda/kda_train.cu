@@ -1352,7 +1352,7 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
         CK(cudaMemsetAsync(gr->ddt_bias, 0, sizeof(float) * HV * (p.gdn ? 1 : K)));
 
     const int nsh = N * HV;
-    const int BVsel = nsh * 2 >= 120 ? 64 : (nsh * 4 >= 120 ? 32 : 16);
+    const int BVsel = kda_cuda_bv(nsh);
     const size_t smDh = BVsel == 64 ? sizeof(DhSmem<64>)
                                     : (BVsel == 32 ? sizeof(DhSmem<32>) : sizeof(DhSmem<16>));
     CK(cudaFuncSetAttribute(kda_bwd_dh<64, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
