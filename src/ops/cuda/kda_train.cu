@@ -707,17 +707,22 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     /* rows past L or channels past K load element 0 (branch-free, so that the compiler
      * keeps every load in flight together) and are zeroed on conversion */
     const int nrow = dok ? min(max(L - a * 16, 0), 16) : 0; /* valid rows of this lane */
+    /* this lane's element of row a * 16 + m: base + m * stride, 32-bit offsets within the
+     * chunk (rows past nrow read row a * 16, or element 0 when no row is valid) */
+    const int64_t offH = nrow ? ((int64_t)(t0 + a * 16) * H + h) * K + d : 0;
+    const int64_t offHV = nrow ? ((int64_t)(t0 + a * 16) * HV + hv) * K + d : 0;
+    const int strH = H * K, strHV = HV * K;
     float gv[16], qraw[16], kraw[16];
     {
         const float *Gs = p.Gs + cb * BT * KD + c0;
         unsigned short qr[16], kr[16];
-        const unsigned short *q16 = reinterpret_cast<const unsigned short *>(p.q);
-        const unsigned short *k16 = reinterpret_cast<const unsigned short *>(p.k);
+        const unsigned short *q16 = reinterpret_cast<const unsigned short *>(p.q) + offH;
+        const unsigned short *k16 = reinterpret_cast<const unsigned short *>(p.k) + offH;
 #pragma unroll
         for (int m = 0; m < 16; m++) {
             const int r = a * 16 + m;
             gv[m] = __ldg(Gs + r * KD + lane);
-            const int64_t o = m < nrow ? ((int64_t)(t0 + r) * H + h) * K + d : 0;
+            const int o = (m < nrow ? m : 0) * strH;
             qr[m] = __ldg(q16 + o);
             kr[m] = __ldg(k16 + o);
         }
@@ -754,15 +759,15 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     {
         const float *dQg = p.dQg + cb * BT * KD + c0, *dKd = p.dKd + cb * BT * KD + c0;
         const float *dKg = p.dKg + cb * BT * KD + c0;
-        const unsigned short *g16 = reinterpret_cast<const unsigned short *>(p.g);
+        const unsigned short *g16 = reinterpret_cast<const unsigned short *>(p.g) + (p.gdn ? 0 : offHV);
+        const int strG = p.gdn ? 0 : strHV;
 #pragma unroll
         for (int m = 0; m < 16; m++) {
             const int r = a * 16 + m;
             xq_[m] = __ldg(dQg + r * KD + lane);
             xd_[m] = __ldg(dKd + r * KD + lane);
             xg_[m] = __ldg(dKg + r * KD + lane);
-            const int64_t o = (!p.gdn && m < nrow) ? ((int64_t)(t0 + r) * HV + hv) * K + d : 0;
-            gr[m] = __ldg(g16 + o);
+            gr[m] = __ldg(g16 + (m < nrow ? m : 0) * strG);
         }
         if (warp == 3 && dok)
             gam_l = p.dgam[cb * KD + d] * p.gl[cb * KD + d];
@@ -897,10 +902,9 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             const float kdd = xd * kv * ed;
             s.out[0][r][lane] = qv * pq + kv * (pr - pc) + xq * qv * eg + xg * kv * eg - kdd;
             gsum += kdd;
-            if (r < L && dok) {
-                const int64_t o2 = ((int64_t)(t0 + r) * HV + hv) * K + d;
-                p.dqs[o2] = dq;
-                p.dks[o2] = dk;
+            if (m < nrow) {
+                p.dqs[offHV + m * strHV] = dq;
+                p.dks[offHV + m * strHV] = dk;
             }
         }
         s.red[a][lane] = gsum;
@@ -934,7 +938,7 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             const int r = a * 16 + m;
             if (r >= L || !dok)
                 break;
-            const int64_t o = ((int64_t)(t0 + r) * HV + hv) * K + d;
+            const int64_t o = offHV + m * strHV;
             const float dz = gate_bwd(p, __uint_as_float((uint32_t)gr[m] << 16), bias, ga, s.out[0][r][lane] + base, dAl);
             dbias += dz;
             if (p.dg)
