@@ -188,6 +188,12 @@ struct KdaSaveBufs {
  * (docs/perf-notes.md). */
 int kda_cuda_bv(int nsh);
 
+/* Copies the chunk tables (n entries) to dst unless the last copy to dst had the same
+ * entries and no device buffer was allocated or freed since (kda_cuda_buffers_changed);
+ * saves a synchronous host-to-device copy per call in training loops. kda_fwd.cu. */
+lm_status kda_cuda_upload_tables(int2 *dst, const int2 *h, size_t n, lm_error *err);
+void kda_cuda_buffers_changed(void);
+
 /* Validates the configuration for the CUDA path and sets c->N (kda_fwd.cu). */
 lm_status kda_cuda_check(lm_kda_config *c, const lm_kda_cuda_inputs *in, const void *o,
                          lm_error *err);

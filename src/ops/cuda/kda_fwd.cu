@@ -184,25 +184,27 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             s.nq[i] = (p.l2 ? rsqrtf(a + 1e-6f) : 1.0f) * p.scale;
             s.nk[i] = p.l2 ? rsqrtf(b + 1e-6f) : 1.0f;
         }
-        float gx = 0.0f;
-        if (p.gdn && i < L)
-            gx = __bfloat162float(p.g[(int64_t)(t0 + i) * HV + hv]);
+        if (p.gdn) {
+            const float gx = i < L ? __bfloat162float(p.g[(int64_t)(t0 + i) * HV + hv]) : 0.0f;
 #pragma unroll
-        for (int x = 0; x < 8; x++) {
-            const float xin = p.gdn ? gx : f[x];
-            float gv = 0.0f;
-            if (i < L && d0 + x < K) {
-                if (p.gate == LM_GATE_SOFTPLUS) {
-                    const float zz = xin + gb[x];
-                    gv = -ga * (zz > 20.0f ? zz : __logf(1.0f + fexp(zz)));
-                } else if (p.gate == LM_GATE_BOUNDED) {
-                    gv = p.lb * sigmoidf_(ga * (xin + gb[x]));
-                } else {
-                    gv = xin;
-                }
-            }
-            f[x] = gv;
+            for (int x = 0; x < 8; x++)
+                f[x] = gx;
         }
+        /* the gate (one branch per row item, not per element), then zero outside [L, K] */
+        if (p.gate == LM_GATE_BOUNDED) {
+#pragma unroll
+            for (int x = 0; x < 8; x++)
+                f[x] = p.lb * sigmoidf_(ga * (f[x] + gb[x]));
+        } else if (p.gate == LM_GATE_SOFTPLUS) {
+#pragma unroll
+            for (int x = 0; x < 8; x++) {
+                const float zz = f[x] + gb[x];
+                f[x] = -ga * (zz > 20.0f ? zz : __logf(1.0f + fexp(zz)));
+            }
+        }
+#pragma unroll
+        for (int x = 0; x < 8; x++)
+            f[x] = (i < L && d0 + x < K) ? f[x] : 0.0f;
         *reinterpret_cast<float4 *>(&s.G[i][d0]) = make_float4(f[0], f[1], f[2], f[3]);
         *reinterpret_cast<float4 *>(&s.G[i][d0 + 4]) = make_float4(f[4], f[5], f[6], f[7]);
     }
@@ -760,7 +762,49 @@ extern "C" lm_status lm_cuda_download(void *dst, const void *src, size_t bytes, 
     return LM_OK;
 }
 
+/* the chunk-table upload cache: a few (device address, entries) pairs */
+namespace {
+struct TableCache {
+    int2 *dst = nullptr;
+    int2 *host = nullptr;
+    size_t n = 0;
+};
+TableCache g_tabs[4];
+int g_tab_next = 0;
+} // namespace
+
+void kda_cuda_buffers_changed(void) {
+    for (TableCache &t : g_tabs) {
+        free(t.host);
+        t = TableCache();
+    }
+}
+
+lm_status kda_cuda_upload_tables(int2 *dst, const int2 *h, size_t n, lm_error *err) {
+    for (const TableCache &t : g_tabs)
+        if (t.dst == dst && t.n == n && memcmp(t.host, h, sizeof(int2) * n) == 0)
+            return LM_OK;
+    CK(cudaMemcpy(dst, h, sizeof(int2) * n, cudaMemcpyHostToDevice));
+    for (TableCache &t : g_tabs) /* forget an older copy for dst */
+        if (t.dst == dst) {
+            free(t.host);
+            t = TableCache();
+        }
+    TableCache &t = g_tabs[g_tab_next];
+    g_tab_next = (g_tab_next + 1) % 4;
+    free(t.host);
+    t = TableCache();
+    t.host = (int2 *)malloc(sizeof(int2) * n);
+    if (t.host) { /* without it the next call copies again */
+        memcpy(t.host, h, sizeof(int2) * n);
+        t.dst = dst;
+        t.n = n;
+    }
+    return LM_OK;
+}
+
 extern "C" void lm_kda_cuda_release(void) {
+    kda_cuda_buffers_changed();
     if (g_ws.buf)
         cudaFree(g_ws.buf);
     g_ws.buf = nullptr;
@@ -877,6 +921,7 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
                              sizeof(int2) * (nchunks + N) + 256;
         if (bytes > g_ws.cap) {
             lm_kda_cuda_release();
+            kda_cuda_buffers_changed();
             cudaError_t e = cudaMalloc(&g_ws.buf, bytes);
             if (e != cudaSuccess) {
                 free(hch);
@@ -892,9 +937,10 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
         p.Aqk = f + 4 * nW;
         p.gl = (float *)(p.Aqk + nA);
         int2 *dch = (int2 *)(p.gl + nG);
-        cudaError_t e1 = cudaMemcpy(dch, hch, sizeof(int2) * (nchunks + N), cudaMemcpyHostToDevice);
+        const lm_status st = kda_cuda_upload_tables(dch, hch, (size_t)(nchunks + N), err);
         free(hch);
-        CK(e1);
+        if (st != LM_OK)
+            return st;
         p.chunks = dch;
         p.seqs = dch + nchunks;
     }

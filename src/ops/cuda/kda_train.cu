@@ -1167,6 +1167,7 @@ DevBuf g_bws;   /* backward scratch */
 lm_status devbuf_reserve(DevBuf &b, size_t bytes, lm_error *err, const char *what) {
     if (bytes <= b.cap)
         return LM_OK;
+    kda_cuda_buffers_changed();
     if (b.buf)
         cudaFree(b.buf);
     b.buf = nullptr;
@@ -1202,10 +1203,13 @@ extern "C" void lm_kda_cuda_saved_free(lm_kda_cuda_saved *saved) {
         return;
     if (saved->mem.buf) {
         if (saved->mem.cap > g_spare.cap) { /* keep the larger one for the next forward */
-            if (g_spare.buf)
+            if (g_spare.buf) {
+                kda_cuda_buffers_changed();
                 cudaFree(g_spare.buf);
+            }
             g_spare = saved->mem;
         } else {
+            kda_cuda_buffers_changed();
             cudaFree(saved->mem.buf);
         }
     }
@@ -1244,12 +1248,11 @@ extern "C" lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cu
     }
     carve_saved((char *)sv->mem.buf, nblk, nchunks, N, &sv->sv);
     kda_cuda_chunk_tables(c, hch, hch + nchunks);
-    cudaError_t e = cudaMemcpy((void *)sv->sv.chunks, hch, sizeof(int2) * (size_t)(nchunks + N),
-                               cudaMemcpyHostToDevice);
+    const lm_status ut = kda_cuda_upload_tables((int2 *)sv->sv.chunks, hch, (size_t)(nchunks + N), err);
     free(hch);
-    if (e != cudaSuccess) {
+    if (ut != LM_OK) {
         lm_kda_cuda_saved_free(sv);
-        return cuda_err(err, e, "cudaMemcpy(chunk tables)");
+        return ut;
     }
     sv->c = *c;
     sv->c.cu_seqlens = nullptr;
