@@ -428,13 +428,14 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         s.u.x.hi[i][j] = hi;
         s.u.x.lo[i][j] = __float2bfloat16(xv - __bfloat162float(hi));
     }
+    float Gl[8]; /* G of the chunk's last row, this thread's channels */
+    ld8f(Gl, &s.G[BT - 1][d0]);
 #pragma unroll
     for (int m = 0; m < NIT; m++) {
         const int i = r0 + 16 * m;
-        float fq[8], fk[8], fb[8], fv[8], G[8], Gl[8], xq[8], xk[8];
+        float fq[8], fk[8], fb[8], fv[8], G[8], xq[8], xk[8];
         const bf16 *vb = reinterpret_cast<const bf16 *>(&vreg[m]);
         ld8f(G, &s.G[i][d0]);
-        ld8f(Gl, &s.G[BT - 1][d0]);
         ld8h(xq, &s.q[i][d0]);
         ld8h(xk, &s.k[i][d0]);
         const float nq = s.nq[i], nk = s.nk[i], be = s.beta[i];

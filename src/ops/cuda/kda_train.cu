@@ -657,9 +657,11 @@ __device__ __forceinline__ void horner_step(float (*acc)[4], const float *hi, co
         }
 }
 
-__device__ __forceinline__ float gate_bwd(const BwdParams &p, float x, float bias, float ga, float dg,
-                                          float &dAl) {
-    if (p.gate == LM_GATE_SOFTPLUS) {
+/* d(loss)/d(gate input) from dg = d(loss)/d(g) for gate GATE at input x; adds this
+ * element's part of d(loss)/d(A_log) to dAl */
+template <int GATE>
+__device__ __forceinline__ float gate_bwd_t(float lb, float x, float bias, float ga, float dg, float &dAl) {
+    if (GATE == LM_GATE_SOFTPLUS) {
         const float z = x + bias;
         const float gv = -ga * (z > 20.0f ? z : log1pf(fexp(z)));
         if (gv < -87.33f) /* e^g underflows: the forward does not depend on this g */
@@ -667,14 +669,34 @@ __device__ __forceinline__ float gate_bwd(const BwdParams &p, float x, float bia
         dAl += dg * gv;
         return -ga * (z > 20.0f ? 1.0f : sigmoidf_(z)) * dg;
     }
-    if (p.gate == LM_GATE_BOUNDED) {
+    if (GATE == LM_GATE_BOUNDED) {
         const float z = x + bias;
         const float sg = sigmoidf_(ga * z);
-        const float dz = dg * p.lb * sg * (1.0f - sg) * ga;
+        const float dz = dg * lb * sg * (1.0f - sg) * ga;
         dAl += dz * z;
         return dz;
     }
     return x < -87.33f ? 0.0f : dg;
+}
+__device__ __forceinline__ float gate_bwd(const BwdParams &p, float x, float bias, float ga, float dg,
+                                          float &dAl) {
+    if (p.gate == LM_GATE_SOFTPLUS)
+        return gate_bwd_t<LM_GATE_SOFTPLUS>(p.lb, x, bias, ga, dg, dAl);
+    if (p.gate == LM_GATE_BOUNDED)
+        return gate_bwd_t<LM_GATE_BOUNDED>(p.lb, x, bias, ga, dg, dAl);
+    return gate_bwd_t<LM_GATE_NONE>(p.lb, x, bias, ga, dg, dAl);
+}
+/* the gate backward of this lane's 16 rows (rows m >= nrow give 0 and add nothing) */
+template <int GATE>
+__device__ __forceinline__ void gate_bwd_rows(float lb, const unsigned short (&gr)[16], const float (&dg)[16],
+                                              int nrow, float bias, float ga, float (&dz)[16], float &dAl) {
+#pragma unroll
+    for (int m = 0; m < 16; m++) {
+        float a = 0.0f;
+        const float v = gate_bwd_t<GATE>(lb, __uint_as_float((uint32_t)gr[m] << 16), bias, ga, dg[m], a);
+        dz[m] = m < nrow ? v : 0.0f;
+        dAl += m < nrow ? a : 0.0f;
+    }
 }
 
 __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
@@ -932,17 +954,21 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     /* 6. gate backward (KDA), or the per-row channel sum (GDN) */
     float dAl = 0.0f;
     if (!p.gdn) {
-        float dbias = 0.0f;
+        float dbias = 0.0f, dgv[16], dz[16];
+#pragma unroll
+        for (int m = 0; m < 16; m++)
+            dgv[m] = s.out[0][a * 16 + m][lane] + base;
+        if (p.gate == LM_GATE_BOUNDED)
+            gate_bwd_rows<LM_GATE_BOUNDED>(p.lb, gr, dgv, nrow, bias, ga, dz, dAl);
+        else if (p.gate == LM_GATE_SOFTPLUS)
+            gate_bwd_rows<LM_GATE_SOFTPLUS>(p.lb, gr, dgv, nrow, bias, ga, dz, dAl);
+        else
+            gate_bwd_rows<LM_GATE_NONE>(p.lb, gr, dgv, nrow, bias, ga, dz, dAl);
 #pragma unroll
         for (int m = 0; m < 16; m++) {
-            const int r = a * 16 + m;
-            if (r >= L || !dok)
-                break;
-            const int64_t o = offHV + m * strHV;
-            const float dz = gate_bwd(p, __uint_as_float((uint32_t)gr[m] << 16), bias, ga, s.out[0][r][lane] + base, dAl);
-            dbias += dz;
-            if (p.dg)
-                p.dg[o] = __float2bfloat16(dz);
+            dbias += dz[m];
+            if (p.dg && m < nrow)
+                p.dg[offHV + m * strHV] = __float2bfloat16(dz[m]);
         }
         s.red[a][lane] = dbias; /* the previous reads of red are before the barrier above */
         __syncthreads();
