@@ -170,7 +170,7 @@ lm_status lm_kda_cuda_decode_bench(lm_kda_config *c, const lm_kda_cuda_inputs *i
  * start (bf16 [128][128]) and v' (bf16 [64][128]): about 184 KB per block (1.5 GB at
  * B*T*H = 524288 token-heads). lm_kda_cuda_saved_free keeps the largest freed buffer
  * for the next training forward. The backward uses a second cached scratch buffer of
- * about 210 KB per block plus 8*B*T*HV*K bytes. */
+ * about 193 KB per block plus 8*B*T*HV*K bytes. */
 typedef struct lm_kda_cuda_saved lm_kda_cuda_saved;
 
 /* Upstream gradients in (bf16 do_ [B,T,HV,V], fp32 dht [N,HV,K,V] or NULL = zeros),
@@ -179,7 +179,7 @@ typedef struct lm_kda_cuda_saved lm_kda_cuda_saved;
  * scale, gate and sigmoid when enabled; GVA sums dq, dk over the value heads of a q/k
  * head); dh0 [N,HV,K,V], dA_log [HV], ddt_bias (KDA [HV*K], GDN [HV]) in fp32. Any
  * output may be NULL; dA_log / ddt_bias are zeros when the forward had no A_log /
- * dt_bias. Accuracy on the 26-case grid of tests/test_kda_cuda.c against the fp64
+ * dt_bias. Accuracy on the 28-case grid of tests/test_kda_cuda.c against the fp64
  * reference: dq, dk, dv <= 3.9e-3, dh0 <= 2.2e-3, dg <= 6.7e-3, dbeta <= 8.4e-3,
  * ddt_bias <= 7.9e-3 relative RMS error. */
 typedef struct {
