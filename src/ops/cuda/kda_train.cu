@@ -618,7 +618,9 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
  * Every pair term dA[r][i] q_r k_i e^(G_r - G_i) enters dG_r with + (row side) and
  * dG_i with - (column side); the reverse cumulative sum cancels the two for every
  * pair with both rows after j. So that they cancel to rounding, the exponential
- * factors enter as bf16 hi + lo (about fp32); dA and dP are bf16 on both sides.
+ * factors enter as bf16 hi + lo (about fp32); dA and dP are bf16 on both sides (the
+ * state and UT kernels write them in bf16; the per-pair diagonal of the other gates
+ * reads the same bf16 values).
  *
  * Operands per 16-row block a with r_a = G at the row before the block (r_0 = 0) and
  * r_{a+1} = G at its last row, all factors <= 1 except the bounded gate's diagonal:
