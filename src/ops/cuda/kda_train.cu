@@ -376,7 +376,7 @@ struct UtSmem {
     } u;
     bf16 dW[BT][RS], vr[BT][RS], kg[BT][RS];
     bf16 Xh[BT][AS], Xl[BT][AS], Dh[BT][AS], Dl[BT][AS];
-    float beta[BT], nk[BT], dbeta[BT];
+    float beta[BT], dbeta[BT];
 };
 
 /* rows of an input [B*T][heads][D] (bf16) into a [64][RS] tile, zeros outside [L, D] */
@@ -442,12 +442,11 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
 #pragma unroll
         for (int m = 0; m < BT * BT / 4 / NTB; m++)
             xr[m] = __ldg(reinterpret_cast<const float4 *>(X) + tid + m * NTB);
-        /* v, X (bf16 hi + lo), beta, nk to shared memory */
+        /* v, X (bf16 hi + lo), beta to shared memory */
         auto stage_v_x_beta = [&]() {
             load_rows(s.vr, p.v, t0, L, HV, hv, p.V, tid);
             if (tid < BT) {
                 s.beta[tid] = p.bs[cb * BT + tid];
-                s.nk[tid] = p.nks[cb * BT + tid];
                 s.dbeta[tid] = 0.0f;
             }
 #pragma unroll
