@@ -138,9 +138,17 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
     /* gate parameters of this thread's channels */
     const float ga = p.A_log ? fexp(p.A_log[hv]) : 1.0f;
     float gb[8];
+    if (p.dt_bias && !p.gdn && vecK && d0 < K && ((uintptr_t)p.dt_bias & 15) == 0) {
+        /* 8 whole channels: two 16-byte loads */
+        const float4 b0 = __ldg(reinterpret_cast<const float4 *>(p.dt_bias + hv * K + d0));
+        const float4 b1 = __ldg(reinterpret_cast<const float4 *>(p.dt_bias + hv * K + d0 + 4));
+        gb[0] = b0.x; gb[1] = b0.y; gb[2] = b0.z; gb[3] = b0.w;
+        gb[4] = b1.x; gb[5] = b1.y; gb[6] = b1.z; gb[7] = b1.w;
+    } else {
 #pragma unroll
-    for (int x = 0; x < 8; x++)
-        gb[x] = (p.dt_bias && (p.gdn || d0 + x < K)) ? p.dt_bias[p.gdn ? hv : hv * K + d0 + x] : 0.0f;
+        for (int x = 0; x < 8; x++)
+            gb[x] = (p.dt_bias && (p.gdn || d0 + x < K)) ? p.dt_bias[p.gdn ? hv : hv * K + d0 + x] : 0.0f;
+    }
     if (tid < BT) {
         float b = 0.0f;
         if (tid < L) {
@@ -243,15 +251,16 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
     }
 
     bf16 *Aqk = p.Aqk + cb * BT * BT;
-    /* Aqk upper blocks are zero */
-    for (int e = tid; e < BT * BT / 2; e += NT1) {
-        const int i = e / (BT / 2), j = (e % (BT / 2)) * 2;
-        if ((j >> 4) > (i >> 4)) {
-            *reinterpret_cast<uint32_t *>(Aqk + i * BT + j) = 0u;
-            if (p.Ps)
-                *reinterpret_cast<float2 *>(p.Ps + cb * BT * BT + i * BT + j) = make_float2(0.f, 0.f);
+    /* Aqk's blocks above the diagonal are left unwritten: kda_inter_tc and kda_bwd_dh read
+     * only blocks at or below it. The saved P is read whole: its 6 upper blocks are zero. */
+    if (p.Ps)
+        for (int e = tid; e < 6 * 16 * 4; e += NT1) { /* (upper block, row, 4-column group) */
+            const int blk = e >> 6, r = (e >> 2) & 15, c4 = (e & 3) * 4;
+            const int I = blk < 3 ? 0 : (blk < 5 ? 1 : 2);
+            const int J = blk < 3 ? blk + 1 : (blk < 5 ? blk - 1 : 3);
+            *reinterpret_cast<float4 *>(p.Ps + cb * BT * BT + (I * 16 + r) * BT + J * 16 + c4) =
+                make_float4(0.f, 0.f, 0.f, 0.f);
         }
-    }
     /* safe diagonal (any gate): per-pair exponent in fp32 on the CUDA cores */
     if (!p.shared_diag) {
         for (int e = tid; e < 4 * 16 * 16; e += NT1) {
@@ -285,31 +294,32 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
 #pragma unroll
             for (int x = 0; x < 8; x++)
                 ra[x] = 0.0f;
-        for (int e = tid; e < (32 + ncols) * (KD / 8); e += NT1) {
-            const int r = e / (KD / 8);
-            float gr[8], x8[8], f[8];
-            bf16 *dst;
-            if (r < 32) { /* q and k rows of block a: x_i exp(G_i - r_a) */
-                const int i = a * 16 + (r & 15);
-                const bool isq = r < 16;
-                ld8h(x8, isq ? &s.q[i][d0] : &s.k[i][d0]);
-                ld8f(gr, &s.G[i][d0]);
-                dst = isq ? &s.u.a.opq[r][d0] : &s.u.a.opk[r - 16][d0];
-                const float n = isq ? s.nq[i] : s.nk[i];
+        { /* q and k rows of block a (one 8-channel item per thread): x_i exp(G_i - r_a),
+           * one exponential for both */
+            const int i = a * 16 + r0;
+            float xq[8], xk[8], gr[8], fq[8], fk[8];
+            ld8h(xq, &s.q[i][d0]);
+            ld8h(xk, &s.k[i][d0]);
+            ld8f(gr, &s.G[i][d0]);
+            const float nq = s.nq[i], nk = s.nk[i];
 #pragma unroll
-                for (int x = 0; x < 8; x++)
-                    f[x] = x8[x] * n * fexp(gr[x] - ra[x]);
-            } else { /* key rows j: k_j exp(r_a - G_j) */
-                const int j = r - 32;
-                ld8h(x8, &s.k[j][d0]);
-                ld8f(gr, &s.G[j][d0]);
-                dst = &s.u.a.opc[j][d0];
-                const float n = s.nk[j];
-#pragma unroll
-                for (int x = 0; x < 8; x++)
-                    f[x] = x8[x] * n * fexp(ra[x] - gr[x]);
+            for (int x = 0; x < 8; x++) {
+                const float e = fexp(gr[x] - ra[x]);
+                fq[x] = xq[x] * nq * e;
+                fk[x] = xk[x] * nk * e;
             }
-            st8h(dst, f);
+            st8h(&s.u.a.opq[r0][d0], fq);
+            st8h(&s.u.a.opk[r0][d0], fk);
+        }
+        for (int j = r0; j < ncols; j += NT1 / 16) { /* key rows j: k_j exp(r_a - G_j) */
+            float gr[8], x8[8], f[8];
+            ld8h(x8, &s.k[j][d0]);
+            ld8f(gr, &s.G[j][d0]);
+            const float n = s.nk[j];
+#pragma unroll
+            for (int x = 0; x < 8; x++)
+                f[x] = x8[x] * n * fexp(ra[x] - gr[x]);
+            st8h(&s.u.a.opc[j][d0], f);
         }
         __syncthreads();
         /* jobs: (column block b) x {Aqk, Akk}; one per warp */
@@ -318,13 +328,18 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             const int b = job >> 1, isk = job & 1;
             const bf16 *A = isk ? &s.u.a.opk[0][0] : &s.u.a.opq[0][0];
             float acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+            uint32_t fa[2][4], fb[2][4];
+            ldsm4(fa[0], a_addr(A, RS, 0, 0, lane));
+            ldsm4(fb[0], b_nk_addr(&s.u.a.opc[0][0], RS, 0, b * 16, lane));
 #pragma unroll
-            for (int ks = 0; ks < KD / 16; ks++) {
-                uint32_t fa[4], fb[4];
-                ldsm4(fa, a_addr(A, RS, 0, ks * 16, lane));
-                ldsm4(fb, b_nk_addr(&s.u.a.opc[0][0], RS, ks * 16, b * 16, lane));
-                mma16816(acc[0], fa, fb[0], fb[1]);
-                mma16816(acc[1], fa, fb[2], fb[3]);
+            for (int ks = 0; ks < KD / 16; ks++) { /* step ks + 1 requested before ks's products */
+                const int f = ks & 1;
+                if (ks + 1 < KD / 16) {
+                    ldsm4(fa[f ^ 1], a_addr(A, RS, 0, (ks + 1) * 16, lane));
+                    ldsm4(fb[f ^ 1], b_nk_addr(&s.u.a.opc[0][0], RS, (ks + 1) * 16, b * 16, lane));
+                }
+                mma16816(acc[0], fa[f], fb[f][0], fb[f][1]);
+                mma16816(acc[1], fa[f], fb[f][2], fb[f][3]);
             }
             const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -374,47 +389,34 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
      * mma per product: hi hi, hi lo, lo hi; about fp32 accuracy). T is parked in the unused
      * upper-right block [J*16 + r][I*16 + c] and read back as the B operand. */
     for (int I = 1; I < 4; I++) {
-        const int J = warp, g = lane >> 2, t = lane & 3;
+        /* warp: tile column block J = warp / 2, 8-column half nt = warp % 2 */
+        const int J = warp >> 1, nt = warp & 1, g = lane >> 2, t = lane & 3;
         if (J < I) {
-            float acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+            float acc[4] = {0, 0, 0, 0};
             for (int Kb = J; Kb < I; Kb++) {
-                uint32_t ah[4], al[4];
+                uint32_t ah[4], al[4], bh[2], bl[2];
                 frag_a_f32(ah, al, &s.A[I * 16][Kb * 16], FS, lane);
-#pragma unroll
-                for (int nt = 0; nt < 2; nt++) {
-                    uint32_t bh[2], bl[2];
-                    frag_b_f32(bh, bl, &s.A[Kb * 16][J * 16 + nt * 8], FS, lane);
-                    mma16816(acc[nt], ah, bh[0], bh[1]);
-                    mma16816(acc[nt], ah, bl[0], bl[1]);
-                    mma16816(acc[nt], al, bh[0], bh[1]);
-                }
+                frag_b_f32(bh, bl, &s.A[Kb * 16][J * 16 + nt * 8], FS, lane);
+                mma16816(acc, ah, bh[0], bh[1]);
+                mma16816(acc, ah, bl[0], bl[1]);
+                mma16816(acc, al, bh[0], bh[1]);
             }
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-                float *dst = &s.A[J * 16 + g][I * 16 + nt * 8 + 2 * t];
-                *reinterpret_cast<float2 *>(dst) = make_float2(acc[nt][0], acc[nt][1]);
-                *reinterpret_cast<float2 *>(dst + 8 * FS) = make_float2(acc[nt][2], acc[nt][3]);
-            }
+            float *dst = &s.A[J * 16 + g][I * 16 + nt * 8 + 2 * t];
+            *reinterpret_cast<float2 *>(dst) = make_float2(acc[0], acc[1]);
+            *reinterpret_cast<float2 *>(dst + 8 * FS) = make_float2(acc[2], acc[3]);
         }
         __syncthreads(); /* every A_IK read before X_IJ overwrites A_IJ */
         if (J < I) {
-            float acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
-            uint32_t ah[4], al[4];
+            float acc[4] = {0, 0, 0, 0};
+            uint32_t ah[4], al[4], bh[2], bl[2];
             frag_a_f32(ah, al, &s.A[I * 16][I * 16], FS, lane);
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-                uint32_t bh[2], bl[2];
-                frag_b_f32(bh, bl, &s.A[J * 16][I * 16 + nt * 8], FS, lane);
-                mma16816(acc[nt], ah, bh[0], bh[1]);
-                mma16816(acc[nt], ah, bl[0], bl[1]);
-                mma16816(acc[nt], al, bh[0], bh[1]);
-            }
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-                float *dst = &s.A[I * 16 + g][J * 16 + nt * 8 + 2 * t];
-                *reinterpret_cast<float2 *>(dst) = make_float2(-acc[nt][0], -acc[nt][1]);
-                *reinterpret_cast<float2 *>(dst + 8 * FS) = make_float2(-acc[nt][2], -acc[nt][3]);
-            }
+            frag_b_f32(bh, bl, &s.A[J * 16][I * 16 + nt * 8], FS, lane);
+            mma16816(acc, ah, bh[0], bh[1]);
+            mma16816(acc, ah, bl[0], bl[1]);
+            mma16816(acc, al, bh[0], bh[1]);
+            float *dst = &s.A[I * 16 + g][J * 16 + nt * 8 + 2 * t];
+            *reinterpret_cast<float2 *>(dst) = make_float2(-acc[0], -acc[1]);
+            *reinterpret_cast<float2 *>(dst + 8 * FS) = make_float2(-acc[2], -acc[3]);
         }
         __syncthreads();
     }
@@ -458,25 +460,32 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
     __syncthreads();
     /* w = X (beta k e^G), u = X (beta v): jobs (row block a, matrix, 64-column half),
      * 2 per warp, stored from the fragments */
-    for (int job = warp; job < 16; job += NT1 / 32) {
-        const int a = job >> 2, mat = (job >> 1) & 1, half = job & 1;
+    for (int jj = 0; jj < 2; jj++) {
+        /* row block a takes a + 1 steps: warps pair a with 3 - a (5 steps each) */
+        const int a = jj == 0 ? (warp >> 2) : 3 - (warp >> 2);
+        const int mat = (warp >> 1) & 1, half = warp & 1;
         const bf16 *B = mat ? &s.k[0][0] : &s.q[0][0];
         float acc[8][4];
 #pragma unroll
         for (int nt = 0; nt < 8; nt++)
             acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        /* all fragments of a step first, then its 16 products */
         for (int ks = 0; ks <= a; ks++) {
-            uint32_t fa[4], fl[4];
+            uint32_t fa[4], fl[4], fb[4][4];
             ldsm4(fa, a_addr(&s.u.x.hi[0][0], AS, a * 16, ks * 16, lane));
             ldsm4(fl, a_addr(&s.u.x.lo[0][0], AS, a * 16, ks * 16, lane));
 #pragma unroll
+            for (int np = 0; np < 4; np++)
+                ldsm4t(fb[np], b_kn_addr(B, RS, ks * 16, half * 64 + np * 16, lane));
+#pragma unroll
             for (int np = 0; np < 4; np++) {
-                uint32_t fb[4];
-                ldsm4t(fb, b_kn_addr(B, RS, ks * 16, half * 64 + np * 16, lane));
-                mma16816(acc[2 * np], fa, fb[0], fb[1]);
-                mma16816(acc[2 * np + 1], fa, fb[2], fb[3]);
-                mma16816(acc[2 * np], fl, fb[0], fb[1]);
-                mma16816(acc[2 * np + 1], fl, fb[2], fb[3]);
+                mma16816(acc[2 * np], fa, fb[np][0], fb[np][1]);
+                mma16816(acc[2 * np + 1], fa, fb[np][2], fb[np][3]);
+            }
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                mma16816(acc[2 * np], fl, fb[np][0], fb[np][1]);
+                mma16816(acc[2 * np + 1], fl, fb[np][2], fb[np][3]);
             }
         }
         bf16 *dst = (mat ? p.u : p.w) + cb * BT * KD;
@@ -505,8 +514,14 @@ template <int BV> struct InterStage {
     bf16 u[BT][BV + 8];
     float gl[KD];
 };
+/* stages of the load pipeline (chunk c + N - 1 loads while c computes). Three stages fit
+ * at BV <= 32 but were measured slower at (1, 32768, 16, 128): recurrence 1.08 vs 1.02 ms
+ * here, 0.98 vs 0.87 ms in kda_bwd_dh (docs/perf-notes.md) */
+template <int BV> struct InterStages {
+    static constexpr int N = 2;
+};
 template <int BV> struct InterSmem {
-    InterStage<BV> st[2];
+    InterStage<BV> st[InterStages<BV>::N];
     bf16 S[KD][BV + 8];  /* the state in bf16 (B operand of w S and qg S) */
     bf16 vn[BT][BV + 8]; /* v' in bf16 */
 };
@@ -555,19 +570,31 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
     state_regs_load<NTV>(S, p.h0 ? p.h0 + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0 + cw,
                          warp, lane);
     const int2 sq = p.seqs[n];
-    if (sq.y > 0) {
-        inter_load<BV, NT>(p, s.st[0], (int64_t)sq.x * HV + hv, c0, tid);
+    /* a sequence's chunks are consecutive 64-token chunks: (t0, L) from its first and last
+     * entries, read once (a table read per step put a global load on the critical path) */
+    int tfirst = 0, tend = 0;
+    constexpr int NS = InterStages<BV>::N;
+    /* one commit group per chunk (empty past the end), so the wait count is constant */
+#pragma unroll
+    for (int k = 0; k < NS - 1; k++) {
+        if (k < sq.y)
+            inter_load<BV, NT>(p, s.st[k], (int64_t)(sq.x + k) * HV + hv, c0, tid);
         cp_async_commit();
     }
+    if (sq.y > 0) {
+        const int2 cf = p.chunks[sq.x], cl = p.chunks[sq.x + sq.y - 1];
+        tfirst = cf.x;
+        tend = cl.x + cl.y;
+    }
+    /* o stores without per-element column checks when the whole slice lies inside V */
+    const bool vfull = (V & 1) == 0 && c0 + BV <= V;
     for (int cc = 0; cc < sq.y; cc++) {
         const int ci = sq.x + cc;
-        const int2 ch = p.chunks[ci];
-        const int t0 = ch.x, L = ch.y;
-        InterStage<BV> &st = s.st[cc & 1];
-        if (cc + 1 < sq.y) {
-            inter_load<BV, NT>(p, s.st[(cc + 1) & 1], (int64_t)(ci + 1) * HV + hv, c0, tid);
-            cp_async_commit();
-        }
+        const int t0 = tfirst + cc * BT, L = min(BT, tend - t0);
+        InterStage<BV> &st = s.st[cc % NS];
+        if (cc + NS - 1 < sq.y)
+            inter_load<BV, NT>(p, s.st[(cc + NS - 1) % NS], (int64_t)(ci + NS - 1) * HV + hv, c0, tid);
+        cp_async_commit();
         /* S -> bf16 tile */
 #pragma unroll
         for (int mt = 0; mt < 2; mt++)
@@ -578,16 +605,8 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
                 const uint32_t hi = pack_bf16(S[mt][nt][2], S[mt][nt][3]);
                 *reinterpret_cast<uint32_t *>(&s.S[d][c]) = lo;
                 *reinterpret_cast<uint32_t *>(&s.S[d + 8][c]) = hi;
-                if (p.hs) { /* training forward: the state at the chunk start */
-                    bf16 *hs = p.hs + ((int64_t)ci * HV + hv) * KD * KD + c0 + c;
-                    *reinterpret_cast<uint32_t *>(hs + d * KD) = lo;
-                    *reinterpret_cast<uint32_t *>(hs + (d + 8) * KD) = hi;
-                }
             }
-        if (cc + 1 < sq.y)
-            cp_async_wait<1>();
-        else
-            cp_async_wait<0>();
+        cp_async_wait<NS - 1>(); /* chunk cc's group is complete */
         __syncthreads();
         /* v' = u - w S ; o = qg S  (rows 16 warp ..) */
         float av[NTV][4], ao[NTV][4];
@@ -596,19 +615,30 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
 #pragma unroll
             for (int e = 0; e < 4; e++)
                 av[nt][e] = ao[nt][e] = 0.0f;
+        {
+            /* fragments of step ks + 1 are requested before the products of step ks (the
+             * asm statements keep their order, so the pipelining is written out) */
+            uint32_t fw[2][4], fq[2][4], fb[2][NTV / 2][4];
+            auto frags = [&](int ks, int b) {
+                ldsm4(fw[b], a_addr(&st.w[0][0], RS, warp * 16, ks * 16, lane));
+                ldsm4(fq[b], a_addr(&st.qg[0][0], RS, warp * 16, ks * 16, lane));
 #pragma unroll
-        for (int ks = 0; ks < KD / 16; ks++) {
-            uint32_t fw[4], fq[4];
-            ldsm4(fw, a_addr(&st.w[0][0], RS, warp * 16, ks * 16, lane));
-            ldsm4(fq, a_addr(&st.qg[0][0], RS, warp * 16, ks * 16, lane));
+                for (int np = 0; np < NTV / 2; np++)
+                    ldsm4t(fb[b][np], b_kn_addr(&s.S[0][0], BV + 8, ks * 16, cw + np * 16, lane));
+            };
+            frags(0, 0);
 #pragma unroll
-            for (int np = 0; np < NTV / 2; np++) {
-                uint32_t fb[4];
-                ldsm4t(fb, b_kn_addr(&s.S[0][0], BV + 8, ks * 16, cw + np * 16, lane));
-                mma16816(av[2 * np], fw, fb[0], fb[1]);
-                mma16816(av[2 * np + 1], fw, fb[2], fb[3]);
-                mma16816(ao[2 * np], fq, fb[0], fb[1]);
-                mma16816(ao[2 * np + 1], fq, fb[2], fb[3]);
+            for (int ks = 0; ks < KD / 16; ks++) {
+                const int b = ks & 1;
+                if (ks + 1 < KD / 16)
+                    frags(ks + 1, b ^ 1);
+#pragma unroll
+                for (int np = 0; np < NTV / 2; np++) {
+                    mma16816(av[2 * np], fw[b], fb[b][np][0], fb[b][np][1]);
+                    mma16816(av[2 * np + 1], fw[b], fb[b][np][2], fb[b][np][3]);
+                    mma16816(ao[2 * np], fq[b], fb[b][np][0], fb[b][np][1]);
+                    mma16816(ao[2 * np + 1], fq[b], fb[b][np][2], fb[b][np][3]);
+                }
             }
         }
 #pragma unroll
@@ -620,11 +650,6 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
             const float v2 = __low2float(u1) - av[nt][2], v3 = __high2float(u1) - av[nt][3];
             *reinterpret_cast<uint32_t *>(&s.vn[r][c]) = pack_bf16(v0, v1);
             *reinterpret_cast<uint32_t *>(&s.vn[r + 8][c]) = pack_bf16(v2, v3);
-            if (p.vns) {
-                bf16 *vns = p.vns + ((int64_t)ci * HV + hv) * BT * KD + c0 + c;
-                *reinterpret_cast<uint32_t *>(vns + r * KD) = pack_bf16(v0, v1);
-                *reinterpret_cast<uint32_t *>(vns + (r + 8) * KD) = pack_bf16(v2, v3);
-            }
         }
         __syncthreads();
         /* o += Aqk v' (causal: column blocks <= warp) */
@@ -639,22 +664,36 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
                 mma16816(ao[2 * np + 1], fa, fb[2], fb[3]);
             }
         }
-#pragma unroll
-        for (int nt = 0; nt < NTV; nt++) {
-            const int c = c0 + cw + nt * 8 + 2 * t;
+        if (vfull) {
 #pragma unroll
             for (int hh = 0; hh < 2; hh++) {
                 const int r = warp * 16 + g + hh * 8;
                 if (r < L) {
-                    bf16 *dst = p.o + ((int64_t)(t0 + r) * HV + hv) * V + c;
-                    if (c + 1 < V && (V & 1) == 0)
-                        *reinterpret_cast<uint32_t *>(dst) =
+                    bf16 *dst = p.o + ((int64_t)(t0 + r) * HV + hv) * V + c0 + cw + 2 * t;
+#pragma unroll
+                    for (int nt = 0; nt < NTV; nt++)
+                        *reinterpret_cast<uint32_t *>(dst + nt * 8) =
                             pack_bf16(ao[nt][2 * hh], ao[nt][2 * hh + 1]);
-                    else {
-                        if (c < V)
-                            dst[0] = __float2bfloat16(ao[nt][2 * hh]);
-                        if (c + 1 < V)
-                            dst[1] = __float2bfloat16(ao[nt][2 * hh + 1]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NTV; nt++) {
+                const int c = c0 + cw + nt * 8 + 2 * t;
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) {
+                    const int r = warp * 16 + g + hh * 8;
+                    if (r < L) {
+                        bf16 *dst = p.o + ((int64_t)(t0 + r) * HV + hv) * V + c;
+                        if (c + 1 < V && (V & 1) == 0)
+                            *reinterpret_cast<uint32_t *>(dst) =
+                                pack_bf16(ao[nt][2 * hh], ao[nt][2 * hh + 1]);
+                        else {
+                            if (c < V)
+                                dst[0] = __float2bfloat16(ao[nt][2 * hh]);
+                            if (c + 1 < V)
+                                dst[1] = __float2bfloat16(ao[nt][2 * hh + 1]);
+                        }
                     }
                 }
             }
@@ -672,20 +711,46 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
                 S[mt][nt][3] *= e1;
             }
         }
+        {
+            uint32_t fa[2][2][4], fb[2][NTV / 2][4];
+            auto frags = [&](int ks, int b) {
+                ldsm4t(fa[b][0], at_addr(&st.kg[0][0], RS, warp * 32, ks * 16, lane));
+                ldsm4t(fa[b][1], at_addr(&st.kg[0][0], RS, warp * 32 + 16, ks * 16, lane));
 #pragma unroll
-        for (int ks = 0; ks < BT / 16; ks++) {
-            uint32_t fa[2][4];
-            ldsm4t(fa[0], at_addr(&st.kg[0][0], RS, warp * 32, ks * 16, lane));
-            ldsm4t(fa[1], at_addr(&st.kg[0][0], RS, warp * 32 + 16, ks * 16, lane));
+                for (int np = 0; np < NTV / 2; np++)
+                    ldsm4t(fb[b][np], b_kn_addr(&s.vn[0][0], BV + 8, ks * 16, cw + np * 16, lane));
+            };
+            frags(0, 0);
 #pragma unroll
-            for (int np = 0; np < NTV / 2; np++) {
-                uint32_t fb[4];
-                ldsm4t(fb, b_kn_addr(&s.vn[0][0], BV + 8, ks * 16, cw + np * 16, lane));
+            for (int ks = 0; ks < BT / 16; ks++) {
+                const int b = ks & 1;
+                if (ks + 1 < BT / 16)
+                    frags(ks + 1, b ^ 1);
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
-                    mma16816(S[mt][2 * np], fa[mt], fb[0], fb[1]);
-                    mma16816(S[mt][2 * np + 1], fa[mt], fb[2], fb[3]);
-                }
+                for (int np = 0; np < NTV / 2; np++)
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++) {
+                        mma16816(S[mt][2 * np], fa[b][mt], fb[b][np][0], fb[b][np][1]);
+                        mma16816(S[mt][2 * np + 1], fa[b][mt], fb[b][np][2], fb[b][np][3]);
+                    }
+            }
+        }
+        /* training forward: the saved tiles, after this step's products (s.S and s.vn are
+         * rewritten only after the barrier below) */
+        if (p.hs) { /* training forward: the state at the chunk start, 16-byte stores from
+                     * the bf16 tile (4-byte stores from the fragments cost 0.1 ms at
+                     * (1, 8192, 64, 128)) */
+            bf16 *hs = p.hs + ((int64_t)ci * HV + hv) * KD * KD + c0;
+            for (int e = tid; e < KD * (BV / 8); e += NT) {
+                const int d = e / (BV / 8), c = (e % (BV / 8)) * 8;
+                *reinterpret_cast<uint4 *>(hs + d * KD + c) = *reinterpret_cast<const uint4 *>(&s.S[d][c]);
+            }
+        }
+        if (p.vns) { /* training forward: v', 16-byte stores from the bf16 tile */
+            bf16 *vns = p.vns + ((int64_t)ci * HV + hv) * BT * KD + c0;
+            for (int e = tid; e < BT * (BV / 8); e += NT) {
+                const int r = e / (BV / 8), c = (e % (BV / 8)) * 8;
+                *reinterpret_cast<uint4 *>(vns + r * KD + c) = *reinterpret_cast<const uint4 *>(&s.vn[r][c]);
             }
         }
         __syncthreads();

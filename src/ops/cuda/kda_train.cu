@@ -68,22 +68,41 @@ struct BwdParams {
 template <int NP, bool TA, bool TB>
 __device__ __forceinline__ void wmma(float (*acc)[4], const bf16 *A, int lda, int m0, int ka0,
                                      const bf16 *B, int ldb, int n0, int kb0, int nks, int lane) {
-    for (int ks = 0; ks < nks; ks++) {
-        uint32_t fa[4];
+    /* the fragments of step ks + 1 are requested before the products of step ks (the asm
+     * statements keep their order, so the pipelining is written out; two named buffers) */
+    uint32_t fa[2][4], fb[2][NP][4];
+    auto frags = [&](int ks, int b) {
         if (TA)
-            ldsm4t(fa, at_addr(A, lda, m0, ka0 + ks * 16, lane));
+            ldsm4t(fa[b], at_addr(A, lda, m0, ka0 + ks * 16, lane));
         else
-            ldsm4(fa, a_addr(A, lda, m0, ka0 + ks * 16, lane));
+            ldsm4(fa[b], a_addr(A, lda, m0, ka0 + ks * 16, lane));
 #pragma unroll
         for (int np = 0; np < NP; np++) {
-            uint32_t fb[4];
             if (TB)
-                ldsm4(fb, b_nk_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane));
+                ldsm4(fb[b][np], b_nk_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane));
             else
-                ldsm4t(fb, b_kn_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane));
-            mma16816(acc[2 * np], fa, fb[0], fb[1]);
-            mma16816(acc[2 * np + 1], fa, fb[2], fb[3]);
+                ldsm4t(fb[b][np], b_kn_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane));
         }
+    };
+    auto prods = [&](int b) {
+#pragma unroll
+        for (int np = 0; np < NP; np++) {
+            mma16816(acc[2 * np], fa[b], fb[b][np][0], fb[b][np][1]);
+            mma16816(acc[2 * np + 1], fa[b], fb[b][np][2], fb[b][np][3]);
+        }
+    };
+    if (nks <= 0)
+        return;
+    frags(0, 0);
+    for (int ks = 0; ks < nks; ks += 2) {
+        if (ks + 1 < nks)
+            frags(ks + 1, 1);
+        prods(0);
+        if (ks + 1 >= nks)
+            break;
+        if (ks + 2 < nks)
+            frags(ks + 2, 0);
+        prods(1);
     }
 }
 template <int N> __device__ __forceinline__ void zero_acc(float (*acc)[4]) {
@@ -128,8 +147,12 @@ template <int BV> struct DhStage {
     bf16 dO[BT][BV + 8];
     float gl[KD];
 };
+/* load stages, as kda_inter_tc (three were measured slower) */
+template <int BV> struct DhStages {
+    static constexpr int N = 2;
+};
 template <int BV> struct DhSmem {
-    DhStage<BV> st[2];
+    DhStage<BV> st[DhStages<BV>::N];
     bf16 dS[KD][BV + 8];
     bf16 dvn[BT][BV + 8], ndvn[BT][BV + 8];
 };
@@ -175,18 +198,21 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
     state_regs_load<NTV>(S, p.dht ? p.dht + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0 + cw,
                          warp, lane);
     const int2 sq = p.seqs[n];
-    if (sq.y > 0) {
-        dh_load<BV, NT>(p, s.st[0], (int64_t)(sq.x + sq.y - 1) * HV + hv, c0, tid);
+    constexpr int NS = DhStages<BV>::N;
+    /* one commit group per chunk (empty past the end), so the wait count is constant */
+#pragma unroll
+    for (int k = 0; k < NS - 1; k++) {
+        if (k < sq.y)
+            dh_load<BV, NT>(p, s.st[k], (int64_t)(sq.x + sq.y - 1 - k) * HV + hv, c0, tid);
         cp_async_commit();
     }
     for (int jj = 0; jj < sq.y; jj++) {
         const int ci = sq.x + sq.y - 1 - jj;
         const int64_t cb = (int64_t)ci * HV + hv;
-        DhStage<BV> &st = s.st[jj & 1];
-        if (jj + 1 < sq.y) {
-            dh_load<BV, NT>(p, s.st[(jj + 1) & 1], cb - HV, c0, tid);
-            cp_async_commit();
-        }
+        DhStage<BV> &st = s.st[jj % NS];
+        if (jj + NS - 1 < sq.y)
+            dh_load<BV, NT>(p, s.st[(jj + NS - 1) % NS], cb - (int64_t)(NS - 1) * HV, c0, tid);
+        cp_async_commit();
         /* dS -> bf16 tile and dh[cb] */
 #pragma unroll
         for (int mt = 0; mt < 2; mt++)
@@ -197,14 +223,8 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
                 const uint32_t hi = pack_bf16(S[mt][nt][2], S[mt][nt][3]);
                 *reinterpret_cast<uint32_t *>(&s.dS[d][c]) = lo;
                 *reinterpret_cast<uint32_t *>(&s.dS[d + 8][c]) = hi;
-                bf16 *dh = p.dh + cb * KD * KD + c0 + c;
-                *reinterpret_cast<uint32_t *>(dh + d * KD) = lo;
-                *reinterpret_cast<uint32_t *>(dh + (d + 8) * KD) = hi;
             }
-        if (jj + 1 < sq.y)
-            cp_async_wait<1>();
-        else
-            cp_async_wait<0>();
+        cp_async_wait<NS - 1>(); /* chunk jj's group is complete */
         __syncthreads();
         /* dVn = Aqk^T dO + Kd dS (rows 16 warp ..) */
         float av[NTV][4];
@@ -222,9 +242,6 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
             *reinterpret_cast<uint32_t *>(&s.dvn[r + 8][c]) = a1;
             *reinterpret_cast<uint32_t *>(&s.ndvn[r][c]) = a0 ^ 0x80008000u;
             *reinterpret_cast<uint32_t *>(&s.ndvn[r + 8][c]) = a1 ^ 0x80008000u;
-            bf16 *dv = p.dvn + cb * BT * KD + c0 + c;
-            *reinterpret_cast<uint32_t *>(dv + r * KD) = a0;
-            *reinterpret_cast<uint32_t *>(dv + (r + 8) * KD) = a1;
         }
         __syncthreads();
         /* dS <- gamma dS + Qg^T dO - W^T dVn */
@@ -246,6 +263,21 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
                                        &st.dO[0][0], BV + 8, cw, 0, BT / 16, lane);
             wmma<NTV / 2, true, false>(S[mt], &st.w[0][0], RS, warp * 32 + mt * 16, 0,
                                        &s.ndvn[0][0], BV + 8, cw, 0, BT / 16, lane);
+        }
+        /* dh[cb] and dVn out with 16-byte stores from the bf16 tiles (4-byte stores from
+         * the fragments cost about 0.1 ms per pass at (1, 8192, 64, 128)); s.dS and s.dvn
+         * are rewritten only after the barrier below */
+        {
+            bf16 *dh = p.dh + cb * KD * KD + c0;
+            for (int e = tid; e < KD * (BV / 8); e += NT) {
+                const int d = e / (BV / 8), c = (e % (BV / 8)) * 8;
+                *reinterpret_cast<uint4 *>(dh + d * KD + c) = *reinterpret_cast<const uint4 *>(&s.dS[d][c]);
+            }
+            bf16 *dv = p.dvn + cb * BT * KD + c0;
+            for (int e = tid; e < BT * (BV / 8); e += NT) {
+                const int r = e / (BV / 8), c = (e % (BV / 8)) * 8;
+                *reinterpret_cast<uint4 *>(dv + r * KD + c) = *reinterpret_cast<const uint4 *>(&s.dvn[r][c]);
+            }
         }
         __syncthreads();
     }
