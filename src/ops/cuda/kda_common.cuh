@@ -52,6 +52,14 @@ __device__ __forceinline__ float fexp(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
     return y;
 }
+/* 2^x as one MUFU.EX2 (flush-to-zero), for exponents already in log2 units */
+__device__ __forceinline__ float ex2f(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#define LOG2E_F 1.4426950408889634f
+#define LN2_F 0.6931471805599453f
 __device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.0f, 1.0f + fexp(-x)); }
 
 

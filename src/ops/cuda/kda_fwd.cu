@@ -14,13 +14,14 @@
  *   o        = (q exp(G)) S + Aqk v'
  *   S       <- exp(G_last) * S + (k exp(G_last - G))^T v'
  *
- * Akk and Aqk run on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate) by
- * 16-row blocks a: exp(G_i - G_j) = exp(G_i - r_a) exp(r_a - G_j) with r_a = G at the
- * row before block a (0 for a = 0). For i in block a, G_i <= r_a; for j in an earlier
- * block, G_j >= r_a, so off-diagonal factors are <= 1 for any gate. On the diagonal
- * tile exp(r_a - G_j) <= exp(16 |lower_bound|) <= e^80 when the gate is bounded
- * (reference/kda.md §3.3, T1 of the design): the diagonal shares the matmul path.
- * Other gates take the safe path on the diagonal: per-pair exp(G_i - G_j) in fp32.
+ * Akk and Aqk run on the tensor cores (mma.sync m16n8k16, bf16 in, fp32 accumulate):
+ * exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j) with a reference row r between the key
+ * rows and the query rows, so both factors are <= 1 for any gate. On the diagonal the
+ * bounded gate (reference/kda.md §3.3, T1 of the design) puts r in the middle of a
+ * 32-row half: |G_i - G_r| <= 16 |lower_bound| <= 80 for every row of the half, so the
+ * factors stay within e^(+-80) and the diagonal shares the matmul path (three rounds:
+ * two halves, then the lower-left 32 x 32 block). Other gates take the safe path on the
+ * diagonal 16 x 16 blocks: per-pair exp(G_i - G_j) in fp32.
  */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -62,11 +63,12 @@ __device__ __forceinline__ void frag_b_f32(uint32_t hi[2], uint32_t lo[2], const
 /* ------------------------------------------------------------------ kernel 1 */
 /* One CTA per (chunk, value head), 8 warps. Shared memory layout (bytes): */
 struct IntraSmem {
-    float G[BT][GS];            /* gate, then its cumulative sum over rows (fp32) */
+    float G[BT][GS];            /* gate, then its cumulative sum over rows, both times log2(e)
+                                 * (fp32; exponentials are ex2 of differences) */
     bf16 q[BT][RS], k[BT][RS];  /* q, k as loaded; later beta k e^G and beta v */
     union {
         struct {
-            bf16 opq[16][RS], opk[16][RS], opc[BT][RS]; /* per-block operands of Aqk / Akk */
+            bf16 op[96][RS]; /* a round's operands of Aqk / Akk: q rows, k rows, key rows */
         } a;
         struct {
             bf16 hi[BT][AS], lo[BT][AS]; /* X = hi + lo in bf16 (about fp32 accuracy) for w / u */
@@ -213,6 +215,9 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
 #pragma unroll
         for (int x = 0; x < 8; x++)
             f[x] = (i < L && d0 + x < K) ? f[x] : 0.0f;
+#pragma unroll
+        for (int x = 0; x < 8; x++)
+            f[x] *= LOG2E_F;
         *reinterpret_cast<float4 *>(&s.G[i][d0]) = make_float4(f[0], f[1], f[2], f[3]);
         *reinterpret_cast<float4 *>(&s.G[i][d0 + 4]) = make_float4(f[4], f[5], f[6], f[7]);
     }
@@ -241,7 +246,9 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         float *Gs = p.Gs + cb * BT * KD;
         for (int e = tid; e < BT * KD / 4; e += NT1) {
             const int i = e / (KD / 4), d = (e % (KD / 4)) * 4;
-            *reinterpret_cast<float4 *>(Gs + i * KD + d) = *reinterpret_cast<const float4 *>(&s.G[i][d]);
+            const float4 v = *reinterpret_cast<const float4 *>(&s.G[i][d]); /* natural log units */
+            *reinterpret_cast<float4 *>(Gs + i * KD + d) =
+                make_float4(v.x * LN2_F, v.y * LN2_F, v.z * LN2_F, v.w * LN2_F);
         }
         if (tid < BT) {
             p.nqs[cb * BT + tid] = s.nq[tid];
@@ -269,7 +276,7 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             float aq = 0, ak = 0;
             if (j <= i) {
                 for (int d = 0; d < KD; d++) {
-                    const float f = fexp(s.G[i][d] - s.G[j][d]) * __bfloat162float(s.k[j][d]);
+                    const float f = ex2f(s.G[i][d] - s.G[j][d]) * __bfloat162float(s.k[j][d]);
                     aq += __bfloat162float(s.q[i][d]) * f;
                     ak += __bfloat162float(s.k[i][d]) * f;
                 }
@@ -280,23 +287,36 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
                 p.Ps[cb * BT * BT + i * BT + j] = j < i ? ak * s.nk[i] * s.nk[j] : 0.0f;
         }
     }
-    /* Aqk, Akk by 16-row blocks on the tensor cores */
-    for (int a = 0; a < 4; a++) {
-        const int ncols = p.shared_diag ? 16 * (a + 1) : 16 * a; /* key rows j used */
-        if (ncols == 0)
-            continue;
+    /* Aqk, Akk on the tensor cores in three rounds; a round scales its query rows (q and k,
+     * rows qb ..) by exp(G_i - G_ref) and its key rows (kb ..) by exp(G_ref - G_j):
+     * - bounded gate (shared diagonal): 32-row halves with the reference in the middle row
+     *   (15, 47), so |G_i - G_ref| <= 16 |lower_bound| <= 80 on both sides and every factor
+     *   is a normal fp32 / bf16 number (the masked products above the diagonal may
+     *   overflow; they are selected away, never multiplied); then rows 32..63 against keys
+     *   0..31 with the reference at row 31, where both factors are <= 1;
+     * - other gates: rows 16a.. (a = 1..3) against keys 0..16a-1 with the reference at row
+     *   16a - 1 (factors <= 1); the diagonal blocks took the safe path above. */
+    for (int rd = 0; rd < 3; rd++) {
+        int qb, nqb, kb, nkb, ref, ntiles;
+        if (p.shared_diag) {
+            qb = rd == 0 ? 0 : 32;
+            kb = rd == 1 ? 32 : 0;
+            ref = rd == 0 ? 15 : (rd == 1 ? 47 : 31);
+            nqb = nkb = 2;
+            ntiles = rd < 2 ? 3 : 4; /* (0,0) (1,0) (1,1) | all four */
+        } else {
+            qb = 16 * (rd + 1);
+            kb = 0;
+            ref = qb - 1;
+            nqb = 1;
+            nkb = ntiles = rd + 1; /* (0, J), J < nkb */
+        }
+        bf16 *opQ = &s.u.a.op[0][0], *opK = opQ + 16 * nqb * RS, *opC = opQ + 32 * nqb * RS;
         __syncthreads();
-        /* this thread's channels are the same d0 in every item (NT1 is a multiple of 16) */
-        float ra[8];
-        if (a)
-            ld8f(ra, &s.G[a * 16 - 1][d0]);
-        else
-#pragma unroll
-            for (int x = 0; x < 8; x++)
-                ra[x] = 0.0f;
-        { /* q and k rows of block a (one 8-channel item per thread): x_i exp(G_i - r_a),
-           * one exponential for both */
-            const int i = a * 16 + r0;
+        float ra[8]; /* this thread's channels are the same d0 in every item */
+        ld8f(ra, &s.G[ref][d0]);
+        for (int r = r0; r < 16 * nqb; r += NT1 / 16) { /* q and k rows: one exponential */
+            const int i = qb + r;
             float xq[8], xk[8], gr[8], fq[8], fk[8];
             ld8h(xq, &s.q[i][d0]);
             ld8h(xk, &s.k[i][d0]);
@@ -304,39 +324,48 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             const float nq = s.nq[i], nk = s.nk[i];
 #pragma unroll
             for (int x = 0; x < 8; x++) {
-                const float e = fexp(gr[x] - ra[x]);
+                const float e = ex2f(gr[x] - ra[x]);
                 fq[x] = xq[x] * nq * e;
                 fk[x] = xk[x] * nk * e;
             }
-            st8h(&s.u.a.opq[r0][d0], fq);
-            st8h(&s.u.a.opk[r0][d0], fk);
+            st8h(opQ + r * RS + d0, fq);
+            st8h(opK + r * RS + d0, fk);
         }
-        for (int j = r0; j < ncols; j += NT1 / 16) { /* key rows j: k_j exp(r_a - G_j) */
+        for (int r = r0; r < 16 * nkb; r += NT1 / 16) { /* key rows */
+            const int j = kb + r;
             float gr[8], x8[8], f[8];
             ld8h(x8, &s.k[j][d0]);
             ld8f(gr, &s.G[j][d0]);
             const float n = s.nk[j];
 #pragma unroll
             for (int x = 0; x < 8; x++)
-                f[x] = x8[x] * n * fexp(ra[x] - gr[x]);
-            st8h(&s.u.a.opc[j][d0], f);
+                f[x] = x8[x] * n * ex2f(ra[x] - gr[x]);
+            st8h(opC + r * RS + d0, f);
         }
         __syncthreads();
-        /* jobs: (column block b) x {Aqk, Akk}; one per warp */
-        const int njobs = 2 * (ncols / 16);
-        for (int job = warp; job < njobs; job += NT1 / 32) {
-            const int b = job >> 1, isk = job & 1;
-            const bf16 *A = isk ? &s.u.a.opk[0][0] : &s.u.a.opq[0][0];
+        /* jobs: 16 x 16 tile (I, J) of the round x {Aqk, Akk}; one per warp */
+        for (int job = warp; job < 2 * ntiles; job += NT1 / 32) {
+            const int tile = job >> 1, isk = job & 1;
+            int I, J;
+            if (p.shared_diag) {
+                I = rd < 2 ? (tile > 0) : (tile >> 1);
+                J = rd < 2 ? (tile == 2) : (tile & 1);
+            } else {
+                I = 0;
+                J = tile;
+            }
+            const bf16 *A = (isk ? opK : opQ) + 16 * I * RS;
+            const bf16 *Bm = opC + 16 * J * RS;
             float acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
             uint32_t fa[2][4], fb[2][4];
             ldsm4(fa[0], a_addr(A, RS, 0, 0, lane));
-            ldsm4(fb[0], b_nk_addr(&s.u.a.opc[0][0], RS, 0, b * 16, lane));
+            ldsm4(fb[0], b_nk_addr(Bm, RS, 0, 0, lane));
 #pragma unroll
             for (int ks = 0; ks < KD / 16; ks++) { /* step ks + 1 requested before ks's products */
                 const int f = ks & 1;
                 if (ks + 1 < KD / 16) {
                     ldsm4(fa[f ^ 1], a_addr(A, RS, 0, (ks + 1) * 16, lane));
-                    ldsm4(fb[f ^ 1], b_nk_addr(&s.u.a.opc[0][0], RS, (ks + 1) * 16, b * 16, lane));
+                    ldsm4(fb[f ^ 1], b_nk_addr(Bm, RS, (ks + 1) * 16, 0, lane));
                 }
                 mma16816(acc[0], fa[f], fb[f][0], fb[f][1]);
                 mma16816(acc[1], fa[f], fb[f][2], fb[f][3]);
@@ -346,8 +375,8 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             for (int nt = 0; nt < 2; nt++)
 #pragma unroll
                 for (int hh = 0; hh < 2; hh++) {
-                    const int i = a * 16 + g + hh * 8;
-                    const int j = b * 16 + nt * 8 + 2 * t;
+                    const int i = qb + 16 * I + g + hh * 8;
+                    const int j = kb + 16 * J + nt * 8 + 2 * t;
                     const float v0 = acc[nt][2 * hh], v1 = acc[nt][2 * hh + 1];
                     if (isk) {
                         s.A[i][j] = j < i ? v0 * s.beta[i] : 0.0f;
@@ -444,9 +473,9 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
 #pragma unroll
         for (int x = 0; x < 8; x++) {
             const float kq = xk[x] * nk;
-            const float eg = fexp(G[x]);
+            const float eg = ex2f(G[x]);
             fq[x] = xq[x] * nq * eg;
-            fk[x] = kq * fexp(Gl[x] - G[x]);
+            fk[x] = kq * ex2f(Gl[x] - G[x]);
             fb[x] = be * kq * eg;
             fv[x] = be * __bfloat162float(vb[x]);
         }
@@ -456,7 +485,7 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         st8h(&s.k[i][d0], fv);
     }
     if (tid < KD)
-        p.gl[cb * KD + tid] = fexp(s.G[BT - 1][tid]);
+        p.gl[cb * KD + tid] = ex2f(s.G[BT - 1][tid]);
     __syncthreads();
     /* w = X (beta k e^G), u = X (beta v): jobs (row block a, matrix, 64-column half),
      * 2 per warp, stored from the fragments */
@@ -565,6 +594,11 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
     const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wc = tid >> 7;
     const int g = lane >> 2, t = lane & 3;
     const int cw = wc * (BV / WC); /* this warp's first column in the slice */
+    /* the training forward's saved h and v' tiles: 16-byte stores from the bf16 tiles at
+     * the end of a step when rows are >= 64 bytes wide (4-byte stores from the fragments
+     * cost 0.10 ms at (1, 8192, 64, 128)); at BV = 16 the extra step latency costs more
+     * than the narrow stores (0.98 vs 1.02 ms at (1, 32768, 16, 128)) */
+    constexpr bool STAGED = BV >= 32;
 
     float S[2][NTV][4];
     state_regs_load<NTV>(S, p.h0 ? p.h0 + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0 + cw,
@@ -605,6 +639,11 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
                 const uint32_t hi = pack_bf16(S[mt][nt][2], S[mt][nt][3]);
                 *reinterpret_cast<uint32_t *>(&s.S[d][c]) = lo;
                 *reinterpret_cast<uint32_t *>(&s.S[d + 8][c]) = hi;
+                if (!STAGED && p.hs) { /* training forward: the state at the chunk start */
+                    bf16 *hs = p.hs + ((int64_t)ci * HV + hv) * KD * KD + c0 + c;
+                    *reinterpret_cast<uint32_t *>(hs + d * KD) = lo;
+                    *reinterpret_cast<uint32_t *>(hs + (d + 8) * KD) = hi;
+                }
             }
         cp_async_wait<NS - 1>(); /* chunk cc's group is complete */
         __syncthreads();
@@ -650,6 +689,11 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
             const float v2 = __low2float(u1) - av[nt][2], v3 = __high2float(u1) - av[nt][3];
             *reinterpret_cast<uint32_t *>(&s.vn[r][c]) = pack_bf16(v0, v1);
             *reinterpret_cast<uint32_t *>(&s.vn[r + 8][c]) = pack_bf16(v2, v3);
+            if (!STAGED && p.vns) {
+                bf16 *vns = p.vns + ((int64_t)ci * HV + hv) * BT * KD + c0 + c;
+                *reinterpret_cast<uint32_t *>(vns + r * KD) = pack_bf16(v0, v1);
+                *reinterpret_cast<uint32_t *>(vns + (r + 8) * KD) = pack_bf16(v2, v3);
+            }
         }
         __syncthreads();
         /* o += Aqk v' (causal: column blocks <= warp) */
@@ -737,16 +781,14 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
         }
         /* training forward: the saved tiles, after this step's products (s.S and s.vn are
          * rewritten only after the barrier below) */
-        if (p.hs) { /* training forward: the state at the chunk start, 16-byte stores from
-                     * the bf16 tile (4-byte stores from the fragments cost 0.1 ms at
-                     * (1, 8192, 64, 128)) */
+        if (STAGED && p.hs) { /* the state at the chunk start */
             bf16 *hs = p.hs + ((int64_t)ci * HV + hv) * KD * KD + c0;
             for (int e = tid; e < KD * (BV / 8); e += NT) {
                 const int d = e / (BV / 8), c = (e % (BV / 8)) * 8;
                 *reinterpret_cast<uint4 *>(hs + d * KD + c) = *reinterpret_cast<const uint4 *>(&s.S[d][c]);
             }
         }
-        if (p.vns) { /* training forward: v', 16-byte stores from the bf16 tile */
+        if (STAGED && p.vns) { /* v' */
             bf16 *vns = p.vns + ((int64_t)ci * HV + hv) * BT * KD + c0;
             for (int e = tid; e < BT * (BV / 8); e += NT) {
                 const int r = e / (BV / 8), c = (e % (BV / 8)) * 8;

@@ -193,6 +193,7 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
     const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wc = tid >> 7;
     const int g = lane >> 2, t = lane & 3;
     const int cw = wc * (BV / WC);
+    constexpr bool STAGED = BV >= 32; /* see kda_inter_tc */
 
     float S[2][NTV][4]; /* dS, state rows 32 warp + 16 mt + ... */
     state_regs_load<NTV>(S, p.dht ? p.dht + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0 + cw,
@@ -223,6 +224,11 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
                 const uint32_t hi = pack_bf16(S[mt][nt][2], S[mt][nt][3]);
                 *reinterpret_cast<uint32_t *>(&s.dS[d][c]) = lo;
                 *reinterpret_cast<uint32_t *>(&s.dS[d + 8][c]) = hi;
+                if (!STAGED) {
+                    bf16 *dh = p.dh + cb * KD * KD + c0 + c;
+                    *reinterpret_cast<uint32_t *>(dh + d * KD) = lo;
+                    *reinterpret_cast<uint32_t *>(dh + (d + 8) * KD) = hi;
+                }
             }
         cp_async_wait<NS - 1>(); /* chunk jj's group is complete */
         __syncthreads();
@@ -242,6 +248,11 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
             *reinterpret_cast<uint32_t *>(&s.dvn[r + 8][c]) = a1;
             *reinterpret_cast<uint32_t *>(&s.ndvn[r][c]) = a0 ^ 0x80008000u;
             *reinterpret_cast<uint32_t *>(&s.ndvn[r + 8][c]) = a1 ^ 0x80008000u;
+            if (!STAGED) {
+                bf16 *dv = p.dvn + cb * BT * KD + c0 + c;
+                *reinterpret_cast<uint32_t *>(dv + r * KD) = a0;
+                *reinterpret_cast<uint32_t *>(dv + (r + 8) * KD) = a1;
+            }
         }
         __syncthreads();
         /* dS <- gamma dS + Qg^T dO - W^T dVn */
@@ -264,10 +275,9 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
             wmma<NTV / 2, true, false>(S[mt], &st.w[0][0], RS, warp * 32 + mt * 16, 0,
                                        &s.ndvn[0][0], BV + 8, cw, 0, BT / 16, lane);
         }
-        /* dh[cb] and dVn out with 16-byte stores from the bf16 tiles (4-byte stores from
-         * the fragments cost about 0.1 ms per pass at (1, 8192, 64, 128)); s.dS and s.dvn
-         * are rewritten only after the barrier below */
-        {
+        /* dh[cb] and dVn out with 16-byte stores from the bf16 tiles when rows are >= 64
+         * bytes (as kda_inter_tc); s.dS and s.dvn are rewritten only after the barrier below */
+        if (STAGED) {
             bf16 *dh = p.dh + cb * KD * KD + c0;
             for (int e = tid; e < KD * (BV / 8); e += NT) {
                 const int d = e / (BV / 8), c = (e % (BV / 8)) * 8;
