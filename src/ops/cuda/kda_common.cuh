@@ -173,6 +173,27 @@ __device__ __forceinline__ void state_regs_store(const float (&S)[2][NTV][4], fl
             }
 }
 
+/* Load stages of the recurrence kernels (kda_inter_tc, kda_bwd_dh): chunk c + 1 loads
+ * while c computes. Three stages fit at BV <= 32 but were measured slower at
+ * (1, 32768, 16, 128): 1.08 vs 1.02 ms forward, 0.98 vs 0.87 ms backward (perf notes v8). */
+constexpr int REC_STAGES = 2;
+
+/* Whether a recurrence kernel writes its saved [rows][BV] tiles (h and v' forward, dh and
+ * dVn backward) with 16-byte stores from the bf16 shared tile at the end of a step
+ * (store_slice) rather than 4-byte stores from the fragments: faster from 32 columns
+ * (0.10 ms at (1, 8192, 64, 128)); at BV = 16 the added step latency costs more. */
+__host__ __device__ constexpr bool rec_staged_stores(int BV) { return BV >= 32; }
+
+/* rows x BV bf16 from a padded shared tile (row stride BV + 8) to global rows of KD
+ * elements starting at dst (16-byte stores, NT threads). */
+template <int BV, int NT>
+__device__ __forceinline__ void store_slice(bf16 *dst, const bf16 (*src)[BV + 8], int rows, int tid) {
+    for (int e = tid; e < rows * (BV / 8); e += NT) {
+        const int r = e / (BV / 8), c = (e % (BV / 8)) * 8;
+        *reinterpret_cast<uint4 *>(dst + r * KD + c) = *reinterpret_cast<const uint4 *>(&src[r][c]);
+    }
+}
+
 } // namespace
 
 /* Device buffers of a training forward (kda_train.cu) that the forward kernels fill

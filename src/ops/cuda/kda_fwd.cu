@@ -543,14 +543,8 @@ template <int BV> struct InterStage {
     bf16 u[BT][BV + 8];
     float gl[KD];
 };
-/* stages of the load pipeline (chunk c + N - 1 loads while c computes). Three stages fit
- * at BV <= 32 but were measured slower at (1, 32768, 16, 128): recurrence 1.08 vs 1.02 ms
- * here, 0.98 vs 0.87 ms in kda_bwd_dh (docs/perf-notes.md) */
-template <int BV> struct InterStages {
-    static constexpr int N = 2;
-};
 template <int BV> struct InterSmem {
-    InterStage<BV> st[InterStages<BV>::N];
+    InterStage<BV> st[REC_STAGES];
     bf16 S[KD][BV + 8];  /* the state in bf16 (B operand of w S and qg S) */
     bf16 vn[BT][BV + 8]; /* v' in bf16 */
 };
@@ -594,11 +588,7 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
     const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wc = tid >> 7;
     const int g = lane >> 2, t = lane & 3;
     const int cw = wc * (BV / WC); /* this warp's first column in the slice */
-    /* the training forward's saved h and v' tiles: 16-byte stores from the bf16 tiles at
-     * the end of a step when rows are >= 64 bytes wide (4-byte stores from the fragments
-     * cost 0.10 ms at (1, 8192, 64, 128)); at BV = 16 the extra step latency costs more
-     * than the narrow stores (0.98 vs 1.02 ms at (1, 32768, 16, 128)) */
-    constexpr bool STAGED = BV >= 32;
+    constexpr bool STAGED = rec_staged_stores(BV); /* the saved h and v' tiles */
 
     float S[2][NTV][4];
     state_regs_load<NTV>(S, p.h0 ? p.h0 + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0 + cw,
@@ -607,7 +597,7 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
     /* a sequence's chunks are consecutive 64-token chunks: (t0, L) from its first and last
      * entries, read once (a table read per step put a global load on the critical path) */
     int tfirst = 0, tend = 0;
-    constexpr int NS = InterStages<BV>::N;
+    constexpr int NS = REC_STAGES;
     /* one commit group per chunk (empty past the end), so the wait count is constant */
 #pragma unroll
     for (int k = 0; k < NS - 1; k++) {
@@ -781,20 +771,10 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
         }
         /* training forward: the saved tiles, after this step's products (s.S and s.vn are
          * rewritten only after the barrier below) */
-        if (STAGED && p.hs) { /* the state at the chunk start */
-            bf16 *hs = p.hs + ((int64_t)ci * HV + hv) * KD * KD + c0;
-            for (int e = tid; e < KD * (BV / 8); e += NT) {
-                const int d = e / (BV / 8), c = (e % (BV / 8)) * 8;
-                *reinterpret_cast<uint4 *>(hs + d * KD + c) = *reinterpret_cast<const uint4 *>(&s.S[d][c]);
-            }
-        }
-        if (STAGED && p.vns) { /* v' */
-            bf16 *vns = p.vns + ((int64_t)ci * HV + hv) * BT * KD + c0;
-            for (int e = tid; e < BT * (BV / 8); e += NT) {
-                const int r = e / (BV / 8), c = (e % (BV / 8)) * 8;
-                *reinterpret_cast<uint4 *>(vns + r * KD + c) = *reinterpret_cast<const uint4 *>(&s.vn[r][c]);
-            }
-        }
+        if (STAGED && p.hs) /* the state at the chunk start */
+            store_slice<BV, NT>(p.hs + ((int64_t)ci * HV + hv) * KD * KD + c0, s.S, KD, tid);
+        if (STAGED && p.vns) /* v' */
+            store_slice<BV, NT>(p.vns + ((int64_t)ci * HV + hv) * BT * KD + c0, s.vn, BT, tid);
         __syncthreads();
     }
     if (p.ht)

@@ -147,12 +147,8 @@ template <int BV> struct DhStage {
     bf16 dO[BT][BV + 8];
     float gl[KD];
 };
-/* load stages, as kda_inter_tc (three were measured slower) */
-template <int BV> struct DhStages {
-    static constexpr int N = 2;
-};
 template <int BV> struct DhSmem {
-    DhStage<BV> st[DhStages<BV>::N];
+    DhStage<BV> st[REC_STAGES];
     bf16 dS[KD][BV + 8];
     bf16 dvn[BT][BV + 8], ndvn[BT][BV + 8];
 };
@@ -193,13 +189,13 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
     const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wc = tid >> 7;
     const int g = lane >> 2, t = lane & 3;
     const int cw = wc * (BV / WC);
-    constexpr bool STAGED = BV >= 32; /* see kda_inter_tc */
+    constexpr bool STAGED = rec_staged_stores(BV); /* the dh and dVn tiles */
 
     float S[2][NTV][4]; /* dS, state rows 32 warp + 16 mt + ... */
     state_regs_load<NTV>(S, p.dht ? p.dht + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0 + cw,
                          warp, lane);
     const int2 sq = p.seqs[n];
-    constexpr int NS = DhStages<BV>::N;
+    constexpr int NS = REC_STAGES;
     /* one commit group per chunk (empty past the end), so the wait count is constant */
 #pragma unroll
     for (int k = 0; k < NS - 1; k++) {
@@ -275,19 +271,10 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
             wmma<NTV / 2, true, false>(S[mt], &st.w[0][0], RS, warp * 32 + mt * 16, 0,
                                        &s.ndvn[0][0], BV + 8, cw, 0, BT / 16, lane);
         }
-        /* dh[cb] and dVn out with 16-byte stores from the bf16 tiles when rows are >= 64
-         * bytes (as kda_inter_tc); s.dS and s.dvn are rewritten only after the barrier below */
+        /* dh[cb] and dVn out (s.dS and s.dvn are rewritten only after the barrier below) */
         if (STAGED) {
-            bf16 *dh = p.dh + cb * KD * KD + c0;
-            for (int e = tid; e < KD * (BV / 8); e += NT) {
-                const int d = e / (BV / 8), c = (e % (BV / 8)) * 8;
-                *reinterpret_cast<uint4 *>(dh + d * KD + c) = *reinterpret_cast<const uint4 *>(&s.dS[d][c]);
-            }
-            bf16 *dv = p.dvn + cb * BT * KD + c0;
-            for (int e = tid; e < BT * (BV / 8); e += NT) {
-                const int r = e / (BV / 8), c = (e % (BV / 8)) * 8;
-                *reinterpret_cast<uint4 *>(dv + r * KD + c) = *reinterpret_cast<const uint4 *>(&s.dvn[r][c]);
-            }
+            store_slice<BV, NT>(p.dh + cb * KD * KD + c0, s.dS, KD, tid);
+            store_slice<BV, NT>(p.dvn + cb * BT * KD + c0, s.dvn, BT, tid);
         }
         __syncthreads();
     }
