@@ -35,7 +35,8 @@ struct Params {
     bf16 *w, *u, *qg, *kg, *Aqk;
     float *gl;
     /* training forward only (NULL otherwise), see KdaSaveBufs */
-    float *Gs, *Xs, *Ps, *nqs, *nks, *bs;
+    float *Xs, *Ps, *nqs, *nks, *bs;
+    bf16 *Kgs;
     bf16 *hs, *vns;
     const int2 *chunks;   /* [nchunks] (t0, L) in token rows of the flattened [B*T] */
     const int2 *seqs;     /* [N] (first chunk, number of chunks) */
@@ -61,6 +62,23 @@ __device__ __forceinline__ float ex2f(float x) {
 #define LOG2E_F 1.4426950408889634f
 #define LN2_F 0.6931471805599453f
 __device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.0f, 1.0f + fexp(-x)); }
+/* The activated gate in log2 units, log2(e) g(x) for the raw gate x of one channel with
+ * bias gb (reference/kda.md §2.1): bounded lb sigmoid(ga (x + gb)) as
+ * (lb log2 e) / (1 + 2^(-ga log2(e) (x + gb))) (an FFMA, two MUFU ops and an add);
+ * softplus -ga softplus(x + gb); none x. Shared by the forward's intra kernel and the
+ * backward's pair kernel, which recomputes G instead of reading a saved one. */
+template <int GATE>
+__device__ __forceinline__ float gate_log2(float x, float gb, float ga, float lb) {
+    if (GATE == LM_GATE_BOUNDED) {
+        const float gc = -ga * LOG2E_F;
+        return __fdividef(lb * LOG2E_F, 1.0f + ex2f(fmaf(x, gc, gc * gb)));
+    }
+    if (GATE == LM_GATE_SOFTPLUS) {
+        const float z = x + gb;
+        return -ga * LOG2E_F * (z > 20.0f ? z : __logf(1.0f + fexp(z)));
+    }
+    return x * LOG2E_F;
+}
 
 
 /* ---------------------------------------------------------------- PTX helpers */
@@ -203,7 +221,8 @@ struct KdaSaveBufs {
     float *gl;
     const int2 *chunks, *seqs;   /* device chunk tables (already filled) */
     int nchunks;
-    float *Gs;   /* [cb][64][128] cumulative log-decay G (fp32) */
+    bf16 *Kgs;   /* [cb][64][128] nk k e^G (bf16), the UT backward's Kg (the pair kernel
+                  * recomputes G from the raw gate instead of reading a saved fp32 G) */
     float *Xs;   /* [cb][64][64]  X = (I + beta P)^-1, upper part zero */
     float *Ps;   /* [cb][64][64]  P[i][j] = sum_d k_i k_j e^(G_i - G_j), j < i (no beta) */
     float *nqs, *nks, *bs; /* [cb][64] q row factor (l2 norm * scale), k row factor, beta */

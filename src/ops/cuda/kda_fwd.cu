@@ -200,24 +200,24 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             for (int x = 0; x < 8; x++)
                 f[x] = gx;
         }
-        /* the gate (one branch per row item, not per element), then zero outside [L, K] */
+        /* the gate in log2 units (one branch per row item, not per element), then zero
+         * outside [L, K] */
         if (p.gate == LM_GATE_BOUNDED) {
 #pragma unroll
             for (int x = 0; x < 8; x++)
-                f[x] = p.lb * sigmoidf_(ga * (f[x] + gb[x]));
+                f[x] = gate_log2<LM_GATE_BOUNDED>(f[x], gb[x], ga, p.lb);
         } else if (p.gate == LM_GATE_SOFTPLUS) {
 #pragma unroll
-            for (int x = 0; x < 8; x++) {
-                const float zz = f[x] + gb[x];
-                f[x] = -ga * (zz > 20.0f ? zz : __logf(1.0f + fexp(zz)));
-            }
+            for (int x = 0; x < 8; x++)
+                f[x] = gate_log2<LM_GATE_SOFTPLUS>(f[x], gb[x], ga, p.lb);
+        } else {
+#pragma unroll
+            for (int x = 0; x < 8; x++)
+                f[x] = gate_log2<LM_GATE_NONE>(f[x], gb[x], ga, p.lb);
         }
 #pragma unroll
         for (int x = 0; x < 8; x++)
             f[x] = (i < L && d0 + x < K) ? f[x] : 0.0f;
-#pragma unroll
-        for (int x = 0; x < 8; x++)
-            f[x] *= LOG2E_F;
         *reinterpret_cast<float4 *>(&s.G[i][d0]) = make_float4(f[0], f[1], f[2], f[3]);
         *reinterpret_cast<float4 *>(&s.G[i][d0 + 4]) = make_float4(f[4], f[5], f[6], f[7]);
     }
@@ -242,19 +242,10 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             s.G[seg * 32 + x][d] = gv[x] + base;
     }
     __syncthreads();
-    if (p.Gs) { /* training forward: what the backward needs of this block */
-        float *Gs = p.Gs + cb * BT * KD;
-        for (int e = tid; e < BT * KD / 4; e += NT1) {
-            const int i = e / (KD / 4), d = (e % (KD / 4)) * 4;
-            const float4 v = *reinterpret_cast<const float4 *>(&s.G[i][d]); /* natural log units */
-            *reinterpret_cast<float4 *>(Gs + i * KD + d) =
-                make_float4(v.x * LN2_F, v.y * LN2_F, v.z * LN2_F, v.w * LN2_F);
-        }
-        if (tid < BT) {
-            p.nqs[cb * BT + tid] = s.nq[tid];
-            p.nks[cb * BT + tid] = s.nk[tid];
-            p.bs[cb * BT + tid] = s.beta[tid];
-        }
+    if (p.nqs && tid < BT) { /* training forward: the row factors */
+        p.nqs[cb * BT + tid] = s.nq[tid];
+        p.nks[cb * BT + tid] = s.nk[tid];
+        p.bs[cb * BT + tid] = s.beta[tid];
     }
 
     bf16 *Aqk = p.Aqk + cb * BT * BT;
@@ -288,12 +279,15 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         }
     }
     /* Aqk, Akk on the tensor cores in three rounds; a round scales its query rows (q and k,
-     * rows qb ..) by exp(G_i - G_ref) and its key rows (kb ..) by exp(G_ref - G_j):
+     * rows qb ..) by exp(G_i - G_ref) and its key rows (kb ..) by exp(G_ref - G_j); the row
+     * factors nq, nk are applied to the products (on the accumulators), not the operands:
      * - bounded gate (shared diagonal): 32-row halves with the reference in the middle row
      *   (15, 47), so |G_i - G_ref| <= 16 |lower_bound| <= 80 on both sides and every factor
      *   is a normal fp32 / bf16 number (the masked products above the diagonal may
      *   overflow; they are selected away, never multiplied); then rows 32..63 against keys
-     *   0..31 with the reference at row 31, where both factors are <= 1;
+     *   0..31 with the same operands of rows 32..63 (reference 47) and only the key rows
+     *   rebuilt: exp(G_47 - G_j) <= 1, and where it flushes to zero (below e^-87.3) the
+     *   true product exp(G_i - G_j) <= e^(15 * 5) e^-87.3 < 5e-6 (i >= 32) is dropped;
      * - other gates: rows 16a.. (a = 1..3) against keys 0..16a-1 with the reference at row
      *   16a - 1 (factors <= 1); the diagonal blocks took the safe path above. */
     for (int rd = 0; rd < 3; rd++) {
@@ -301,7 +295,7 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         if (p.shared_diag) {
             qb = rd == 0 ? 0 : 32;
             kb = rd == 1 ? 32 : 0;
-            ref = rd == 0 ? 15 : (rd == 1 ? 47 : 31);
+            ref = rd == 0 ? 15 : 47;
             nqb = nkb = 2;
             ntiles = rd < 2 ? 3 : 4; /* (0,0) (1,0) (1,1) | all four */
         } else {
@@ -311,35 +305,36 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             nqb = 1;
             nkb = ntiles = rd + 1; /* (0, J), J < nkb */
         }
+        /* the bounded gate's last round keeps the query operands of the one before */
+        const bool build_q = !(p.shared_diag && rd == 2);
         bf16 *opQ = &s.u.a.op[0][0], *opK = opQ + 16 * nqb * RS, *opC = opQ + 32 * nqb * RS;
         __syncthreads();
         float ra[8]; /* this thread's channels are the same d0 in every item */
         ld8f(ra, &s.G[ref][d0]);
-        for (int r = r0; r < 16 * nqb; r += NT1 / 16) { /* q and k rows: one exponential */
-            const int i = qb + r;
-            float xq[8], xk[8], gr[8], fq[8], fk[8];
-            ld8h(xq, &s.q[i][d0]);
-            ld8h(xk, &s.k[i][d0]);
-            ld8f(gr, &s.G[i][d0]);
-            const float nq = s.nq[i], nk = s.nk[i];
+        if (build_q)
+            for (int r = r0; r < 16 * nqb; r += NT1 / 16) { /* q and k rows: one exponential */
+                const int i = qb + r;
+                float xq[8], xk[8], gr[8], fq[8], fk[8];
+                ld8h(xq, &s.q[i][d0]);
+                ld8h(xk, &s.k[i][d0]);
+                ld8f(gr, &s.G[i][d0]);
 #pragma unroll
-            for (int x = 0; x < 8; x++) {
-                const float e = ex2f(gr[x] - ra[x]);
-                fq[x] = xq[x] * nq * e;
-                fk[x] = xk[x] * nk * e;
+                for (int x = 0; x < 8; x++) {
+                    const float e = ex2f(gr[x] - ra[x]);
+                    fq[x] = xq[x] * e;
+                    fk[x] = xk[x] * e;
+                }
+                st8h(opQ + r * RS + d0, fq);
+                st8h(opK + r * RS + d0, fk);
             }
-            st8h(opQ + r * RS + d0, fq);
-            st8h(opK + r * RS + d0, fk);
-        }
         for (int r = r0; r < 16 * nkb; r += NT1 / 16) { /* key rows */
             const int j = kb + r;
             float gr[8], x8[8], f[8];
             ld8h(x8, &s.k[j][d0]);
             ld8f(gr, &s.G[j][d0]);
-            const float n = s.nk[j];
 #pragma unroll
             for (int x = 0; x < 8; x++)
-                f[x] = x8[x] * n * ex2f(ra[x] - gr[x]);
+                f[x] = x8[x] * ex2f(ra[x] - gr[x]);
             st8h(opC + r * RS + d0, f);
         }
         __syncthreads();
@@ -377,7 +372,9 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
                 for (int hh = 0; hh < 2; hh++) {
                     const int i = qb + 16 * I + g + hh * 8;
                     const int j = kb + 16 * J + nt * 8 + 2 * t;
-                    const float v0 = acc[nt][2 * hh], v1 = acc[nt][2 * hh + 1];
+                    const float2 nj = *reinterpret_cast<const float2 *>(&s.nk[j]);
+                    const float ni = isk ? s.nk[i] : s.nq[i];
+                    const float v0 = acc[nt][2 * hh] * ni * nj.x, v1 = acc[nt][2 * hh + 1] * ni * nj.y;
                     if (isk) {
                         s.A[i][j] = j < i ? v0 * s.beta[i] : 0.0f;
                         s.A[i][j + 1] = j + 1 < i ? v1 * s.beta[i] : 0.0f;
@@ -450,21 +447,29 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         __syncthreads();
     }
     /* X to bf16 (upper part zero); qg, kg, gl out; beta k e^G and beta v in place of q, k */
-    for (int e = tid; e < BT * BT; e += NT1) {
-        const int i = e / BT, j = e % BT;
-        const float xv = j <= i ? s.A[i][j] : 0.0f;
+    for (int e = tid; e < BT * BT / 4; e += NT1) { /* 4 columns per item */
+        const int i = e / (BT / 4), j = (e % (BT / 4)) * 4;
+        const float4 a = *reinterpret_cast<const float4 *>(&s.A[i][j]);
+        const float4 xv = make_float4(j <= i ? a.x : 0.0f, j + 1 <= i ? a.y : 0.0f,
+                                      j + 2 <= i ? a.z : 0.0f, j + 3 <= i ? a.w : 0.0f);
         if (p.Xs)
-            p.Xs[cb * BT * BT + e] = xv;
-        const bf16 hi = __float2bfloat16(xv);
-        s.u.x.hi[i][j] = hi;
-        s.u.x.lo[i][j] = __float2bfloat16(xv - __bfloat162float(hi));
+            *reinterpret_cast<float4 *>(p.Xs + cb * BT * BT + i * BT + j) = xv;
+        const __nv_bfloat162 h0 = __floats2bfloat162_rn(xv.x, xv.y);
+        const __nv_bfloat162 h1 = __floats2bfloat162_rn(xv.z, xv.w);
+        uint2 hi, lo;
+        hi.x = *reinterpret_cast<const uint32_t *>(&h0);
+        hi.y = *reinterpret_cast<const uint32_t *>(&h1);
+        lo.x = pack_bf16(xv.x - __low2float(h0), xv.y - __high2float(h0));
+        lo.y = pack_bf16(xv.z - __low2float(h1), xv.w - __high2float(h1));
+        *reinterpret_cast<uint2 *>(&s.u.x.hi[i][j]) = hi;
+        *reinterpret_cast<uint2 *>(&s.u.x.lo[i][j]) = lo;
     }
     float Gl[8]; /* G of the chunk's last row, this thread's channels */
     ld8f(Gl, &s.G[BT - 1][d0]);
 #pragma unroll
     for (int m = 0; m < NIT; m++) {
         const int i = r0 + 16 * m;
-        float fq[8], fk[8], fb[8], fv[8], G[8], xq[8], xk[8];
+        float fq[8], fk[8], fb[8], fv[8], G[8], xq[8], xk[8], kx[8];
         const bf16 *vb = reinterpret_cast<const bf16 *>(&vreg[m]);
         ld8f(G, &s.G[i][d0]);
         ld8h(xq, &s.q[i][d0]);
@@ -476,9 +481,12 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             const float eg = ex2f(G[x]);
             fq[x] = xq[x] * nq * eg;
             fk[x] = kq * ex2f(Gl[x] - G[x]);
-            fb[x] = be * kq * eg;
+            kx[x] = kq * eg;
+            fb[x] = be * kx[x];
             fv[x] = be * __bfloat162float(vb[x]);
         }
+        if (p.Kgs) /* training forward: nk k e^G for the UT backward */
+            st8h(p.Kgs + (cb * BT + i) * KD + d0, kx);
         st8h(p.qg + (cb * BT + i) * KD + d0, fq);
         st8h(p.kg + (cb * BT + i) * KD + d0, fk);
         st8h(&s.q[i][d0], fb); /* this thread alone reads q[i][d0..] */
@@ -989,7 +997,7 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
         p.gl = sv->gl;
         p.chunks = sv->chunks;
         p.seqs = sv->seqs;
-        p.Gs = sv->Gs;
+        p.Kgs = sv->Kgs;
         p.Xs = sv->Xs;
         p.Ps = sv->Ps;
         p.nqs = sv->nqs;

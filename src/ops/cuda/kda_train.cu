@@ -47,13 +47,15 @@ struct BwdParams {
     const float *A_log, *dt_bias;
     /* saved by the training forward */
     const bf16 *w, *qg, *kd, *Aqk;
-    const float *gl, *Gs, *Xs, *Ps, *nqs, *nks, *bs;
+    const float *gl, *Xs, *Ps, *nqs, *nks, *bs;
+    const bf16 *Kgs;
     const bf16 *hs, *vns;
     /* upstream */
     const bf16 *do_;
     const float *dht;
     /* scratch */
     bf16 *dO, *dh, *dvn, *dW;
+    float *Gs; /* [cb][64][128] cumulative log-decay G (fp32, natural log units), from the gather kernel */
     bf16 *dAqk, *dP; /* bf16: the pair products take them as bf16 operands */
     float *dQg, *dKd, *dgam, *dKg, *dbp, *dqs, *dks, *dgs;
     /* outputs */
@@ -116,13 +118,61 @@ __device__ __forceinline__ void split_bf16(float x, bf16 &hi, bf16 &lo) {
     lo = __float2bfloat16(x - __bfloat162float(hi));
 }
 
-/* ---------------------------------------------------------------- b0: gather dO */
+/* ------------------------------------------------- b0: gather dO, recompute G */
+/* dO into the padded [cb][64][128] layout, and the cumulative log-decay G of the chunk
+ * recomputed from the raw gate exactly as the forward's intra kernel computes it (log2
+ * units, cumulative over rows in two 32-row halves, zero past L and K), stored in natural
+ * log units for the pair kernel: recomputing costs a 16 KB read here against a saved
+ * fp32 G's 32 KB write in the training forward. */
 __global__ void __launch_bounds__(NTB) kda_bwd_gather_do(BwdParams p) {
+    __shared__ float gtot[KD];
     const int ci = blockIdx.x, hv = blockIdx.y;
     const int2 ch = p.chunks[ci];
     const int64_t cb = (int64_t)ci * p.HV + hv;
     bf16 *dst = p.dO + cb * BT * KD;
-    const int V = p.V, HV = p.HV;
+    const int V = p.V, HV = p.HV, K = p.K;
+    {
+        const int d = threadIdx.x & (KD - 1), seg = threadIdx.x >> 7; /* NTB = 2 KD */
+        const bool dok = d < K;
+        const int nrow = dok ? min(max(ch.y - seg * 32, 0), 32) : 0; /* valid rows of this half */
+        const int64_t off = nrow ? (p.gdn ? (int64_t)(ch.x + seg * 32) * HV + hv
+                                          : ((int64_t)(ch.x + seg * 32) * HV + hv) * K + d)
+                                 : 0;
+        const int str = p.gdn ? HV : HV * K;
+        const unsigned short *g16 = reinterpret_cast<const unsigned short *>(p.g) + off;
+        unsigned short gr[32];
+#pragma unroll
+        for (int x = 0; x < 32; x++)
+            gr[x] = __ldg(g16 + (x < nrow ? x : 0) * str);
+        const float gb = p.dt_bias ? (p.gdn ? p.dt_bias[hv] : (dok ? p.dt_bias[hv * K + d] : 0.0f)) : 0.0f;
+        const float ga = p.A_log ? fexp(p.A_log[hv]) : 1.0f;
+        float gv[32];
+        if (p.gate == LM_GATE_BOUNDED) {
+#pragma unroll
+            for (int x = 0; x < 32; x++)
+                gv[x] = gate_log2<LM_GATE_BOUNDED>(__uint_as_float((uint32_t)gr[x] << 16), gb, ga, p.lb);
+        } else if (p.gate == LM_GATE_SOFTPLUS) {
+#pragma unroll
+            for (int x = 0; x < 32; x++)
+                gv[x] = gate_log2<LM_GATE_SOFTPLUS>(__uint_as_float((uint32_t)gr[x] << 16), gb, ga, p.lb);
+        } else {
+#pragma unroll
+            for (int x = 0; x < 32; x++)
+                gv[x] = gate_log2<LM_GATE_NONE>(__uint_as_float((uint32_t)gr[x] << 16), gb, ga, p.lb);
+        }
+        gv[0] = nrow > 0 ? gv[0] : 0.0f;
+#pragma unroll
+        for (int x = 1; x < 32; x++)
+            gv[x] = gv[x - 1] + (x < nrow ? gv[x] : 0.0f);
+        if (seg == 0)
+            gtot[d] = gv[31];
+        __syncthreads();
+        const float base = seg ? gtot[d] : 0.0f;
+        float *G = p.Gs + cb * BT * KD + seg * 32 * KD + d;
+#pragma unroll
+        for (int x = 0; x < 32; x++)
+            G[x * KD] = (gv[x] + base) * LN2_F;
+    }
     if ((V & 7) == 0) {
         for (int e = threadIdx.x; e < BT * KD / 8; e += NTB) {
             const int r = e >> 4, c = (e & 15) * 8;
@@ -454,7 +504,7 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
     const int ci = blockIdx.x, hv = blockIdx.y;
     const int2 ch = p.chunks[ci];
     const int t0 = ch.x, L = ch.y;
-    const int HV = p.HV, h = hv / p.grp;
+    const int HV = p.HV;
     const int64_t cb = (int64_t)ci * HV + hv;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -487,46 +537,14 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
                 split_bf16(xr[m].w, s.Xh[i][j + 3], s.Xl[i][j + 3]);
             }
         };
-        /* Kg = nk k e^G (bf16), G straight from global memory; every load issued before
-         * the first store */
-        const float *Gs = p.Gs + cb * BT * KD;
-        const float *nks = p.nks + cb * BT;
-        if ((p.K & 7) == 0) {
-            constexpr int NI = BT * KD / 8 / NTB;
-            uint4 kx[NI];
-            float gk[NI][8];
-#pragma unroll
-            for (int m = 0; m < NI; m++) {
-                const int e = tid + m * NTB, r = e >> 4, c = (e & 15) * 8;
-                const bool ok = r < L && c < p.K;
-                kx[m] = __ldg(reinterpret_cast<const uint4 *>(p.k + (ok ? ((int64_t)(t0 + r) * p.H + h) * p.K + c : 0)));
-                if (!ok)
-                    kx[m] = make_uint4(0, 0, 0, 0);
-                ld8f(gk[m], Gs + r * KD + c);
-            }
-            stage_v_x_beta();
-#pragma unroll
-            for (int m = 0; m < NI; m++) {
-                const int e = tid + m * NTB, r = e >> 4, c = (e & 15) * 8;
-                const float n = __ldg(nks + r);
-                float xk[8];
-                const __nv_bfloat162 *hk = reinterpret_cast<const __nv_bfloat162 *>(&kx[m]);
-#pragma unroll
-                for (int x = 0; x < 4; x++) {
-                    xk[2 * x] = __low2float(hk[x]) * n * fexp(gk[m][2 * x]);
-                    xk[2 * x + 1] = __high2float(hk[x]) * n * fexp(gk[m][2 * x + 1]);
-                }
-                st8h(&s.kg[r][c], xk);
-            }
-        } else {
-            stage_v_x_beta();
-            for (int e = tid; e < BT * KD; e += NTB) {
-                const int r = e >> 7, c = e & 127;
-                const float x = (r < L && c < p.K)
-                                    ? __bfloat162float(p.k[((int64_t)(t0 + r) * p.H + h) * p.K + c]) : 0.0f;
-                s.kg[r][c] = __float2bfloat16(x * nks[r] * fexp(Gs[r * KD + c]));
-            }
+        /* Kg = nk k e^G (bf16), saved by the training forward */
+        const bf16 *Kg = p.Kgs + cb * BT * KD;
+        for (int e = tid; e < BT * KD / 8; e += NTB) {
+            const int r = e >> 4, c = (e & 15) * 8;
+            cp_async16(&s.kg[r][c], Kg + r * KD + c);
         }
+        cp_async_commit();
+        stage_v_x_beta();
         cp_async_wait<0>();
     }
     __syncthreads();
@@ -1198,7 +1216,7 @@ size_t carve_saved(char *base, size_t nblk, int nchunks, int N, KdaSaveBufs *sv)
     sv->kg = c.take<bf16>(nblk * BT * KD);
     sv->Aqk = c.take<bf16>(nblk * BT * BT);
     sv->gl = c.take<float>(nblk * KD);
-    sv->Gs = c.take<float>(nblk * BT * KD);
+    sv->Kgs = c.take<bf16>(nblk * BT * KD);
     sv->Xs = c.take<float>(nblk * BT * BT);
     sv->Ps = c.take<float>(nblk * BT * BT);
     sv->nqs = c.take<float>(nblk * BT);
@@ -1363,7 +1381,7 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     p.kd = sv.kg;
     p.Aqk = sv.Aqk;
     p.gl = sv.gl;
-    p.Gs = sv.Gs;
+    p.Kgs = sv.Kgs;
     p.Xs = sv.Xs;
     p.Ps = sv.Ps;
     p.nqs = sv.nqs;
@@ -1387,6 +1405,7 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     for (int pass = 0; pass < 2; pass++) {
         Carve cv{pass ? (char *)g_bws.buf : nullptr, 0};
         p.dO = cv.take<bf16>(nblk * BT * KD);
+        p.Gs = cv.take<float>(nblk * BT * KD);
         p.dh = cv.take<bf16>(nblk * KD * KD);
         p.dvn = cv.take<bf16>(nblk * BT * KD);
         p.dW = cv.take<bf16>(nblk * BT * KD);
