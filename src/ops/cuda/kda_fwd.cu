@@ -215,9 +215,10 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             for (int x = 0; x < 8; x++)
                 f[x] = gate_log2<LM_GATE_NONE>(f[x], gb[x], ga, p.lb);
         }
+        if (!(i < L && d0 + 8 <= K)) /* only the last chunk's rows and K's tail */
 #pragma unroll
-        for (int x = 0; x < 8; x++)
-            f[x] = (i < L && d0 + x < K) ? f[x] : 0.0f;
+            for (int x = 0; x < 8; x++)
+                f[x] = (i < L && d0 + x < K) ? f[x] : 0.0f;
         *reinterpret_cast<float4 *>(&s.G[i][d0]) = make_float4(f[0], f[1], f[2], f[3]);
         *reinterpret_cast<float4 *>(&s.G[i][d0 + 4]) = make_float4(f[4], f[5], f[6], f[7]);
     }
@@ -496,7 +497,13 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         p.gl[cb * KD + tid] = ex2f(s.G[BT - 1][tid]);
     __syncthreads();
     /* w = X (beta k e^G), u = X (beta v): jobs (row block a, matrix, 64-column half),
-     * 2 per warp, stored from the fragments */
+     * 2 per warp; the fragments go to bf16 tiles in the space of A (w) and G (u), both
+     * free now, and from there to global memory with 16-byte stores (4-byte stores
+     * straight from the fragments half-filled their sectors) */
+    bf16 (*wt)[RS] = reinterpret_cast<bf16 (*)[RS]>(&s.A[0][0]);
+    bf16 (*ut)[RS] = reinterpret_cast<bf16 (*)[RS]>(&s.G[0][0]);
+    static_assert(sizeof(s.A) >= sizeof(bf16) * BT * RS && sizeof(s.G) >= sizeof(bf16) * BT * RS,
+                  "w / u staging tiles");
     for (int jj = 0; jj < 2; jj++) {
         /* row block a takes a + 1 steps: warps pair a with 3 - a (5 steps each) */
         const int a = jj == 0 ? (warp >> 2) : 3 - (warp >> 2);
@@ -525,16 +532,20 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
                 mma16816(acc[2 * np + 1], fl, fb[np][2], fb[np][3]);
             }
         }
-        bf16 *dst = (mat ? p.u : p.w) + cb * BT * KD;
+        bf16 (*dst)[RS] = mat ? ut : wt;
         const int g = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
             const int col = half * 64 + nt * 8 + 2 * t;
-            *reinterpret_cast<uint32_t *>(dst + (a * 16 + g) * KD + col) =
-                pack_bf16(acc[nt][0], acc[nt][1]);
-            *reinterpret_cast<uint32_t *>(dst + (a * 16 + g + 8) * KD + col) =
-                pack_bf16(acc[nt][2], acc[nt][3]);
+            *reinterpret_cast<uint32_t *>(&dst[a * 16 + g][col]) = pack_bf16(acc[nt][0], acc[nt][1]);
+            *reinterpret_cast<uint32_t *>(&dst[a * 16 + g + 8][col]) = pack_bf16(acc[nt][2], acc[nt][3]);
         }
+    }
+    __syncthreads();
+    for (int e = tid; e < 2 * BT * (KD / 8); e += NT1) {
+        const int mat = e / (BT * (KD / 8)), r = (e >> 4) & (BT - 1), c = (e & 15) * 8;
+        *reinterpret_cast<uint4 *>((mat ? p.u : p.w) + (cb * BT + r) * KD + c) =
+            *reinterpret_cast<const uint4 *>(mat ? &ut[r][c] : &wt[r][c]);
     }
 }
 
