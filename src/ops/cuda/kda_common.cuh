@@ -35,8 +35,8 @@ struct Params {
     bf16 *w, *u, *qg, *kg, *Aqk;
     float *gl;
     /* training forward only (NULL otherwise), see KdaSaveBufs */
-    float *Xs, *Ps, *nqs, *nks, *bs;
-    bf16 *Kgs;
+    float *Xs, *nqs, *nks, *bs;
+    bf16 *Kgs, *Ps;
     bf16 *hs, *vns;
     const int2 *chunks;   /* [nchunks] (t0, L) in token rows of the flattened [B*T] */
     const int2 *seqs;     /* [N] (first chunk, number of chunks) */
@@ -224,7 +224,8 @@ struct KdaSaveBufs {
     bf16 *Kgs;   /* [cb][64][128] nk k e^G (bf16), the UT backward's Kg (the pair kernel
                   * recomputes G from the raw gate instead of reading a saved fp32 G) */
     float *Xs;   /* [cb][64][64]  X = (I + beta P)^-1, upper part zero */
-    float *Ps;   /* [cb][64][64]  P[i][j] = sum_d k_i k_j e^(G_i - G_j), j < i (no beta) */
+    bf16 *Ps;    /* [cb][64][64]  P[i][j] = sum_d k_i k_j e^(G_i - G_j), j < i (no beta;
+                  * bf16; blocks above the diagonal unwritten) */
     float *nqs, *nks, *bs; /* [cb][64] q row factor (l2 norm * scale), k row factor, beta */
     bf16 *hs;    /* [cb][128][128] state at the chunk start (bf16) */
     bf16 *vns;   /* [cb][64][128]  v' = u - w S (bf16) */

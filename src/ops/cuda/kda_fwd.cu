@@ -78,6 +78,18 @@ struct IntraSmem {
     float nq[BT], nk[BT], beta[BT], gtot[KD];
 };
 
+/* Aqk's 10 blocks on or below the diagonal are staged in bf16 in A's strictly upper
+ * 16 x 16 blocks, which nothing uses until the off-diagonal inverse parks T there: lower
+ * block k = I (I + 1) / 2 + J goes to upper block (0,1) (0,2) (0,3) (1,2) (1,3) [k / 2],
+ * columns 16 (k % 2) .. of its bf16 view (row stride 2 FS). From there they leave with
+ * 16-byte stores (4-byte stores straight from the fragments half-filled their sectors). */
+__device__ __forceinline__ bf16 *aqk_stage(float (*A)[FS], int I, int J) {
+    const int k = I * (I + 1) / 2 + J, slot = k >> 1;
+    const int r = slot < 3 ? 0 : 1, c = slot < 3 ? slot + 1 : slot - 1;
+    return reinterpret_cast<bf16 *>(&A[16 * r][16 * c]) + 16 * (k & 1);
+}
+#define AQS (2 * FS) /* row stride of a staged Aqk block (bf16 elements) */
+
 __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     IntraSmem &s = *reinterpret_cast<IntraSmem *>(smem_raw);
@@ -250,16 +262,8 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
     }
 
     bf16 *Aqk = p.Aqk + cb * BT * BT;
-    /* Aqk's blocks above the diagonal are left unwritten: kda_inter_tc and kda_bwd_dh read
-     * only blocks at or below it. The saved P is read whole: its 6 upper blocks are zero. */
-    if (p.Ps)
-        for (int e = tid; e < 6 * 16 * 4; e += NT1) { /* (upper block, row, 4-column group) */
-            const int blk = e >> 6, r = (e >> 2) & 15, c4 = (e & 3) * 4;
-            const int I = blk < 3 ? 0 : (blk < 5 ? 1 : 2);
-            const int J = blk < 3 ? blk + 1 : (blk < 5 ? blk - 1 : 3);
-            *reinterpret_cast<float4 *>(p.Ps + cb * BT * BT + (I * 16 + r) * BT + J * 16 + c4) =
-                make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+    /* Aqk's and P's blocks above the diagonal are left unwritten: kda_inter_tc and
+     * kda_bwd_dh read only Aqk's blocks at or below it, kda_bwd_ut selects P's. */
     /* safe diagonal (any gate): per-pair exponent in fp32 on the CUDA cores */
     if (!p.shared_diag) {
         for (int e = tid; e < 4 * 16 * 16; e += NT1) {
@@ -273,10 +277,10 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
                     ak += __bfloat162float(s.k[i][d]) * f;
                 }
             }
-            Aqk[i * BT + j] = __float2bfloat16(j <= i ? aq * s.nq[i] * s.nk[j] : 0.0f);
+            aqk_stage(s.A, a, a)[r * AQS + c] = __float2bfloat16(j <= i ? aq * s.nq[i] * s.nk[j] : 0.0f);
             s.A[i][j] = j < i ? ak * s.nk[i] * s.nk[j] * s.beta[i] : 0.0f;
             if (p.Ps)
-                p.Ps[cb * BT * BT + i * BT + j] = j < i ? ak * s.nk[i] * s.nk[j] : 0.0f;
+                p.Ps[cb * BT * BT + i * BT + j] = __float2bfloat16(j < i ? ak * s.nk[i] * s.nk[j] : 0.0f);
         }
     }
     /* Aqk, Akk on the tensor cores in three rounds; a round scales its query rows (q and k,
@@ -380,10 +384,11 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
                         s.A[i][j] = j < i ? v0 * s.beta[i] : 0.0f;
                         s.A[i][j + 1] = j + 1 < i ? v1 * s.beta[i] : 0.0f;
                         if (p.Ps)
-                            *reinterpret_cast<float2 *>(p.Ps + cb * BT * BT + i * BT + j) =
-                                make_float2(j < i ? v0 : 0.0f, j + 1 < i ? v1 : 0.0f);
+                            *reinterpret_cast<uint32_t *>(p.Ps + cb * BT * BT + i * BT + j) =
+                                pack_bf16(j < i ? v0 : 0.0f, j + 1 < i ? v1 : 0.0f);
                     } else {
-                        *reinterpret_cast<uint32_t *>(Aqk + i * BT + j) =
+                        bf16 *st = aqk_stage(s.A, (qb >> 4) + I, (kb >> 4) + J);
+                        *reinterpret_cast<uint32_t *>(st + (g + hh * 8) * AQS + nt * 8 + 2 * t) =
                             pack_bf16(j <= i ? v0 : 0.0f, j + 1 <= i ? v1 : 0.0f);
                     }
                 }
@@ -408,6 +413,13 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
 #pragma unroll
             for (int r = 0; r < 16; r++)
                 s.A[o + r][o + c] = x[r];
+        }
+    } else { /* meanwhile the other 4 warps store the staged Aqk blocks */
+        for (int e = tid - 4 * 32; e < 10 * 16 * 2; e += NT1 - 4 * 32) {
+            const int k = e >> 5, r = (e >> 1) & 15, hf = e & 1;
+            const int I = (k >= 1) + (k >= 3) + (k >= 6), J = k - I * (I + 1) / 2;
+            *reinterpret_cast<uint4 *>(Aqk + (I * 16 + r) * BT + J * 16 + hf * 8) =
+                *reinterpret_cast<const uint4 *>(aqk_stage(s.A, I, J) + r * AQS + hf * 8);
         }
     }
     __syncthreads();

@@ -47,8 +47,8 @@ struct BwdParams {
     const float *A_log, *dt_bias;
     /* saved by the training forward */
     const bf16 *w, *qg, *kd, *Aqk;
-    const float *gl, *Xs, *Ps, *nqs, *nks, *bs;
-    const bf16 *Kgs;
+    const float *gl, *Xs, *nqs, *nks, *bs;
+    const bf16 *Kgs, *Ps;
     const bf16 *hs, *vns;
     /* upstream */
     const bf16 *do_;
@@ -637,7 +637,7 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
                              4 - a, lane);
         wmma<2, true, false>(acc, &s.Xh[0][0], AS, a * 16, a * 16, &s.u.T.l[0][0], AS, half * 32, a * 16,
                              4 - a, lane);
-        const float *P = p.Ps + cb * BT * BT;
+        const bf16 *P = p.Ps + cb * BT * BT; /* blocks above the diagonal are unwritten */
         float db[2] = {0.0f, 0.0f};
 #pragma unroll
         for (int nt = 0; nt < 4; nt++)
@@ -646,8 +646,8 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
                 const int r = a * 16 + g + hh * 8, c = half * 32 + nt * 8 + 2 * t;
                 const float d0 = c < r ? -acc[nt][2 * hh] : 0.0f;
                 const float d1 = c + 1 < r ? -acc[nt][2 * hh + 1] : 0.0f;
-                const float2 pp = __ldg(reinterpret_cast<const float2 *>(P + r * BT + c));
-                db[hh] += d0 * pp.x + d1 * pp.y;
+                const __nv_bfloat162 pp = *reinterpret_cast<const __nv_bfloat162 *>(P + r * BT + c);
+                db[hh] += (c < r ? d0 * __low2float(pp) : 0.0f) + (c + 1 < r ? d1 * __high2float(pp) : 0.0f);
                 const float b = s.beta[r];
                 *reinterpret_cast<uint32_t *>(p.dP + (cb * BT + r) * BT + c) = pack_bf16(b * d0, b * d1);
             }
@@ -1218,7 +1218,7 @@ size_t carve_saved(char *base, size_t nblk, int nchunks, int N, KdaSaveBufs *sv)
     sv->gl = c.take<float>(nblk * KD);
     sv->Kgs = c.take<bf16>(nblk * BT * KD);
     sv->Xs = c.take<float>(nblk * BT * BT);
-    sv->Ps = c.take<float>(nblk * BT * BT);
+    sv->Ps = c.take<bf16>(nblk * BT * BT);
     sv->nqs = c.take<float>(nblk * BT);
     sv->nks = c.take<float>(nblk * BT);
     sv->bs = c.take<float>(nblk * BT);
