@@ -165,13 +165,12 @@ lm_status lm_kda_cuda_decode_bench(lm_kda_config *c, const lm_kda_cuda_inputs *i
  * caller's input pointers (the caller keeps q, k, v, g, beta, A_log, dt_bias and
  * initial_state alive and unchanged until lm_kda_cuda_backward returns, as autograd
  * saves tensors). Per (64-token chunk, value head) block it saves, on top of the
- * forward's workspace: nk k e^G (bf16 [64][128]; the backward recomputes the cumulative
- * log-decay G itself from the raw gate), X = (I + beta P)^-1 (fp32 [64][64]), P (bf16
- * [64][64]), the row factors of q, k and beta, the state at the chunk start (bf16
- * [128][128]) and v' (bf16 [64][128]): about 161 KB per block (1.3 GB at B*T*H = 524288
- * token-heads). lm_kda_cuda_saved_free keeps the largest freed buffer
+ * forward's workspace: X = (I + beta P)^-1 (fp32 [64][64]), P (bf16 [64][64]), the row
+ * factors of q, k and beta, the state at the chunk start (bf16 [128][128]) and v' (bf16
+ * [64][128]): about 145 KB per block (1.2 GB at B*T*H = 524288 token-heads). The
+ * cumulative log-decay G and nk k e^G are recomputed by the backward from the raw gate. lm_kda_cuda_saved_free keeps the largest freed buffer
  * for the next training forward. The backward uses a second cached scratch buffer of
- * about 193 KB per block plus 8*B*T*HV*K bytes. */
+ * about 241 KB per block plus 8*B*T*HV*K bytes. */
 typedef struct lm_kda_cuda_saved lm_kda_cuda_saved;
 
 /* Upstream gradients in (bf16 do_ [B,T,HV,V], fp32 dht [N,HV,K,V] or NULL = zeros),

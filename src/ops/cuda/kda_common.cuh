@@ -36,7 +36,7 @@ struct Params {
     float *gl;
     /* training forward only (NULL otherwise), see KdaSaveBufs */
     float *Xs, *nqs, *nks, *bs;
-    bf16 *Kgs, *Ps;
+    bf16 *Ps;
     bf16 *hs, *vns;
     const int2 *chunks;   /* [nchunks] (t0, L) in token rows of the flattened [B*T] */
     const int2 *seqs;     /* [N] (first chunk, number of chunks) */
@@ -221,8 +221,6 @@ struct KdaSaveBufs {
     float *gl;
     const int2 *chunks, *seqs;   /* device chunk tables (already filled) */
     int nchunks;
-    bf16 *Kgs;   /* [cb][64][128] nk k e^G (bf16), the UT backward's Kg (the pair kernel
-                  * recomputes G from the raw gate instead of reading a saved fp32 G) */
     float *Xs;   /* [cb][64][64]  X = (I + beta P)^-1, upper part zero */
     bf16 *Ps;    /* [cb][64][64]  P[i][j] = sum_d k_i k_j e^(G_i - G_j), j < i (no beta;
                   * bf16; blocks above the diagonal unwritten) */

@@ -482,7 +482,7 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
 #pragma unroll
     for (int m = 0; m < NIT; m++) {
         const int i = r0 + 16 * m;
-        float fq[8], fk[8], fb[8], fv[8], G[8], xq[8], xk[8], kx[8];
+        float fq[8], fk[8], fb[8], fv[8], G[8], xq[8], xk[8];
         const bf16 *vb = reinterpret_cast<const bf16 *>(&vreg[m]);
         ld8f(G, &s.G[i][d0]);
         ld8h(xq, &s.q[i][d0]);
@@ -494,12 +494,9 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             const float eg = ex2f(G[x]);
             fq[x] = xq[x] * nq * eg;
             fk[x] = kq * ex2f(Gl[x] - G[x]);
-            kx[x] = kq * eg;
-            fb[x] = be * kx[x];
+            fb[x] = be * kq * eg;
             fv[x] = be * __bfloat162float(vb[x]);
         }
-        if (p.Kgs) /* training forward: nk k e^G for the UT backward */
-            st8h(p.Kgs + (cb * BT + i) * KD + d0, kx);
         st8h(p.qg + (cb * BT + i) * KD + d0, fq);
         st8h(p.kg + (cb * BT + i) * KD + d0, fk);
         st8h(&s.q[i][d0], fb); /* this thread alone reads q[i][d0..] */
@@ -668,6 +665,10 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
             }
         cp_async_wait<NS - 1>(); /* chunk cc's group is complete */
         __syncthreads();
+        /* training forward: the state at the chunk start, while the products below run
+         * (s.S is rewritten only after this step's last barrier) */
+        if (STAGED && p.hs)
+            store_slice<BV, NT>(p.hs + ((int64_t)ci * HV + hv) * KD * KD + c0, s.S, KD, tid);
         /* v' = u - w S ; o = qg S  (rows 16 warp ..) */
         float av[NTV][4], ao[NTV][4];
 #pragma unroll
@@ -717,6 +718,8 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
             }
         }
         __syncthreads();
+        if (STAGED && p.vns) /* training forward: v' (s.vn is rewritten after the last barrier) */
+            store_slice<BV, NT>(p.vns + ((int64_t)ci * HV + hv) * BT * KD + c0, s.vn, BT, tid);
         /* o += Aqk v' (causal: column blocks <= warp) */
         for (int ks = 0; ks <= warp; ks++) {
             uint32_t fa[4];
@@ -800,12 +803,6 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
                     }
             }
         }
-        /* training forward: the saved tiles, after this step's products (s.S and s.vn are
-         * rewritten only after the barrier below) */
-        if (STAGED && p.hs) /* the state at the chunk start */
-            store_slice<BV, NT>(p.hs + ((int64_t)ci * HV + hv) * KD * KD + c0, s.S, KD, tid);
-        if (STAGED && p.vns) /* v' */
-            store_slice<BV, NT>(p.vns + ((int64_t)ci * HV + hv) * BT * KD + c0, s.vn, BT, tid);
         __syncthreads();
     }
     if (p.ht)
@@ -1020,7 +1017,6 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
         p.gl = sv->gl;
         p.chunks = sv->chunks;
         p.seqs = sv->seqs;
-        p.Kgs = sv->Kgs;
         p.Xs = sv->Xs;
         p.Ps = sv->Ps;
         p.nqs = sv->nqs;
@@ -1094,13 +1090,21 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
     const size_t sm1 = sizeof(IntraSmem);
     const size_t sm2 = BVsel == 64 ? sizeof(InterSmem<64>)
                                    : (BVsel == 32 ? sizeof(InterSmem<32>) : sizeof(InterSmem<16>));
-    CK(cudaFuncSetAttribute(kda_intra_tc, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm1));
-    CK(cudaFuncSetAttribute(kda_inter_tc<64, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)sizeof(InterSmem<64>)));
-    CK(cudaFuncSetAttribute(kda_inter_tc<32, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)sizeof(InterSmem<32>)));
-    CK(cudaFuncSetAttribute(kda_inter_tc<16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)sizeof(InterSmem<16>)));
+    /* the shared-memory opt-ins once per device (a driver call each; they add up in a
+     * training loop) */
+    static int attr_dev = -1;
+    int dev = 0;
+    CK(cudaGetDevice(&dev));
+    if (attr_dev != dev) {
+        CK(cudaFuncSetAttribute(kda_intra_tc, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm1));
+        CK(cudaFuncSetAttribute(kda_inter_tc<64, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)sizeof(InterSmem<64>)));
+        CK(cudaFuncSetAttribute(kda_inter_tc<32, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)sizeof(InterSmem<32>)));
+        CK(cudaFuncSetAttribute(kda_inter_tc<16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)sizeof(InterSmem<16>)));
+        attr_dev = dev;
+    }
     /* LINMOE_KDA_CUDA_PROFILE=1: per-kernel times on stderr (docs/perf-notes.md) */
     static int prof = -1;
     if (prof < 0)

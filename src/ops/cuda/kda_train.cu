@@ -48,14 +48,15 @@ struct BwdParams {
     /* saved by the training forward */
     const bf16 *w, *qg, *kd, *Aqk;
     const float *gl, *Xs, *nqs, *nks, *bs;
-    const bf16 *Kgs, *Ps;
+    const bf16 *Ps;
     const bf16 *hs, *vns;
     /* upstream */
     const bf16 *do_;
     const float *dht;
     /* scratch */
     bf16 *dO, *dh, *dvn, *dW;
-    float *Gs; /* [cb][64][128] cumulative log-decay G (fp32, natural log units), from the gather kernel */
+    float *Gs; /* [cb][64][128] cumulative log-decay G (fp32, natural log units) and */
+    bf16 *Kgs; /* [cb][64][128] nk k e^G (bf16), both from the gather kernel */
     bf16 *dAqk, *dP; /* bf16: the pair products take them as bf16 operands */
     float *dQg, *dKd, *dgam, *dKg, *dbp, *dqs, *dks, *dgs;
     /* outputs */
@@ -118,12 +119,13 @@ __device__ __forceinline__ void split_bf16(float x, bf16 &hi, bf16 &lo) {
     lo = __float2bfloat16(x - __bfloat162float(hi));
 }
 
-/* ------------------------------------------------- b0: gather dO, recompute G */
-/* dO into the padded [cb][64][128] layout, and the cumulative log-decay G of the chunk
+/* --------------------------------------------- b0: gather dO, recompute G and Kg */
+/* dO into the padded [cb][64][128] layout; the cumulative log-decay G of the chunk
  * recomputed from the raw gate exactly as the forward's intra kernel computes it (log2
  * units, cumulative over rows in two 32-row halves, zero past L and K), stored in natural
- * log units for the pair kernel: recomputing costs a 16 KB read here against a saved
- * fp32 G's 32 KB write in the training forward. */
+ * log units for the pair kernel; and Kg = nk k e^G (bf16) for the UT kernel. Recomputing
+ * them here costs 32 KB of reads per (chunk, head) against 48 KB of saves in the
+ * training forward. */
 __global__ void __launch_bounds__(NTB) kda_bwd_gather_do(BwdParams p) {
     __shared__ float gtot[KD];
     const int ci = blockIdx.x, hv = blockIdx.y;
@@ -140,10 +142,14 @@ __global__ void __launch_bounds__(NTB) kda_bwd_gather_do(BwdParams p) {
                                  : 0;
         const int str = p.gdn ? HV : HV * K;
         const unsigned short *g16 = reinterpret_cast<const unsigned short *>(p.g) + off;
-        unsigned short gr[32];
+        unsigned short gr[32], kr[32];
+        const int64_t offk = nrow ? ((int64_t)(ch.x + seg * 32) * p.H + hv / p.grp) * K + d : 0;
+        const unsigned short *k16 = reinterpret_cast<const unsigned short *>(p.k) + offk;
 #pragma unroll
-        for (int x = 0; x < 32; x++)
+        for (int x = 0; x < 32; x++) {
             gr[x] = __ldg(g16 + (x < nrow ? x : 0) * str);
+            kr[x] = __ldg(k16 + (x < nrow ? x : 0) * p.H * K);
+        }
         const float gb = p.dt_bias ? (p.gdn ? p.dt_bias[hv] : (dok ? p.dt_bias[hv * K + d] : 0.0f)) : 0.0f;
         const float ga = p.A_log ? fexp(p.A_log[hv]) : 1.0f;
         float gv[32];
@@ -169,9 +175,15 @@ __global__ void __launch_bounds__(NTB) kda_bwd_gather_do(BwdParams p) {
         __syncthreads();
         const float base = seg ? gtot[d] : 0.0f;
         float *G = p.Gs + cb * BT * KD + seg * 32 * KD + d;
+        bf16 *Kg = p.Kgs + cb * BT * KD + seg * 32 * KD + d;
+        const float *nks = p.nks + cb * BT + seg * 32;
 #pragma unroll
-        for (int x = 0; x < 32; x++)
-            G[x * KD] = (gv[x] + base) * LN2_F;
+        for (int x = 0; x < 32; x++) {
+            const float Gx = gv[x] + base; /* log2 units */
+            G[x * KD] = Gx * LN2_F;
+            Kg[x * KD] = __float2bfloat16(__uint_as_float((uint32_t)kr[x] << 16) * (x < nrow ? nks[x] : 0.0f) *
+                                          ex2f(Gx));
+        }
     }
     if ((V & 7) == 0) {
         for (int e = threadIdx.x; e < BT * KD / 8; e += NTB) {
@@ -278,6 +290,8 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
             }
         cp_async_wait<NS - 1>(); /* chunk jj's group is complete */
         __syncthreads();
+        if (STAGED) /* dh[cb], while the products below run (s.dS is rewritten after the last barrier) */
+            store_slice<BV, NT>(p.dh + cb * KD * KD + c0, s.dS, KD, tid);
         /* dVn = Aqk^T dO + Kd dS (rows 16 warp ..) */
         float av[NTV][4];
         zero_acc<NTV>(av);
@@ -301,6 +315,8 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
             }
         }
         __syncthreads();
+        if (STAGED) /* dVn (s.dvn is rewritten after the last barrier) */
+            store_slice<BV, NT>(p.dvn + cb * BT * KD + c0, s.dvn, BT, tid);
         /* dS <- gamma dS + Qg^T dO - W^T dVn */
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
@@ -320,11 +336,6 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
                                        &st.dO[0][0], BV + 8, cw, 0, BT / 16, lane);
             wmma<NTV / 2, true, false>(S[mt], &st.w[0][0], RS, warp * 32 + mt * 16, 0,
                                        &s.ndvn[0][0], BV + 8, cw, 0, BT / 16, lane);
-        }
-        /* dh[cb] and dVn out (s.dS and s.dvn are rewritten only after the barrier below) */
-        if (STAGED) {
-            store_slice<BV, NT>(p.dh + cb * KD * KD + c0, s.dS, KD, tid);
-            store_slice<BV, NT>(p.dvn + cb * BT * KD + c0, s.dvn, BT, tid);
         }
         __syncthreads();
     }
@@ -537,7 +548,7 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
                 split_bf16(xr[m].w, s.Xh[i][j + 3], s.Xl[i][j + 3]);
             }
         };
-        /* Kg = nk k e^G (bf16), saved by the training forward */
+        /* Kg = nk k e^G (bf16), from the gather kernel */
         const bf16 *Kg = p.Kgs + cb * BT * KD;
         for (int e = tid; e < BT * KD / 8; e += NTB) {
             const int r = e >> 4, c = (e & 15) * 8;
@@ -1216,7 +1227,6 @@ size_t carve_saved(char *base, size_t nblk, int nchunks, int N, KdaSaveBufs *sv)
     sv->kg = c.take<bf16>(nblk * BT * KD);
     sv->Aqk = c.take<bf16>(nblk * BT * BT);
     sv->gl = c.take<float>(nblk * KD);
-    sv->Kgs = c.take<bf16>(nblk * BT * KD);
     sv->Xs = c.take<float>(nblk * BT * BT);
     sv->Ps = c.take<bf16>(nblk * BT * BT);
     sv->nqs = c.take<float>(nblk * BT);
@@ -1381,7 +1391,6 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     p.kd = sv.kg;
     p.Aqk = sv.Aqk;
     p.gl = sv.gl;
-    p.Kgs = sv.Kgs;
     p.Xs = sv.Xs;
     p.Ps = sv.Ps;
     p.nqs = sv.nqs;
@@ -1406,6 +1415,7 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
         Carve cv{pass ? (char *)g_bws.buf : nullptr, 0};
         p.dO = cv.take<bf16>(nblk * BT * KD);
         p.Gs = cv.take<float>(nblk * BT * KD);
+        p.Kgs = cv.take<bf16>(nblk * BT * KD);
         p.dh = cv.take<bf16>(nblk * KD * KD);
         p.dvn = cv.take<bf16>(nblk * BT * KD);
         p.dW = cv.take<bf16>(nblk * BT * KD);
@@ -1437,18 +1447,24 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     const int BVsel = kda_cuda_bv(nsh);
     const size_t smDh = BVsel == 64 ? sizeof(DhSmem<64>)
                                     : (BVsel == 32 ? sizeof(DhSmem<32>) : sizeof(DhSmem<16>));
-    CK(cudaFuncSetAttribute(kda_bwd_dh<64, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)sizeof(DhSmem<64>)));
-    CK(cudaFuncSetAttribute(kda_bwd_dh<32, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)sizeof(DhSmem<32>)));
-    CK(cudaFuncSetAttribute(kda_bwd_dh<16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)sizeof(DhSmem<16>)));
-    CK(cudaFuncSetAttribute(kda_bwd_state, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)sizeof(StateSmem)));
-    CK(cudaFuncSetAttribute(kda_bwd_ut, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)sizeof(UtSmem)));
-    CK(cudaFuncSetAttribute(kda_bwd_pairs, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)sizeof(PairSmem)));
+    static int attr_dev = -1; /* the shared-memory opt-ins once per device */
+    int dev = 0;
+    CK(cudaGetDevice(&dev));
+    if (attr_dev != dev) {
+        CK(cudaFuncSetAttribute(kda_bwd_dh<64, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)sizeof(DhSmem<64>)));
+        CK(cudaFuncSetAttribute(kda_bwd_dh<32, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)sizeof(DhSmem<32>)));
+        CK(cudaFuncSetAttribute(kda_bwd_dh<16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)sizeof(DhSmem<16>)));
+        CK(cudaFuncSetAttribute(kda_bwd_state, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)sizeof(StateSmem)));
+        CK(cudaFuncSetAttribute(kda_bwd_ut, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)sizeof(UtSmem)));
+        CK(cudaFuncSetAttribute(kda_bwd_pairs, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)sizeof(PairSmem)));
+        attr_dev = dev;
+    }
     static int prof = -1;
     if (prof < 0)
         prof = getenv("LINMOE_KDA_CUDA_PROFILE") != nullptr;
