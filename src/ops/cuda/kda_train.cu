@@ -55,8 +55,7 @@ struct BwdParams {
     const float *dht;
     /* scratch */
     bf16 *dO, *dh, *dvn, *dW;
-    float *Gs; /* [cb][64][128] cumulative log-decay G (fp32, natural log units) and */
-    bf16 *Kgs; /* [cb][64][128] nk k e^G (bf16), both from the gather kernel */
+    bf16 *Kgs; /* [cb][64][128] nk k e^G (bf16), from the gather kernel */
     bf16 *dAqk, *dP; /* bf16: the pair products take them as bf16 operands */
     float *dQg, *dKd, *dgam, *dKg, *dbp, *dqs, *dks, *dgs;
     /* outputs */
@@ -119,13 +118,12 @@ __device__ __forceinline__ void split_bf16(float x, bf16 &hi, bf16 &lo) {
     lo = __float2bfloat16(x - __bfloat162float(hi));
 }
 
-/* --------------------------------------------- b0: gather dO, recompute G and Kg */
-/* dO into the padded [cb][64][128] layout; the cumulative log-decay G of the chunk
- * recomputed from the raw gate exactly as the forward's intra kernel computes it (log2
- * units, cumulative over rows in two 32-row halves, zero past L and K), stored in natural
- * log units for the pair kernel; and Kg = nk k e^G (bf16) for the UT kernel. Recomputing
- * them here costs 32 KB of reads per (chunk, head) against 48 KB of saves in the
- * training forward. */
+/* ------------------------------------------------------ b0: gather dO, recompute Kg */
+/* dO into the padded [cb][64][128] layout, and Kg = nk k e^G (bf16) for the UT kernel,
+ * with the cumulative log-decay G of the chunk recomputed from the raw gate as the
+ * forward's intra kernel computes it (log2 units, cumulative over rows in two 32-row
+ * halves, zero past L and K). Recomputing costs 32 KB of reads per (chunk, head) against
+ * 48 KB of G and Kg saves in the training forward. */
 __global__ void __launch_bounds__(NTB) kda_bwd_gather_do(BwdParams p) {
     __shared__ float gtot[KD];
     const int ci = blockIdx.x, hv = blockIdx.y;
@@ -174,13 +172,11 @@ __global__ void __launch_bounds__(NTB) kda_bwd_gather_do(BwdParams p) {
             gtot[d] = gv[31];
         __syncthreads();
         const float base = seg ? gtot[d] : 0.0f;
-        float *G = p.Gs + cb * BT * KD + seg * 32 * KD + d;
         bf16 *Kg = p.Kgs + cb * BT * KD + seg * 32 * KD + d;
         const float *nks = p.nks + cb * BT + seg * 32;
 #pragma unroll
         for (int x = 0; x < 32; x++) {
             const float Gx = gv[x] + base; /* log2 units */
-            G[x * KD] = Gx * LN2_F;
             Kg[x * KD] = __float2bfloat16(__uint_as_float((uint32_t)kr[x] << 16) * (x < nrow ? nks[x] : 0.0f) *
                                           ex2f(Gx));
         }
@@ -290,8 +286,6 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
             }
         cp_async_wait<NS - 1>(); /* chunk jj's group is complete */
         __syncthreads();
-        if (STAGED) /* dh[cb], while the products below run (s.dS is rewritten after the last barrier) */
-            store_slice<BV, NT>(p.dh + cb * KD * KD + c0, s.dS, KD, tid);
         /* dVn = Aqk^T dO + Kd dS (rows 16 warp ..) */
         float av[NTV][4];
         zero_acc<NTV>(av);
@@ -315,8 +309,6 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
             }
         }
         __syncthreads();
-        if (STAGED) /* dVn (s.dvn is rewritten after the last barrier) */
-            store_slice<BV, NT>(p.dvn + cb * BT * KD + c0, s.dvn, BT, tid);
         /* dS <- gamma dS + Qg^T dO - W^T dVn */
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
@@ -336,6 +328,11 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
                                        &st.dO[0][0], BV + 8, cw, 0, BT / 16, lane);
             wmma<NTV / 2, true, false>(S[mt], &st.w[0][0], RS, warp * 32 + mt * 16, 0,
                                        &s.ndvn[0][0], BV + 8, cw, 0, BT / 16, lane);
+        }
+        /* dh[cb] and dVn out (s.dS and s.dvn are rewritten only after the barrier below) */
+        if (STAGED) {
+            store_slice<BV, NT>(p.dh + cb * KD * KD + c0, s.dS, KD, tid);
+            store_slice<BV, NT>(p.dvn + cb * BT * KD + c0, s.dvn, BT, tid);
         }
         __syncthreads();
     }
@@ -794,18 +791,24 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     const int64_t offHV = nrow ? ((int64_t)(t0 + a * 16) * HV + hv) * K + d : 0;
     const int strH = H * K, strHV = HV * K;
     float gv[16], qraw[16], kraw[16];
+    unsigned short gr[16]; /* raw gate (bf16 bits), converted where used */
+    /* the gate parameters of this lane's channel (GDN: of the head) */
+    const float ga = p.A_log ? fexp(p.A_log[hv]) : 1.0f;
+    const float bias = p.dt_bias ? (p.gdn ? p.dt_bias[hv] : (dok ? p.dt_bias[hv * K + d] : 0.0f)) : 0.0f;
     {
-        const float *Gs = p.Gs + cb * BT * KD + c0;
         unsigned short qr[16], kr[16];
         const unsigned short *q16 = reinterpret_cast<const unsigned short *>(p.q) + offH;
         const unsigned short *k16 = reinterpret_cast<const unsigned short *>(p.k) + offH;
+        /* the raw gate: per channel (KDA) or per token (GDN, the same for every channel) */
+        const int64_t offG = p.gdn ? (nrow ? (int64_t)(t0 + a * 16) * HV + hv : 0) : offHV;
+        const int strG = p.gdn ? HV : strHV;
+        const unsigned short *g16 = reinterpret_cast<const unsigned short *>(p.g) + offG;
 #pragma unroll
         for (int m = 0; m < 16; m++) {
-            const int r = a * 16 + m;
-            gv[m] = __ldg(Gs + r * KD + lane);
             const int o = (m < nrow ? m : 0) * strH;
             qr[m] = __ldg(q16 + o);
             kr[m] = __ldg(k16 + o);
+            gr[m] = __ldg(g16 + (m < nrow ? m : 0) * strG);
         }
         const bf16 *dA = p.dAqk + cb * BT * BT, *dP = p.dP + cb * BT * BT;
         for (int e = tid; e < BT * BT / 8; e += NTP) {
@@ -819,9 +822,27 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             nqv = p.nqs[cb * BT + tid];
             nkv = p.nks[cb * BT + tid];
         }
+        /* G of this lane's channel recomputed from the raw gate as the forward's intra
+         * kernel does (log2 units, cumulative over rows, zero past L): the warp's 16 rows
+         * here, the earlier row blocks' totals added after the barrier below */
+        if (p.gate == LM_GATE_BOUNDED) {
 #pragma unroll
-        for (int m = 0; m < 16; m++)
-            s.G[a * 16 + m][lane] = gv[m];
+            for (int m = 0; m < 16; m++)
+                gv[m] = gate_log2<LM_GATE_BOUNDED>(__uint_as_float((uint32_t)gr[m] << 16), bias, ga, p.lb);
+        } else if (p.gate == LM_GATE_SOFTPLUS) {
+#pragma unroll
+            for (int m = 0; m < 16; m++)
+                gv[m] = gate_log2<LM_GATE_SOFTPLUS>(__uint_as_float((uint32_t)gr[m] << 16), bias, ga, p.lb);
+        } else {
+#pragma unroll
+            for (int m = 0; m < 16; m++)
+                gv[m] = gate_log2<LM_GATE_NONE>(__uint_as_float((uint32_t)gr[m] << 16), bias, ga, p.lb);
+        }
+        gv[0] = nrow > 0 ? gv[0] : 0.0f;
+#pragma unroll
+        for (int m = 1; m < 16; m++)
+            gv[m] = gv[m - 1] + (m < nrow ? gv[m] : 0.0f);
+        s.red[a][lane] = gv[15];
         if (tid < BT) {
             s.nq[tid] = nqv;
             s.nk[tid] = nkv;
@@ -833,33 +854,36 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         }
     }
     /* wave 2, used only by the assembly and the gate backward (after the products):
-     * dQg, dKd, dKg, the raw gate, dgamma and gl of this lane's channel */
+     * dQg, dKd, dKg, dgamma and gl of this lane's channel */
     float xq_[16], xd_[16], xg_[16];
-    unsigned short gr[16]; /* raw gate (bf16 bits), converted where used */
     float gam_l = 0.0f;
     {
         const float *dQg = p.dQg + cb * BT * KD + c0, *dKd = p.dKd + cb * BT * KD + c0;
         const float *dKg = p.dKg + cb * BT * KD + c0;
-        const unsigned short *g16 = reinterpret_cast<const unsigned short *>(p.g) + (p.gdn ? 0 : offHV);
-        const int strG = p.gdn ? 0 : strHV;
 #pragma unroll
         for (int m = 0; m < 16; m++) {
             const int r = a * 16 + m;
             xq_[m] = __ldg(dQg + r * KD + lane);
             xd_[m] = __ldg(dKd + r * KD + lane);
             xg_[m] = __ldg(dKg + r * KD + lane);
-            gr[m] = __ldg(g16 + (m < nrow ? m : 0) * strG);
         }
         if (warp == 3 && dok)
             gam_l = p.dgam[cb * KD + d] * p.gl[cb * KD + d];
     }
-    const float ga = p.A_log ? fexp(p.A_log[hv]) : 1.0f;
-    const float bias = (!p.gdn && p.dt_bias && dok) ? p.dt_bias[hv * K + d] : 0.0f;
     cp_async_wait<0>();
     __syncthreads();
-    for (int e = tid; e < 5 * CW; e += NTP) {
-        const int b = e / CW, x = e % CW;
-        s.rr[b][x] = b ? s.G[b * 16 - 1][x] : 0.0f;
+    {
+        float off = 0.0f; /* G at the row before this block */
+        for (int b = 0; b < a; b++)
+            off += s.red[b][lane];
+#pragma unroll
+        for (int m = 0; m < 16; m++) {
+            gv[m] = (gv[m] + off) * LN2_F; /* natural log units from here on */
+            s.G[a * 16 + m][lane] = gv[m];
+        }
+        s.rr[a + 1][lane] = gv[15]; /* rr[b] = G of row 16 b - 1, rr[0] = 0 */
+        if (a == 0)
+            s.rr[0][lane] = 0.0f;
     }
     __syncthreads();
     /* 2. operands (lane = channel, warp = rows) */
@@ -1414,7 +1438,6 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     for (int pass = 0; pass < 2; pass++) {
         Carve cv{pass ? (char *)g_bws.buf : nullptr, 0};
         p.dO = cv.take<bf16>(nblk * BT * KD);
-        p.Gs = cv.take<float>(nblk * BT * KD);
         p.Kgs = cv.take<bf16>(nblk * BT * KD);
         p.dh = cv.take<bf16>(nblk * KD * KD);
         p.dvn = cv.take<bf16>(nblk * BT * KD);
