@@ -70,9 +70,14 @@ typedef struct {
  * driver reports none). Never fails. */
 int lm_cuda_device_count(void);
 
-/* The chunked forward on the current device and the default stream; synchronous
- * (returns after the kernels finished, so errors are reported here). Scratch is
- * a device workspace kept between calls and grown on demand. */
+/* The chunked forward on the current device, asynchronous on the default stream (as
+ * any CUDA library call: results are there for the next operation on that stream, and
+ * for the host after a synchronising call such as lm_cuda_download or
+ * cudaDeviceSynchronize; a synchronisation per call would stall a training loop and cost
+ * 20-80 us per call). Bad configurations and launch failures are reported here, a fault
+ * inside a kernel at the next synchronising call. Scratch is a device workspace kept
+ * between calls and grown on demand; calls on the default stream are ordered, so one
+ * call's kernels finish before the next one reuses it. */
 lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cuda_inputs *in,
                                     lm_kda_cuda_outputs *out, lm_error *err);
 
@@ -191,15 +196,17 @@ typedef struct {
 
 /* The forward of lm_kda_cuda_chunk_forward (same outputs) that also fills *saved
  * (allocated here; free with lm_kda_cuda_saved_free) for lm_kda_cuda_backward.
- * Synchronous. Errors as lm_kda_cuda_chunk_forward, plus LM_ERR_NOMEM when the saved
- * tensors do not fit; on any error *saved is NULL. */
+ * Asynchronous on the default stream, as lm_kda_cuda_chunk_forward. Errors as
+ * lm_kda_cuda_chunk_forward, plus LM_ERR_NOMEM when the saved tensors do not fit; on
+ * any error *saved is NULL. */
 lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cuda_inputs *in,
                                     lm_kda_cuda_outputs *out, lm_kda_cuda_saved **saved,
                                     lm_error *err);
 
 /* Backward of sum(o*do) + sum(final_state*dht) (reference/kda.md §4.1, docs/kda-math.md).
- * May be called more than once on the same saved state. Synchronous. Errors:
- * LM_ERR_INVALID (NULL saved / grads / do_), LM_ERR_NOMEM (scratch), LM_ERR_IO (CUDA). */
+ * May be called more than once on the same saved state. Asynchronous on the default
+ * stream, as lm_kda_cuda_chunk_forward. Errors: LM_ERR_INVALID (NULL saved / grads /
+ * do_), LM_ERR_NOMEM (scratch), LM_ERR_IO (CUDA). */
 lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda_cuda_grads *gr,
                                lm_error *err);
 

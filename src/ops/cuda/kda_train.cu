@@ -1545,8 +1545,9 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     }
     if (prof)
         CK(cudaEventRecord(ev[6]));
-    CK(cudaDeviceSynchronize());
+    /* asynchronous on the default stream (include/linmoe/kda_cuda.h); the profile waits */
     if (prof) {
+        CK(cudaDeviceSynchronize());
         static const char *names[6] = {"gather", "dh", "state", "ut", "pairs", "qk"};
         fprintf(stderr, "kda cuda backward:");
         for (int i = 0; i < 6; i++) {
