@@ -79,6 +79,39 @@ __device__ __forceinline__ float gate_log2(float x, float gb, float ga, float lb
     }
     return x * LOG2E_F;
 }
+/* f[i] <- gate_log2(f[i], gb[i * BSTEP]) for i < N, with the gate chosen once outside
+ * the (unrolled) loop: BSTEP = 1 for per-element biases, 0 for one bias for all */
+template <int N, int BSTEP>
+__device__ __forceinline__ void gate_log2_n(int gate, float (&f)[N], const float *gb, float ga, float lb) {
+    if (gate == LM_GATE_BOUNDED) {
+#pragma unroll
+        for (int i = 0; i < N; i++)
+            f[i] = gate_log2<LM_GATE_BOUNDED>(f[i], gb[i * BSTEP], ga, lb);
+    } else if (gate == LM_GATE_SOFTPLUS) {
+#pragma unroll
+        for (int i = 0; i < N; i++)
+            f[i] = gate_log2<LM_GATE_SOFTPLUS>(f[i], gb[i * BSTEP], ga, lb);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; i++)
+            f[i] = gate_log2<LM_GATE_NONE>(f[i], gb[i * BSTEP], ga, lb);
+    }
+}
+/* G in log2 units over N consecutive rows of one channel from their raw gates (bf16 bits):
+ * the gate of each row (bias gb), rows >= nrow counted as 0, then the inclusive sum over
+ * the rows, as the forward's intra kernel computes G (the backward recomputes it). */
+template <int N>
+__device__ __forceinline__ void gate_cumsum_rows(int gate, const unsigned short (&raw)[N], int nrow,
+                                                 float gb, float ga, float lb, float (&G)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        G[i] = __uint_as_float((uint32_t)raw[i] << 16);
+    gate_log2_n<N, 0>(gate, G, &gb, ga, lb);
+    G[0] = nrow > 0 ? G[0] : 0.0f;
+#pragma unroll
+    for (int i = 1; i < N; i++)
+        G[i] = G[i - 1] + (i < nrow ? G[i] : 0.0f);
+}
 
 
 /* ---------------------------------------------------------------- PTX helpers */

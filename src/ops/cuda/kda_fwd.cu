@@ -214,19 +214,7 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         }
         /* the gate in log2 units (one branch per row item, not per element), then zero
          * outside [L, K] */
-        if (p.gate == LM_GATE_BOUNDED) {
-#pragma unroll
-            for (int x = 0; x < 8; x++)
-                f[x] = gate_log2<LM_GATE_BOUNDED>(f[x], gb[x], ga, p.lb);
-        } else if (p.gate == LM_GATE_SOFTPLUS) {
-#pragma unroll
-            for (int x = 0; x < 8; x++)
-                f[x] = gate_log2<LM_GATE_SOFTPLUS>(f[x], gb[x], ga, p.lb);
-        } else {
-#pragma unroll
-            for (int x = 0; x < 8; x++)
-                f[x] = gate_log2<LM_GATE_NONE>(f[x], gb[x], ga, p.lb);
-        }
+        gate_log2_n<8, 1>(p.gate, f, gb, ga, p.lb);
         if (!(i < L && d0 + 8 <= K)) /* only the last chunk's rows and K's tail */
 #pragma unroll
             for (int x = 0; x < 8; x++)
@@ -310,13 +298,33 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
             nqb = 1;
             nkb = ntiles = rd + 1; /* (0, J), J < nkb */
         }
-        /* the bounded gate's last round keeps the query operands of the one before */
+        /* the bounded gate's last round keeps the query operands of the one before; its
+         * first two rounds use the same rows as query and key rows (one pass over them) */
         const bool build_q = !(p.shared_diag && rd == 2);
+        const bool same_rows = p.shared_diag && rd < 2;
         bf16 *opQ = &s.u.a.op[0][0], *opK = opQ + 16 * nqb * RS, *opC = opQ + 32 * nqb * RS;
         __syncthreads();
         float ra[8]; /* this thread's channels are the same d0 in every item */
         ld8f(ra, &s.G[ref][d0]);
-        if (build_q)
+        if (same_rows)
+            for (int r = r0; r < 32; r += NT1 / 16) {
+                const int i = qb + r;
+                float xq[8], xk[8], gr[8], fq[8], fk[8], fc[8];
+                ld8h(xq, &s.q[i][d0]);
+                ld8h(xk, &s.k[i][d0]);
+                ld8f(gr, &s.G[i][d0]);
+#pragma unroll
+                for (int x = 0; x < 8; x++) {
+                    const float e = ex2f(gr[x] - ra[x]);
+                    fq[x] = xq[x] * e;
+                    fk[x] = xk[x] * e;
+                    fc[x] = xk[x] * ex2f(ra[x] - gr[x]);
+                }
+                st8h(opQ + r * RS + d0, fq);
+                st8h(opK + r * RS + d0, fk);
+                st8h(opC + r * RS + d0, fc);
+            }
+        else if (build_q)
             for (int r = r0; r < 16 * nqb; r += NT1 / 16) { /* q and k rows: one exponential */
                 const int i = qb + r;
                 float xq[8], xk[8], gr[8], fq[8], fk[8];
@@ -332,16 +340,17 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
                 st8h(opQ + r * RS + d0, fq);
                 st8h(opK + r * RS + d0, fk);
             }
-        for (int r = r0; r < 16 * nkb; r += NT1 / 16) { /* key rows */
-            const int j = kb + r;
-            float gr[8], x8[8], f[8];
-            ld8h(x8, &s.k[j][d0]);
-            ld8f(gr, &s.G[j][d0]);
+        if (!same_rows)
+            for (int r = r0; r < 16 * nkb; r += NT1 / 16) { /* key rows */
+                const int j = kb + r;
+                float gr[8], x8[8], f[8];
+                ld8h(x8, &s.k[j][d0]);
+                ld8f(gr, &s.G[j][d0]);
 #pragma unroll
-            for (int x = 0; x < 8; x++)
-                f[x] = x8[x] * ex2f(ra[x] - gr[x]);
-            st8h(opC + r * RS + d0, f);
-        }
+                for (int x = 0; x < 8; x++)
+                    f[x] = x8[x] * ex2f(ra[x] - gr[x]);
+                st8h(opC + r * RS + d0, f);
+            }
         __syncthreads();
         /* jobs: 16 x 16 tile (I, J) of the round x {Aqk, Akk}; one per warp */
         for (int job = warp; job < 2 * ntiles; job += NT1 / 32) {

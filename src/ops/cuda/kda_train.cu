@@ -151,23 +151,7 @@ __global__ void __launch_bounds__(NTB) kda_bwd_gather_do(BwdParams p) {
         const float gb = p.dt_bias ? (p.gdn ? p.dt_bias[hv] : (dok ? p.dt_bias[hv * K + d] : 0.0f)) : 0.0f;
         const float ga = p.A_log ? fexp(p.A_log[hv]) : 1.0f;
         float gv[32];
-        if (p.gate == LM_GATE_BOUNDED) {
-#pragma unroll
-            for (int x = 0; x < 32; x++)
-                gv[x] = gate_log2<LM_GATE_BOUNDED>(__uint_as_float((uint32_t)gr[x] << 16), gb, ga, p.lb);
-        } else if (p.gate == LM_GATE_SOFTPLUS) {
-#pragma unroll
-            for (int x = 0; x < 32; x++)
-                gv[x] = gate_log2<LM_GATE_SOFTPLUS>(__uint_as_float((uint32_t)gr[x] << 16), gb, ga, p.lb);
-        } else {
-#pragma unroll
-            for (int x = 0; x < 32; x++)
-                gv[x] = gate_log2<LM_GATE_NONE>(__uint_as_float((uint32_t)gr[x] << 16), gb, ga, p.lb);
-        }
-        gv[0] = nrow > 0 ? gv[0] : 0.0f;
-#pragma unroll
-        for (int x = 1; x < 32; x++)
-            gv[x] = gv[x - 1] + (x < nrow ? gv[x] : 0.0f);
+        gate_cumsum_rows<32>(p.gate, gr, nrow, gb, ga, p.lb, gv);
         if (seg == 0)
             gtot[d] = gv[31];
         __syncthreads();
@@ -825,23 +809,7 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         /* G of this lane's channel recomputed from the raw gate as the forward's intra
          * kernel does (log2 units, cumulative over rows, zero past L): the warp's 16 rows
          * here, the earlier row blocks' totals added after the barrier below */
-        if (p.gate == LM_GATE_BOUNDED) {
-#pragma unroll
-            for (int m = 0; m < 16; m++)
-                gv[m] = gate_log2<LM_GATE_BOUNDED>(__uint_as_float((uint32_t)gr[m] << 16), bias, ga, p.lb);
-        } else if (p.gate == LM_GATE_SOFTPLUS) {
-#pragma unroll
-            for (int m = 0; m < 16; m++)
-                gv[m] = gate_log2<LM_GATE_SOFTPLUS>(__uint_as_float((uint32_t)gr[m] << 16), bias, ga, p.lb);
-        } else {
-#pragma unroll
-            for (int m = 0; m < 16; m++)
-                gv[m] = gate_log2<LM_GATE_NONE>(__uint_as_float((uint32_t)gr[m] << 16), bias, ga, p.lb);
-        }
-        gv[0] = nrow > 0 ? gv[0] : 0.0f;
-#pragma unroll
-        for (int m = 1; m < 16; m++)
-            gv[m] = gv[m - 1] + (m < nrow ? gv[m] : 0.0f);
+        gate_cumsum_rows<16>(p.gate, gr, nrow, bias, ga, p.lb, gv);
         s.red[a][lane] = gv[15];
         if (tid < BT) {
             s.nq[tid] = nqv;
