@@ -73,8 +73,9 @@ int lm_cuda_device_count(void);
 /* The chunked forward on the current device, asynchronous on the default stream (as
  * any CUDA library call: results are there for the next operation on that stream, and
  * for the host after a synchronising call such as lm_cuda_download or
- * cudaDeviceSynchronize; a synchronisation per call would stall a training loop and cost
- * 20-80 us per call). Bad configurations and launch failures are reported here, a fault
+ * cudaDeviceSynchronize; a synchronisation per call stalls the caller's queue: it cost
+ * 30-90 us per call in scripts/gpu/bench.sh, docs/perf-notes.md v9). Bad configurations
+ * and launch failures are reported here, a fault
  * inside a kernel at the next synchronising call. Scratch is a device workspace kept
  * between calls and grown on demand; calls on the default stream are ordered, so one
  * call's kernels finish before the next one reuses it. */
