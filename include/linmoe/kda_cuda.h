@@ -75,10 +75,10 @@ int lm_cuda_device_count(void);
  * for the host after a synchronising call such as lm_cuda_download or
  * cudaDeviceSynchronize; a synchronisation per call stalls the caller's queue: it cost
  * 30-90 us per call in scripts/gpu/bench.sh, docs/perf-notes.md v9). Bad configurations
- * and launch failures are reported here, a fault
- * inside a kernel at the next synchronising call. Scratch is a device workspace kept
- * between calls and grown on demand; calls on the default stream are ordered, so one
- * call's kernels finish before the next one reuses it. */
+ * and launch failures are reported here, a fault inside a kernel at the next
+ * synchronising call. Scratch is a device workspace kept between calls and grown on
+ * demand; calls on the default stream are ordered, so one call's kernels finish before
+ * the next one reuses it. */
 lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cuda_inputs *in,
                                     lm_kda_cuda_outputs *out, lm_error *err);
 
