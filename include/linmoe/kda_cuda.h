@@ -15,21 +15,24 @@
  *   initial_state, final_state   [N, HV, K, V]   fp32 (optional)
  *   cu_seqlens      host int64 [N+1] in the config, only with B == 1 (packed varlen)
  *
- * Algorithm (this version, v6; docs/perf-notes.md has its numbers):
+ * Algorithm (this version, v9; docs/perf-notes.md has its numbers):
  *   kernel 1, one CTA (8 warps) per (64-token chunk, value head): gate activation,
  *     per-channel cumulative log-decay G (fp32), in-kernel l2norm / sigmoid; Aqk and
  *     Akk on the tensor cores (mma.sync m16n8k16, bf16 operands, fp32 accumulation)
- *     by 16-row blocks a, with exp(G_i - G_j) = exp(G_i - r_a) exp(r_a - G_j) and r_a
- *     the log-decay at the row before block a: every off-diagonal factor is <= 1 for
- *     any gate; with the bounded gate the diagonal factor is <= exp(16 |lower_bound|)
- *     <= e^80, so the diagonal tiles share the matmul path (T1 of the design;
- *     reference/kda.md §3.3). Other gates (softplus, none) compute the diagonal tiles
- *     with the per-pair exponent in fp32 (the safe path). Then X = (I + Akk)^-1 in
- *     place by 16x16 blocks (diagonal blocks by substitution, three block-row
- *     stages), and w = X (beta k e^G), u = X (beta v) on the tensor cores (X as bf16
- *     hi + lo); w, u, q e^G, k e^(G_last - G), Aqk go to a bf16 workspace, e^G_last
- *     to an fp32 one;
- *   kernel 2, one CTA (4 warps) per (sequence, value head, slice of 64, 32 or 16
+ *     in three rounds, with exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j) for a
+ *     reference row r. Bounded gate (T1 of the design; reference/kda.md §3.3): the
+ *     32-row halves referenced at their middle row, where every factor is within
+ *     exp(16 |lower_bound|) <= e^80, so the diagonal tiles share the matmul path; then
+ *     rows 32..63 against keys 0..31 with the reference at row 47 (a key factor that
+ *     flushes to zero drops a product below 5e-6). Other gates (softplus, none): rounds
+ *     by 16-row blocks referenced at the row before the block (factors <= 1), the
+ *     diagonal tiles with the per-pair exponent in fp32 (the safe path). Then
+ *     X = (I + Akk)^-1 in place by 16x16 blocks (diagonal blocks by substitution, three
+ *     block-row stages), and w = X (beta k e^G), u = X (beta v) on the tensor cores (X
+ *     as bf16 hi + lo); w, u, q e^G, k e^(G_last - G), Aqk go to a bf16 workspace,
+ *     e^G_last to an fp32 one;
+ *   kernel 2, one CTA (4 warps, 8 in two column groups at 64 or 32 columns) per
+ *     (sequence, value head, slice of 64, 32 or 16
  *     columns of V, chosen so that there is about a CTA per SM): the inter-chunk
  *     recurrence over the chunks in order (the delta rule is column-separable in V),
  *     the state slice in fp32 accumulator registers, each chunk's workspace tiles

@@ -268,6 +268,17 @@ struct KdaSaveBufs {
  * (docs/perf-notes.md). */
 int kda_cuda_bv(int nsh);
 
+/* Per-device one-time set-up (the kernels' shared-memory opt-ins): first is set when the
+ * current device differs from last, which is then updated. */
+inline cudaError_t kda_cuda_first_on_device(int &last, bool &first) {
+    int dev = 0;
+    const cudaError_t e = cudaGetDevice(&dev);
+    first = e == cudaSuccess && dev != last;
+    if (first)
+        last = dev;
+    return e;
+}
+
 /* Copies the chunk tables (n entries) to dst unless the last copy to dst had the same
  * entries and no device buffer was allocated or freed since (kda_cuda_buffers_changed);
  * saves a synchronous host-to-device copy per call in training loops. kda_fwd.cu. */

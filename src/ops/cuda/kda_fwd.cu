@@ -1103,9 +1103,9 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
     /* the shared-memory opt-ins once per device (a driver call each; they add up in a
      * training loop) */
     static int attr_dev = -1;
-    int dev = 0;
-    CK(cudaGetDevice(&dev));
-    if (attr_dev != dev) {
+    bool first = false;
+    CK(kda_cuda_first_on_device(attr_dev, first));
+    if (first) {
         CK(cudaFuncSetAttribute(kda_intra_tc, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm1));
         CK(cudaFuncSetAttribute(kda_inter_tc<64, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 (int)sizeof(InterSmem<64>)));
@@ -1113,7 +1113,6 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
                                 (int)sizeof(InterSmem<32>)));
         CK(cudaFuncSetAttribute(kda_inter_tc<16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 (int)sizeof(InterSmem<16>)));
-        attr_dev = dev;
     }
     /* LINMOE_KDA_CUDA_PROFILE=1: per-kernel times on stderr (docs/perf-notes.md) */
     static int prof = -1;

@@ -4,12 +4,14 @@
  * chunk-parallel kernels for everything else).
  *
  * Training forward: the forward kernels of kda_fwd.cu with their workspace kept, plus
- * per block cb = (chunk, value head): the cumulative log-decay G (fp32), X = (I +
- * beta P)^-1 and P (fp32), the row factors of q and k and beta, the state at the chunk
- * start S0 (bf16) and v' = u - w S0 (bf16).
+ * per block cb = (chunk, value head): X = (I + beta P)^-1 (fp32), P (bf16, blocks above
+ * the diagonal unwritten), the row factors of q and k and beta, the state at the chunk
+ * start S0 (bf16) and v' = u - w S0 (bf16). G is not saved: the backward recomputes it
+ * from the raw gate (gate_cumsum_rows, as the intra kernel computes it).
  *
  * Backward (notation of docs/kda-math.md "Backward of one chunk"):
- *   b0  dO gathered into the padded [cb][64][128] layout (zeros outside [L, V]).
+ *   b0  dO gathered into the padded [cb][64][128] layout (zeros outside [L, V]), and
+ *       Kg = nk k e^G (bf16) for b3.
  *   b1  one CTA per (sequence, value head, V slice), chunks in reverse, the state
  *       gradient dS (the gradient w.r.t. the state after the chunk) in fp32 registers:
  *         dh[cb] = dS  (bf16, for the chunk-parallel kernels)
@@ -20,7 +22,8 @@
  *   b3  per block, the UT transform: dTm = dVn (beta v)^T + dW (beta Kg)^T;
  *       dv = beta Tm^T dVn; dKg = beta Tm^T dW; dAb = -Tm^T dTm Tm^T (strictly lower),
  *       dP = beta dAb; dbeta = sum v (Tm^T dVn) + sum Kg (Tm^T dW) + sum dAb P.
- *   b4  per block, the pair products by 16-row blocks with the forward's reference rows
+ *   b4  per block, G recomputed from the raw gate; the pair products by 16-row blocks
+ *       with the forward's reference rows
  *       (the bounded gate's diagonal on the tensor cores, other gates per pair in fp32),
  *       the assembly of dq, dk, dG, the reverse cumulative sum dg_j = sum_{r>=j} dG_r,
  *       and the gate, l2norm, scale and sigmoid backward; dA_log, ddt_bias by atomics.
@@ -765,7 +768,7 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     /* 1. loads. Everything this warp reads from global memory is issued here, before
      * the first shared-memory store, in two waves, so that the kernel pays about two
      * load latencies instead of one per phase (at 8 warps per SM the phases cannot hide
-     * each other's). Wave 1: the G slice, q, k (raw), dA / dP, row factors. */
+     * each other's). Wave 1: the raw gate, q, k (raw), dA / dP, row factors. */
     /* rows past L or channels past K load element 0 (branch-free, so that the compiler
      * keeps every load in flight together) and are zeroed on conversion */
     const int nrow = dok ? min(max(L - a * 16, 0), 16) : 0; /* valid rows of this lane */
@@ -1439,9 +1442,9 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     const size_t smDh = BVsel == 64 ? sizeof(DhSmem<64>)
                                     : (BVsel == 32 ? sizeof(DhSmem<32>) : sizeof(DhSmem<16>));
     static int attr_dev = -1; /* the shared-memory opt-ins once per device */
-    int dev = 0;
-    CK(cudaGetDevice(&dev));
-    if (attr_dev != dev) {
+    bool first = false;
+    CK(kda_cuda_first_on_device(attr_dev, first));
+    if (first) {
         CK(cudaFuncSetAttribute(kda_bwd_dh<64, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 (int)sizeof(DhSmem<64>)));
         CK(cudaFuncSetAttribute(kda_bwd_dh<32, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1454,7 +1457,6 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
                                 (int)sizeof(UtSmem)));
         CK(cudaFuncSetAttribute(kda_bwd_pairs, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 (int)sizeof(PairSmem)));
-        attr_dev = dev;
     }
     static int prof = -1;
     if (prof < 0)
