@@ -306,9 +306,20 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         __syncthreads();
         float ra[8]; /* this thread's channels are the same d0 in every item */
         ld8f(ra, &s.G[ref][d0]);
-        if (same_rows)
-            for (int r = r0; r < 32; r += NT1 / 16) {
-                const int i = qb + r;
+        if (same_rows) {
+            /* the bounded gate's qg, kg, beta k e^G (and, for rows 32..63, beta v) come out
+             * of these two rounds (the pass after the inverse is for the other gates):
+             * q e^G = (q e^(G - G_ref)) e^(G_ref) is the round's fp32 operand times one
+             * exponential per channel. e^(G_ref) flushes to zero only below e^-87.3 (ref
+             * 47), where every row of the half has e^G <= e^(15 |lb|) e^-87.3 < 5e-6. */
+            float ea[8], Gl[8]; /* Gl: G of the chunk's last row */
+            ld8f(Gl, &s.G[BT - 1][d0]);
+#pragma unroll
+            for (int x = 0; x < 8; x++)
+                ea[x] = ex2f(ra[x]);
+#pragma unroll 1
+            for (int jr = 0; jr < 2; jr++) { /* rows r0, r0 + 16 of the half: items 2 rd + jr */
+                const int r = r0 + 16 * jr, i = qb + r;
                 float xq[8], xk[8], gr[8], fq[8], fk[8], fc[8];
                 ld8h(xq, &s.q[i][d0]);
                 ld8h(xk, &s.k[i][d0]);
@@ -323,8 +334,28 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
                 st8h(opQ + r * RS + d0, fq);
                 st8h(opK + r * RS + d0, fk);
                 st8h(opC + r * RS + d0, fc);
+                const float nq = s.nq[i], nk = s.nk[i], bk = s.beta[i] * nk;
+                float oq[8], ok[8], ob[8];
+#pragma unroll
+                for (int x = 0; x < 8; x++) {
+                    oq[x] = fq[x] * nq * ea[x];
+                    ok[x] = xk[x] * nk * ex2f(Gl[x] - gr[x]);
+                    ob[x] = fk[x] * bk * ea[x];
+                }
+                st8h(p.qg + (cb * BT + i) * KD + d0, oq);
+                st8h(p.kg + (cb * BT + i) * KD + d0, ok);
+                st8h(&s.q[i][d0], ob); /* rounds 2 and 3 read no row of q this one wrote */
+                if (rd == 1) { /* round 3 reads k of rows 0..31 only */
+                    float fv[8];
+                    const uint4 vv = jr ? vreg[3] : vreg[2]; /* a select, not an indexed array */
+                    ld8h(fv, reinterpret_cast<const bf16 *>(&vv));
+#pragma unroll
+                    for (int x = 0; x < 8; x++)
+                        fv[x] *= s.beta[i];
+                    st8h(&s.k[i][d0], fv);
+                }
             }
-        else if (build_q)
+        } else if (build_q)
             for (int r = r0; r < 16 * nqb; r += NT1 / 16) { /* q and k rows: one exponential */
                 const int i = qb + r;
                 float xq[8], xk[8], gr[8], fq[8], fk[8];
@@ -350,6 +381,15 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
                 for (int x = 0; x < 8; x++)
                     f[x] = x8[x] * ex2f(ra[x] - gr[x]);
                 st8h(opC + r * RS + d0, f);
+                if (p.shared_diag) { /* the bounded gate's last round: beta v of rows 0..31 */
+                    float fv[8];
+                    const uint4 vv = r < 16 ? vreg[0] : vreg[1]; /* a select, not an indexed array */
+                    ld8h(fv, reinterpret_cast<const bf16 *>(&vv));
+#pragma unroll
+                    for (int x = 0; x < 8; x++)
+                        fv[x] *= s.beta[j];
+                    st8h(&s.k[j][d0], fv);
+                }
             }
         __syncthreads();
         /* jobs: 16 x 16 tile (I, J) of the round x {Aqk, Akk}; one per warp */
@@ -490,6 +530,8 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
     ld8f(Gl, &s.G[BT - 1][d0]);
 #pragma unroll
     for (int m = 0; m < NIT; m++) {
+        if (p.shared_diag) /* done in the rounds */
+            break;
         const int i = r0 + 16 * m;
         float fq[8], fk[8], fb[8], fv[8], G[8], xq[8], xk[8];
         const bf16 *vb = reinterpret_cast<const bf16 *>(&vreg[m]);
