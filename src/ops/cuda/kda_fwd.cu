@@ -526,32 +526,32 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         *reinterpret_cast<uint2 *>(&s.u.x.hi[i][j]) = hi;
         *reinterpret_cast<uint2 *>(&s.u.x.lo[i][j]) = lo;
     }
-    float Gl[8]; /* G of the chunk's last row, this thread's channels */
-    ld8f(Gl, &s.G[BT - 1][d0]);
+    if (!p.shared_diag) { /* the other gates (the bounded gate's come out of its rounds) */
+        float Gl[8]; /* G of the chunk's last row, this thread's channels */
+        ld8f(Gl, &s.G[BT - 1][d0]);
 #pragma unroll
-    for (int m = 0; m < NIT; m++) {
-        if (p.shared_diag) /* done in the rounds */
-            break;
-        const int i = r0 + 16 * m;
-        float fq[8], fk[8], fb[8], fv[8], G[8], xq[8], xk[8];
-        const bf16 *vb = reinterpret_cast<const bf16 *>(&vreg[m]);
-        ld8f(G, &s.G[i][d0]);
-        ld8h(xq, &s.q[i][d0]);
-        ld8h(xk, &s.k[i][d0]);
-        const float nq = s.nq[i], nk = s.nk[i], be = s.beta[i];
+        for (int m = 0; m < NIT; m++) {
+            const int i = r0 + 16 * m;
+            float fq[8], fk[8], fb[8], fv[8], G[8], xq[8], xk[8];
+            const bf16 *vb = reinterpret_cast<const bf16 *>(&vreg[m]);
+            ld8f(G, &s.G[i][d0]);
+            ld8h(xq, &s.q[i][d0]);
+            ld8h(xk, &s.k[i][d0]);
+            const float nq = s.nq[i], nk = s.nk[i], be = s.beta[i];
 #pragma unroll
-        for (int x = 0; x < 8; x++) {
-            const float kq = xk[x] * nk;
-            const float eg = ex2f(G[x]);
-            fq[x] = xq[x] * nq * eg;
-            fk[x] = kq * ex2f(Gl[x] - G[x]);
-            fb[x] = be * kq * eg;
-            fv[x] = be * __bfloat162float(vb[x]);
+            for (int x = 0; x < 8; x++) {
+                const float kq = xk[x] * nk;
+                const float eg = ex2f(G[x]);
+                fq[x] = xq[x] * nq * eg;
+                fk[x] = kq * ex2f(Gl[x] - G[x]);
+                fb[x] = be * kq * eg;
+                fv[x] = be * __bfloat162float(vb[x]);
+            }
+            st8h(p.qg + (cb * BT + i) * KD + d0, fq);
+            st8h(p.kg + (cb * BT + i) * KD + d0, fk);
+            st8h(&s.q[i][d0], fb); /* this thread alone reads q[i][d0..] */
+            st8h(&s.k[i][d0], fv);
         }
-        st8h(p.qg + (cb * BT + i) * KD + d0, fq);
-        st8h(p.kg + (cb * BT + i) * KD + d0, fk);
-        st8h(&s.q[i][d0], fb); /* this thread alone reads q[i][d0..] */
-        st8h(&s.k[i][d0], fv);
     }
     if (tid < KD)
         p.gl[cb * KD + tid] = ex2f(s.G[BT - 1][tid]);

@@ -663,24 +663,29 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
  * state and UT kernels write them in bf16; the per-pair diagonal of the other gates
  * reads the same bf16 values).
  *
- * Operands per 16-row block a with r_a = G at the row before the block (r_0 = 0) and
- * r_{a+1} = G at its last row, all factors <= 1 except the bounded gate's diagonal:
- *   Q = q e^(G - r_a), K = k e^(G - r_a), Zd = k e^(r_a - G) (diagonal, <= e^(16|lb|)),
- *   Zc = k e^(r_{a+1} - G).
- * Row side of block a (warp a): sum over column blocks b < a of dA_ab Zc_b e^(r_a -
+ * Bounded gate (every factor <= e^(16 |lower_bound|) <= e^80, as in the forward's
+ * rounds): 32-row halves with references rh = G_15 (rows 0..31) and G_47 (rows 32..63);
+ *   Q = q e^(G - rh), K = k e^(G - rh), Z0 = k e^(G_15 - G) (rows 0..31),
+ *   Z1 = k e^(G_47 - G) (all rows; <= 1 on rows 0..31).
+ * Row side of block a (warp a): sum over key blocks b <= a of dA_ab Z_b with Z = Z0 (a in
+ * the first half) or Z1, times e^(G_r - rh). Column side of block a: the row blocks a' >= a
+ * of its own half, (dA_a'a^T Q_a' + dP_a'a^T K_a') times e^(rh - G_j), plus for a block of
+ * the first half those of the second, times e^(G_47 - G_j). Where e^(G_47 - G_j) flushes
+ * to zero (below e^-87.3), both sides drop the same pairs, each below e^(75 - 87.3).
+ * Other gates: per 16-row block a with r_a = G at the row before the block (r_0 = 0) and
+ * r_{a+1} = G at its last row, all factors <= 1: Q = q e^(G - r_a), K = k e^(G - r_a),
+ * Zc = k e^(r_{a+1} - G). Row side: sum over column blocks b < a of dA_ab Zc_b e^(r_a -
  * r_{b+1}), accumulated in registers by Horner steps (acc *= e^(r_{b+1} - r_b) <= 1
- * before adding block b), plus dA_aa Zd_a; then times e^(G_r - r_a).
- * Column side of block a: sum over row blocks a' > a of (dA_a'a^T Q_a' + dP_a'a^T K_a')
- * e^(r_a' - r_{a+1}) (Horner from a' = 3 down), times e^(r_{a+1} - G_j); plus the
- * diagonal (dA_aa^T Q_a + dP_aa^T K_a) e^(r_a - G_j). Other gates: the diagonal
- * blocks per pair in fp32 (lane = channel). */
+ * before adding block b), times e^(G_r - r_a). Column side: sum over row blocks a' > a of
+ * (dA_a'a^T Q_a' + dP_a'a^T K_a') e^(r_a' - r_{a+1}) (Horner from a' = 3 down), times
+ * e^(r_{a+1} - G_j); the diagonal blocks per pair in fp32 (lane = channel). */
 #define CW 32       /* channels per CTA */
 #define CWS 40      /* bf16 row stride of the operand tiles */
 #define OS 36       /* fp32 row stride of the slice tiles */
 #define NTP 128     /* threads: warp a = row block a */
 
 struct PairSmem {
-    bf16 op[8][BT][CWS]; /* Q hi, lo; K hi, lo; Zd hi, lo; Zc hi, lo */
+    bf16 op[8][BT][CWS]; /* Q hi, lo; K hi, lo; Z0 hi, lo (bounded); Zc or Z1 hi, lo */
     bf16 dA[BT][AS], dPb[BT][AS];
     float G[BT][OS];
     float out[3][BT][OS]; /* dq, dk (row side), dk (column side); later dG */
@@ -857,15 +862,33 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             s.rr[0][lane] = 0.0f;
     }
     __syncthreads();
-    /* 2. operands (lane = channel, warp = rows) */
+    /* 2. operands (lane = channel, warp = rows). The bounded gate: references at the
+     * middle rows of the 32-row halves, rh = G_15 (rows 0..31) or G_47 (rows 32..63):
+     * Q = q e^(G - rh), K = k e^(G - rh), Z0 = k e^(G_15 - G) (rows 0..31 only),
+     * Z1 = k e^(G_47 - G); every factor <= e^(16 |lower_bound|) <= e^80, Z1 <= 1 on rows
+     * 0..31 (in the slots of Zd and Zc) */
+    const float rh = s.rr[a < 2 ? 1 : 3][lane], r47 = s.rr[3][lane];
 #pragma unroll
     for (int m = 0; m < 16; m++) {
         const int r = a * 16 + m;
         const float qv = qraw[m] * s.nq[r];
         const float kv = kraw[m] * s.nk[r];
-        const float G = gv[m], ra = s.rr[a][lane], rn = s.rr[a + 1][lane];
-        const float eg = fexp(G - ra);
-        float f[4] = {qv * eg, kv * eg, p.shared_diag ? kv * fexp(ra - G) : 0.0f, kv * fexp(rn - G)};
+        const float G = gv[m];
+        float f[4];
+        if (p.shared_diag) {
+            const float eg = fexp(G - rh);
+            f[0] = qv * eg;
+            f[1] = kv * eg;
+            f[2] = a < 2 ? kv * fexp(rh - G) : 0.0f;
+            f[3] = kv * fexp(r47 - G);
+        } else {
+            const float ra = s.rr[a][lane], rn = s.rr[a + 1][lane];
+            const float eg = fexp(G - ra);
+            f[0] = qv * eg;
+            f[1] = kv * eg;
+            f[2] = 0.0f;
+            f[3] = kv * fexp(rn - G);
+        }
 #pragma unroll
         for (int x = 0; x < 4; x++)
             split_bf16(f[x], s.op[2 * x][r][lane], s.op[2 * x + 1][r][lane]);
@@ -878,57 +901,88 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         zero_acc<4>(ak);
         zero_acc<4>(ac);
         zero_acc<4>(ad);
-        for (int b = 0; b < a; b++) {
-            if (b > 0) {
-                horner_step(aq, s.rr[b + 1], s.rr[b], t);
-                horner_step(ak, s.rr[b + 1], s.rr[b], t);
-            }
-#pragma unroll
-            for (int hl = 0; hl < 2; hl++) {
-                wmma<2, false, false>(aq, &s.dA[0][0], AS, a * 16, b * 16, &s.op[6 + hl][0][0], CWS, 0,
-                                      b * 16, 1, lane);
-                wmma<2, false, false>(ak, &s.dPb[0][0], AS, a * 16, b * 16, &s.op[6 + hl][0][0], CWS, 0,
-                                      b * 16, 1, lane);
-            }
-        }
         if (p.shared_diag) {
+            /* bounded gate, by halves: the row side of block a against key blocks 0..a with
+             * the key operand of its half's reference (Z0 or Z1), no Horner steps; the column
+             * side from the row blocks of its own half (reference rh, into ac) and, for a
+             * block of the first half, from the second half's (reference G_47, into ad) */
+            const int zs = a < 2 ? 4 : 6, hend = a < 2 ? 2 : 4;
+            for (int b = 0; b <= a; b++)
 #pragma unroll
-            for (int hl = 0; hl < 2; hl++) {
-                wmma<2, false, false>(aq, &s.dA[0][0], AS, a * 16, a * 16, &s.op[4 + hl][0][0], CWS, 0,
-                                      a * 16, 1, lane);
-                wmma<2, false, false>(ak, &s.dPb[0][0], AS, a * 16, a * 16, &s.op[4 + hl][0][0], CWS, 0,
-                                      a * 16, 1, lane);
-                wmma<2, true, false>(ad, &s.dA[0][0], AS, a * 16, a * 16, &s.op[0 + hl][0][0], CWS, 0,
-                                     a * 16, 1, lane);
-                wmma<2, true, false>(ad, &s.dPb[0][0], AS, a * 16, a * 16, &s.op[2 + hl][0][0], CWS, 0,
-                                     a * 16, 1, lane);
+                for (int hl = 0; hl < 2; hl++) {
+                    wmma<2, false, false>(aq, &s.dA[0][0], AS, a * 16, b * 16, &s.op[zs + hl][0][0], CWS,
+                                          0, b * 16, 1, lane);
+                    wmma<2, false, false>(ak, &s.dPb[0][0], AS, a * 16, b * 16, &s.op[zs + hl][0][0], CWS,
+                                          0, b * 16, 1, lane);
+                }
+            for (int a2 = a; a2 < hend; a2++)
+#pragma unroll
+                for (int hl = 0; hl < 2; hl++) {
+                    wmma<2, true, false>(ac, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0 + hl][0][0], CWS, 0,
+                                         a2 * 16, 1, lane);
+                    wmma<2, true, false>(ac, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[2 + hl][0][0], CWS, 0,
+                                         a2 * 16, 1, lane);
+                }
+            for (int a2 = hend; a2 < 4; a2++)
+#pragma unroll
+                for (int hl = 0; hl < 2; hl++) {
+                    wmma<2, true, false>(ad, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0 + hl][0][0], CWS, 0,
+                                         a2 * 16, 1, lane);
+                    wmma<2, true, false>(ad, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[2 + hl][0][0], CWS, 0,
+                                         a2 * 16, 1, lane);
+                }
+            const int ih = a < 2 ? 1 : 3;
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int r = a * 16 + g + (e >> 1) * 8, x = nt * 8 + 2 * t + (e & 1);
+                    const float G = s.G[r][x], rx = s.rr[ih][x];
+                    const float fr = fexp(G - rx);
+                    s.out[0][r][x] = aq[nt][e] * fr;
+                    s.out[1][r][x] = ak[nt][e] * fr;
+                    float vc = ac[nt][e] * fexp(rx - G);
+                    if (a < 2)
+                        vc += ad[nt][e] * fexp(s.rr[3][x] - G);
+                    s.out[2][r][x] = vc;
+                }
+        } else {
+            for (int b = 0; b < a; b++) {
+                if (b > 0) {
+                    horner_step(aq, s.rr[b + 1], s.rr[b], t);
+                    horner_step(ak, s.rr[b + 1], s.rr[b], t);
+                }
+#pragma unroll
+                for (int hl = 0; hl < 2; hl++) {
+                    wmma<2, false, false>(aq, &s.dA[0][0], AS, a * 16, b * 16, &s.op[6 + hl][0][0], CWS, 0,
+                                          b * 16, 1, lane);
+                    wmma<2, false, false>(ak, &s.dPb[0][0], AS, a * 16, b * 16, &s.op[6 + hl][0][0], CWS, 0,
+                                          b * 16, 1, lane);
+                }
             }
+            for (int a2 = 3; a2 > a; a2--) {
+                if (a2 < 3)
+                    horner_step(ac, s.rr[a2 + 1], s.rr[a2], t);
+#pragma unroll
+                for (int hl = 0; hl < 2; hl++) {
+                    wmma<2, true, false>(ac, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0 + hl][0][0], CWS, 0,
+                                         a2 * 16, 1, lane);
+                    wmma<2, true, false>(ac, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[2 + hl][0][0], CWS, 0,
+                                         a2 * 16, 1, lane);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int r = a * 16 + g + (e >> 1) * 8, x = nt * 8 + 2 * t + (e & 1);
+                    const float G = s.G[r][x];
+                    const float fr = fexp(G - s.rr[a][x]);
+                    s.out[0][r][x] = aq[nt][e] * fr;
+                    s.out[1][r][x] = ak[nt][e] * fr;
+                    s.out[2][r][x] = ac[nt][e] * fexp(s.rr[a + 1][x] - G);
+                }
         }
-        for (int a2 = 3; a2 > a; a2--) {
-            if (a2 < 3)
-                horner_step(ac, s.rr[a2 + 1], s.rr[a2], t);
-#pragma unroll
-            for (int hl = 0; hl < 2; hl++) {
-                wmma<2, true, false>(ac, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0 + hl][0][0], CWS, 0,
-                                     a2 * 16, 1, lane);
-                wmma<2, true, false>(ac, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[2 + hl][0][0], CWS, 0,
-                                     a2 * 16, 1, lane);
-            }
-        }
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int r = a * 16 + g + (e >> 1) * 8, x = nt * 8 + 2 * t + (e & 1);
-                const float G = s.G[r][x];
-                const float fr = fexp(G - s.rr[a][x]);
-                s.out[0][r][x] = aq[nt][e] * fr;
-                s.out[1][r][x] = ak[nt][e] * fr;
-                float vc = ac[nt][e] * fexp(s.rr[a + 1][x] - G);
-                if (p.shared_diag)
-                    vc += ad[nt][e] * fexp(s.rr[a][x] - G);
-                s.out[2][r][x] = vc;
-            }
     }
     __syncwarp();
     if (!p.shared_diag) { /* diagonal block per pair in fp32 (lane = channel) */
