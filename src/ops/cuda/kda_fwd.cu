@@ -627,6 +627,7 @@ template <int BV> struct InterSmem {
     bf16 S[KD][BV + 8];  /* the state in bf16 (B operand of w S and qg S) */
     bf16 vn[BT][BV + 8]; /* v' in bf16 */
 };
+static_assert(sizeof(InterSmem<128>) <= 227 * 1024, "the 128-column recurrence fits an SM's shared memory");
 
 template <int BV, int NT>
 __device__ __forceinline__ void inter_load(const Params &p, InterStage<BV> &st, int64_t cb, int c0,
@@ -883,16 +884,18 @@ lm_status cuda_err(lm_error *err, cudaError_t e, const char *what) {
     } while (0)
 
 int kda_cuda_bv(int nsh) {
-    /* LINMOE_KDA_CUDA_BV=16|32|64 overrides the choice (measurements, docs/perf-notes.md) */
+    /* LINMOE_KDA_CUDA_BV=16|32|64|128 overrides the choice (measurements, docs/perf-notes.md) */
     static int forced = -1;
     if (forced < 0) {
         const char *e = getenv("LINMOE_KDA_CUDA_BV");
         const int v = e ? atoi(e) : 0;
-        forced = (v == 16 || v == 32 || v == 64) ? v : 0;
+        forced = (v == 16 || v == 32 || v == 64 || v == 128) ? v : 0;
     }
     if (forced)
         return forced;
-    return nsh * 2 >= 120 ? 64 : (nsh * 4 >= 120 ? 32 : 16);
+    /* the widest slice that still gives about a CTA per SM: at 128 sequence-heads one
+     * 128-column CTA each beats two 64-column waves (w / qg / kg loaded once) */
+    return nsh >= 120 ? 128 : (nsh * 2 >= 120 ? 64 : (nsh * 4 >= 120 ? 32 : 16));
 }
 
 extern "C" int lm_cuda_device_count(void) {
@@ -1138,10 +1141,13 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
     p.shared_diag = c->gate == LM_GATE_BOUNDED && c->diag != LM_DIAG_SAFE;
     /* V slice of the recurrence: the widest that still gives about a CTA per SM */
     const int nsh = N * HV;
-    const int BVsel = kda_cuda_bv(nsh);
+    int BVsel = kda_cuda_bv(nsh);
+    if (BVsel == 128 && !sv && V <= 64) /* inference: no idle half of a 128-column slice */
+        BVsel = 64;
     const size_t sm1 = sizeof(IntraSmem);
-    const size_t sm2 = BVsel == 64 ? sizeof(InterSmem<64>)
-                                   : (BVsel == 32 ? sizeof(InterSmem<32>) : sizeof(InterSmem<16>));
+    const size_t sm2 = BVsel == 128 ? sizeof(InterSmem<128>)
+                       : BVsel == 64 ? sizeof(InterSmem<64>)
+                                     : (BVsel == 32 ? sizeof(InterSmem<32>) : sizeof(InterSmem<16>));
     /* the shared-memory opt-ins once per device (a driver call each; they add up in a
      * training loop) */
     static int attr_dev = -1;
@@ -1149,6 +1155,8 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
     CK(kda_cuda_first_on_device(attr_dev, first));
     if (first) {
         CK(cudaFuncSetAttribute(kda_intra_tc, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm1));
+        CK(cudaFuncSetAttribute(kda_inter_tc<128, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)sizeof(InterSmem<128>)));
         CK(cudaFuncSetAttribute(kda_inter_tc<64, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 (int)sizeof(InterSmem<64>)));
         CK(cudaFuncSetAttribute(kda_inter_tc<32, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1175,7 +1183,9 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
     /* the training forward covers all 128 columns (the saved h and v' tiles are read
      * whole by the backward; columns >= V come out zero) */
     const dim3 g2(sv ? KD / BVsel : (V + BVsel - 1) / BVsel, N * HV);
-    if (BVsel == 64)
+    if (BVsel == 128)
+        kda_inter_tc<128, 4><<<g2, NT2 * 4, sm2>>>(p);
+    else if (BVsel == 64)
         kda_inter_tc<64, 2><<<g2, NT2 * 2, sm2>>>(p);
     else if (BVsel == 32)
         kda_inter_tc<32, 2><<<g2, NT2 * 2, sm2>>>(p);

@@ -44,6 +44,7 @@ namespace {
 
 struct BwdParams {
     int N, nchunks, T, H, HV, K, V, gdn, gate, l2, sig, shared_diag, grp;
+    int do_direct; /* V % 8 == 0: the dh and state kernels read do_ itself (no padded copy) */
     float lb, scale;
     const int2 *chunks, *seqs;
     const bf16 *q, *k, *v, *g, *beta;
@@ -168,6 +169,8 @@ __global__ void __launch_bounds__(NTB) kda_bwd_gather_do(BwdParams p) {
                                           ex2f(Gx));
         }
     }
+    if (p.do_direct) /* the dh and state kernels read dO where it is */
+        return;
     if ((V & 7) == 0) {
         for (int e = threadIdx.x; e < BT * KD / 8; e += NTB) {
             const int r = e >> 4, c = (e & 15) * 8;
@@ -197,10 +200,24 @@ template <int BV> struct DhSmem {
     bf16 dS[KD][BV + 8];
     bf16 dvn[BT][BV + 8], ndvn[BT][BV + 8];
 };
+static_assert(sizeof(DhSmem<128>) <= 227 * 1024, "the 128-column dh kernel fits an SM's shared memory");
+
+/* dO rows t0 .. t0 + L - 1 of value head hv, columns c0 .. c0 + NC - 1, into a [64][ld]
+ * tile at dst (element (r, c) at dst + off(r, c)), zeros past L and V; V % 8 == 0 */
+template <int NC, int NT, typename Off>
+__device__ __forceinline__ void load_do_direct(const BwdParams &p, bf16 *dst, Off off, int t0, int L, int hv,
+                                               int c0, int tid) {
+    for (int e = tid; e < BT * (NC / 8); e += NT) {
+        const int i = e / (NC / 8), c = (e % (NC / 8)) * 8;
+        const bool ok = i < L && c0 + c < p.V;
+        const bf16 *src = ok ? p.do_ + ((int64_t)(t0 + i) * p.HV + hv) * p.V + c0 + c : p.do_;
+        cp_async16_zfill(dst + off(i, c), src, ok);
+    }
+}
 
 template <int BV, int NT>
 __device__ __forceinline__ void dh_load(const BwdParams &p, DhStage<BV> &st, int64_t cb, int c0,
-                                        int tid) {
+                                        int tid, int t0, int L) {
     const bf16 *w = p.w + cb * BT * KD, *qg = p.qg + cb * BT * KD, *kd = p.kd + cb * BT * KD;
     for (int e = tid; e < BT * (KD / 8); e += NT) {
         const int i = e >> 4, d0 = (e & 15) * 8;
@@ -213,10 +230,15 @@ __device__ __forceinline__ void dh_load(const BwdParams &p, DhStage<BV> &st, int
         const int i = e >> 3, j0 = (e & 7) * 8;
         cp_async16(&st.A[i][j0], A + i * BT + j0);
     }
-    const bf16 *dO = p.dO + cb * BT * KD + c0;
-    for (int e = tid; e < BT * (BV / 8); e += NT) {
-        const int i = e / (BV / 8), c = (e % (BV / 8)) * 8;
-        cp_async16(&st.dO[i][c], dO + i * KD + c);
+    if (p.do_direct) {
+        load_do_direct<BV, NT>(p, &st.dO[0][0], [](int i, int c) { return i * (BV + 8) + c; }, t0, L,
+                               (int)(cb % p.HV), c0, tid);
+    } else {
+        const bf16 *dO = p.dO + cb * BT * KD + c0;
+        for (int e = tid; e < BT * (BV / 8); e += NT) {
+            const int i = e / (BV / 8), c = (e % (BV / 8)) * 8;
+            cp_async16(&st.dO[i][c], dO + i * KD + c);
+        }
     }
     if (tid < KD / 4)
         cp_async16(&st.gl[tid * 4], p.gl + cb * KD + tid * 4);
@@ -241,19 +263,37 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
                          warp, lane);
     const int2 sq = p.seqs[n];
     constexpr int NS = REC_STAGES;
+    /* chunk j of the sequence starts at token tfirst + 64 j and ends before min(that + 64,
+     * tend): read once, not a table read per step */
+    int tfirst = 0, tend = 0;
+    if (sq.y > 0) {
+        const int2 cf = p.chunks[sq.x], cl = p.chunks[sq.x + sq.y - 1];
+        tfirst = cf.x;
+        tend = cl.x + cl.y;
+    }
+    auto tok = [&](int j, int &t0, int &L) {
+        t0 = tfirst + j * BT;
+        L = min(BT, tend - t0);
+    };
     /* one commit group per chunk (empty past the end), so the wait count is constant */
 #pragma unroll
     for (int k = 0; k < NS - 1; k++) {
-        if (k < sq.y)
-            dh_load<BV, NT>(p, s.st[k], (int64_t)(sq.x + sq.y - 1 - k) * HV + hv, c0, tid);
+        if (k < sq.y) {
+            int t0, L;
+            tok(sq.y - 1 - k, t0, L);
+            dh_load<BV, NT>(p, s.st[k], (int64_t)(sq.x + sq.y - 1 - k) * HV + hv, c0, tid, t0, L);
+        }
         cp_async_commit();
     }
     for (int jj = 0; jj < sq.y; jj++) {
         const int ci = sq.x + sq.y - 1 - jj;
         const int64_t cb = (int64_t)ci * HV + hv;
         DhStage<BV> &st = s.st[jj % NS];
-        if (jj + NS - 1 < sq.y)
-            dh_load<BV, NT>(p, s.st[(jj + NS - 1) % NS], cb - (int64_t)(NS - 1) * HV, c0, tid);
+        if (jj + NS - 1 < sq.y) {
+            int t0, L;
+            tok(sq.y - 1 - jj - (NS - 1), t0, L);
+            dh_load<BV, NT>(p, s.st[(jj + NS - 1) % NS], cb - (int64_t)(NS - 1) * HV, c0, tid, t0, L);
+        }
         cp_async_commit();
         /* dS -> bf16 tile and dh[cb] */
 #pragma unroll
@@ -370,10 +410,17 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_state(BwdParams p) {
             cp_async16(&s.S0[swz_chunk(r, c)], S0 + r * KD + c);
             cp_async16(&s.dS[swz_chunk(r, c)], dS + r * KD + c);
         }
-        const bf16 *dO = p.dO + cb * BT * KD, *vn = p.vns + cb * BT * KD, *dvn = p.dvn + cb * BT * KD;
+        const bf16 *vn = p.vns + cb * BT * KD, *dvn = p.dvn + cb * BT * KD;
+        const bf16 *dO = p.do_direct ? nullptr : p.dO + cb * BT * KD;
+        if (p.do_direct) {
+            const int2 ch = p.chunks[ci];
+            load_do_direct<KD, NTB>(p, s.dO, [](int r, int c) { return swz_chunk(r, c); }, ch.x, ch.y, hv, 0,
+                                    tid);
+        }
         for (int e = tid; e < BT * KD / 8; e += NTB) {
             const int r = e >> 4, c = (e & 15) * 8;
-            cp_async16(&s.dO[swz_chunk(r, c)], dO + r * KD + c);
+            if (!p.do_direct)
+                cp_async16(&s.dO[swz_chunk(r, c)], dO + r * KD + c);
             cp_async16(&s.vn[swz_chunk(r, c)], vn + r * KD + c);
             cp_async16(&s.dvn[swz_chunk(r, c)], dvn + r * KD + c);
         }
@@ -1448,6 +1495,9 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     p.hs = sv.hs;
     p.vns = sv.vns;
     p.do_ = (const bf16 *)gr->do_;
+    /* 16-byte rows of dO (V % 8 == 0, 16-byte aligned): read in place by the dh and state
+     * kernels; otherwise the gather kernel copies it into the padded layout */
+    p.do_direct = (V & 7) == 0 && ((uintptr_t)gr->do_ & 15) == 0;
     p.dht = gr->dht;
     p.dq = (bf16 *)gr->dq;
     p.dk = (bf16 *)gr->dk;
@@ -1462,7 +1512,7 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     size_t bytes = 0;
     for (int pass = 0; pass < 2; pass++) {
         Carve cv{pass ? (char *)g_bws.buf : nullptr, 0};
-        p.dO = cv.take<bf16>(nblk * BT * KD);
+        p.dO = p.do_direct ? nullptr : cv.take<bf16>(nblk * BT * KD); /* the padded copy */
         p.Kgs = cv.take<bf16>(nblk * BT * KD);
         p.dh = cv.take<bf16>(nblk * KD * KD);
         p.dvn = cv.take<bf16>(nblk * BT * KD);
@@ -1493,12 +1543,15 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
 
     const int nsh = N * HV;
     const int BVsel = kda_cuda_bv(nsh);
-    const size_t smDh = BVsel == 64 ? sizeof(DhSmem<64>)
+    const size_t smDh = BVsel == 128 ? sizeof(DhSmem<128>)
+                        : BVsel == 64 ? sizeof(DhSmem<64>)
                                     : (BVsel == 32 ? sizeof(DhSmem<32>) : sizeof(DhSmem<16>));
     static int attr_dev = -1; /* the shared-memory opt-ins once per device */
     bool first = false;
     CK(kda_cuda_first_on_device(attr_dev, first));
     if (first) {
+        CK(cudaFuncSetAttribute(kda_bwd_dh<128, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)sizeof(DhSmem<128>)));
         CK(cudaFuncSetAttribute(kda_bwd_dh<64, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 (int)sizeof(DhSmem<64>)));
         CK(cudaFuncSetAttribute(kda_bwd_dh<32, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1531,6 +1584,8 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     const dim3 g1(KD / BVsel, N * HV);
     if (BVsel == 64)
         kda_bwd_dh<64, 2><<<g1, NT2 * 2, smDh>>>(p);
+    else if (BVsel == 128)
+        kda_bwd_dh<128, 4><<<g1, NT2 * 4, smDh>>>(p);
     else if (BVsel == 32)
         kda_bwd_dh<32, 2><<<g1, NT2 * 2, smDh>>>(p);
     else
