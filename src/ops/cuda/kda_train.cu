@@ -1575,7 +1575,27 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     if (prof)
         CK(cudaEventRecord(ev[0]));
     const dim3 gb(nchunks, HV);
-    if (nchunks > 0) {
+    /* With dO read in place the dh recurrence does not wait for the gather kernel (its Kg is
+     * for the UT kernel): the gather then runs beside dh on a second stream, in the issue
+     * slots the latency-bound recurrence leaves, and the default stream waits for it before
+     * the UT kernel. Not under LINMOE_KDA_CUDA_PROFILE, whose per-kernel times need the
+     * kernels one after another. */
+    const bool side = p.do_direct && !prof && nchunks > 0;
+    static struct {
+        cudaStream_t st;
+        cudaEvent_t fork, join;
+    } sides[16];
+    int dev = 0;
+    CK(cudaGetDevice(&dev));
+    if (side && dev < 16 && !sides[dev].st) {
+        CK(cudaStreamCreateWithFlags(&sides[dev].st, cudaStreamNonBlocking));
+        CK(cudaEventCreateWithFlags(&sides[dev].fork, cudaEventDisableTiming));
+        CK(cudaEventCreateWithFlags(&sides[dev].join, cudaEventDisableTiming));
+    }
+    const bool use_side = side && dev < 16;
+    if (use_side)
+        CK(cudaEventRecord(sides[dev].fork, 0)); /* everything before the backward */
+    else if (nchunks > 0) {
         kda_bwd_gather_do<<<gb, NTB>>>(p);
         CK(cudaGetLastError());
     }
@@ -1591,6 +1611,12 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     else
         kda_bwd_dh<16, 1><<<g1, NT2, smDh>>>(p);
     CK(cudaGetLastError());
+    if (use_side) { /* dh first on the default stream, so that it takes its SMs first */
+        CK(cudaStreamWaitEvent(sides[dev].st, sides[dev].fork, 0));
+        kda_bwd_gather_do<<<gb, NTB, 0, sides[dev].st>>>(p);
+        CK(cudaGetLastError());
+        CK(cudaEventRecord(sides[dev].join, sides[dev].st));
+    }
     if (prof)
         CK(cudaEventRecord(ev[2]));
     if (nchunks > 0) {
@@ -1598,6 +1624,8 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
         CK(cudaGetLastError());
         if (prof)
             CK(cudaEventRecord(ev[3]));
+        if (use_side)
+            CK(cudaStreamWaitEvent(0, sides[dev].join, 0)); /* Kg */
         kda_bwd_ut<<<gb, NTB, sizeof(UtSmem)>>>(p);
         CK(cudaGetLastError());
         if (prof)
