@@ -22,8 +22,8 @@
  * the host (HV and HV*K values) and uploaded.
  *
  * Timing: CUDA events around `calls` back-to-back calls (enough calls for ~50 ms, 10
- * ms with --quick; every entry point is synchronous today, so host gaps between calls
- * are included), the time of one call is elapsed / calls; median of 10 repeats (3
+ * ms with --quick; the entry points are asynchronous on the default stream, so the calls
+ * queue back to back), the time of one call is elapsed / calls; median of 10 repeats (3
  * with --quick) after warm-up. Outputs are checked for NaN / Inf after each row.
  *
  * Counts (pinned; every shape here has K = V = 128 and 64-token chunks):
