@@ -948,6 +948,26 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         zero_acc<4>(ak);
         zero_acc<4>(ac);
         zero_acc<4>(ad);
+        /* row side: key block b against operand slot zs (hi, lo) into aq (dA) and ak (dP);
+         * column side: row block a2 of Q (dA^T) and K (dP^T) into acc */
+        auto row_block = [&](int b, int zs) {
+#pragma unroll
+            for (int hl = 0; hl < 2; hl++) {
+                wmma<2, false, false>(aq, &s.dA[0][0], AS, a * 16, b * 16, &s.op[zs + hl][0][0], CWS, 0,
+                                      b * 16, 1, lane);
+                wmma<2, false, false>(ak, &s.dPb[0][0], AS, a * 16, b * 16, &s.op[zs + hl][0][0], CWS, 0,
+                                      b * 16, 1, lane);
+            }
+        };
+        auto col_block = [&](float (&acc)[4][4], int a2) {
+#pragma unroll
+            for (int hl = 0; hl < 2; hl++) {
+                wmma<2, true, false>(acc, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0 + hl][0][0], CWS, 0,
+                                     a2 * 16, 1, lane);
+                wmma<2, true, false>(acc, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[2 + hl][0][0], CWS, 0,
+                                     a2 * 16, 1, lane);
+            }
+        };
         if (p.shared_diag) {
             /* bounded gate, by halves: the row side of block a against key blocks 0..a with
              * the key operand of its half's reference (Z0 or Z1), no Horner steps; the column
@@ -955,29 +975,11 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
              * block of the first half, from the second half's (reference G_47, into ad) */
             const int zs = a < 2 ? 4 : 6, hend = a < 2 ? 2 : 4;
             for (int b = 0; b <= a; b++)
-#pragma unroll
-                for (int hl = 0; hl < 2; hl++) {
-                    wmma<2, false, false>(aq, &s.dA[0][0], AS, a * 16, b * 16, &s.op[zs + hl][0][0], CWS,
-                                          0, b * 16, 1, lane);
-                    wmma<2, false, false>(ak, &s.dPb[0][0], AS, a * 16, b * 16, &s.op[zs + hl][0][0], CWS,
-                                          0, b * 16, 1, lane);
-                }
+                row_block(b, zs);
             for (int a2 = a; a2 < hend; a2++)
-#pragma unroll
-                for (int hl = 0; hl < 2; hl++) {
-                    wmma<2, true, false>(ac, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0 + hl][0][0], CWS, 0,
-                                         a2 * 16, 1, lane);
-                    wmma<2, true, false>(ac, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[2 + hl][0][0], CWS, 0,
-                                         a2 * 16, 1, lane);
-                }
+                col_block(ac, a2);
             for (int a2 = hend; a2 < 4; a2++)
-#pragma unroll
-                for (int hl = 0; hl < 2; hl++) {
-                    wmma<2, true, false>(ad, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0 + hl][0][0], CWS, 0,
-                                         a2 * 16, 1, lane);
-                    wmma<2, true, false>(ad, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[2 + hl][0][0], CWS, 0,
-                                         a2 * 16, 1, lane);
-                }
+                col_block(ad, a2);
             const int ih = a < 2 ? 1 : 3;
 #pragma unroll
             for (int nt = 0; nt < 4; nt++)
@@ -999,24 +1001,12 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
                     horner_step(aq, s.rr[b + 1], s.rr[b], t);
                     horner_step(ak, s.rr[b + 1], s.rr[b], t);
                 }
-#pragma unroll
-                for (int hl = 0; hl < 2; hl++) {
-                    wmma<2, false, false>(aq, &s.dA[0][0], AS, a * 16, b * 16, &s.op[6 + hl][0][0], CWS, 0,
-                                          b * 16, 1, lane);
-                    wmma<2, false, false>(ak, &s.dPb[0][0], AS, a * 16, b * 16, &s.op[6 + hl][0][0], CWS, 0,
-                                          b * 16, 1, lane);
-                }
+                row_block(b, 6);
             }
             for (int a2 = 3; a2 > a; a2--) {
                 if (a2 < 3)
                     horner_step(ac, s.rr[a2 + 1], s.rr[a2], t);
-#pragma unroll
-                for (int hl = 0; hl < 2; hl++) {
-                    wmma<2, true, false>(ac, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0 + hl][0][0], CWS, 0,
-                                         a2 * 16, 1, lane);
-                    wmma<2, true, false>(ac, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[2 + hl][0][0], CWS, 0,
-                                         a2 * 16, 1, lane);
-                }
+                col_block(ac, a2);
             }
 #pragma unroll
             for (int nt = 0; nt < 4; nt++)
