@@ -209,8 +209,10 @@ lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cuda_inputs *
 
 /* Backward of sum(o*do) + sum(final_state*dht) (reference/kda.md §4.1, docs/kda-math.md).
  * May be called more than once on the same saved state. Asynchronous on the default
- * stream, as lm_kda_cuda_chunk_forward. Errors: LM_ERR_INVALID (NULL saved / grads /
- * do_), LM_ERR_NOMEM (scratch), LM_ERR_IO (CUDA). */
+ * stream, as lm_kda_cuda_chunk_forward (one of its kernels runs on an internal stream
+ * beside another, ordered by events after the work queued before the call and before the
+ * work queued after it). Errors: LM_ERR_INVALID (NULL saved / grads / do_), LM_ERR_NOMEM
+ * (scratch), LM_ERR_IO (CUDA). */
 lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda_cuda_grads *gr,
                                lm_error *err);
 
