@@ -186,6 +186,24 @@ __device__ __forceinline__ void ld8h(float f[8], const bf16 *src) {
         f[2 * x + 1] = __high2float(h[x]);
     }
 }
+/* The tokens of a sequence whose chunks are entries sq.x .. sq.x + sq.y - 1 of the chunk
+ * table (consecutive 64-token chunks): chunk j starts at first + 64 j and has
+ * min(64, end - start) rows. Two table reads per sequence instead of one per step (a table
+ * read per step put a global load on the recurrences' critical path). */
+struct SeqSpan {
+    int first = 0, end = 0;
+    __device__ __forceinline__ SeqSpan(const int2 *chunks, int2 sq) {
+        if (sq.y > 0) {
+            const int2 cf = chunks[sq.x], cl = chunks[sq.x + sq.y - 1];
+            first = cf.x;
+            end = cl.x + cl.y;
+        }
+    }
+    __device__ __forceinline__ void chunk(int j, int &t0, int &L) const {
+        t0 = first + j * BT;
+        L = min(BT, end - t0);
+    }
+};
 __device__ __forceinline__ void st8h(bf16 *dst, const float f[8]) {
     uint4 u;
     u.x = pack_bf16(f[0], f[1]);

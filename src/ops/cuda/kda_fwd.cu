@@ -306,6 +306,22 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         __syncthreads();
         float ra[8]; /* this thread's channels are the same d0 in every item */
         ld8f(ra, &s.G[ref][d0]);
+        /* query and key-side operands of row i (slot r): q, k times exp(G_i - G_ref), one
+         * exponential for both; k and G of the row are left in xk, gr */
+        auto qk_operands = [&](int r, int i, float (&xk)[8], float (&gr)[8], float (&fq)[8], float (&fk)[8]) {
+            float xq[8];
+            ld8h(xq, &s.q[i][d0]);
+            ld8h(xk, &s.k[i][d0]);
+            ld8f(gr, &s.G[i][d0]);
+#pragma unroll
+            for (int x = 0; x < 8; x++) {
+                const float e = ex2f(gr[x] - ra[x]);
+                fq[x] = xq[x] * e;
+                fk[x] = xk[x] * e;
+            }
+            st8h(opQ + r * RS + d0, fq);
+            st8h(opK + r * RS + d0, fk);
+        };
         if (same_rows) {
             /* the bounded gate's qg, kg, beta k e^G (and, for rows 32..63, beta v) come out
              * of these two rounds (the pass after the inverse is for the other gates):
@@ -320,19 +336,11 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
 #pragma unroll 1
             for (int jr = 0; jr < 2; jr++) { /* rows r0, r0 + 16 of the half: items 2 rd + jr */
                 const int r = r0 + 16 * jr, i = qb + r;
-                float xq[8], xk[8], gr[8], fq[8], fk[8], fc[8];
-                ld8h(xq, &s.q[i][d0]);
-                ld8h(xk, &s.k[i][d0]);
-                ld8f(gr, &s.G[i][d0]);
+                float xk[8], gr[8], fq[8], fk[8], fc[8];
+                qk_operands(r, i, xk, gr, fq, fk);
 #pragma unroll
-                for (int x = 0; x < 8; x++) {
-                    const float e = ex2f(gr[x] - ra[x]);
-                    fq[x] = xq[x] * e;
-                    fk[x] = xk[x] * e;
+                for (int x = 0; x < 8; x++)
                     fc[x] = xk[x] * ex2f(ra[x] - gr[x]);
-                }
-                st8h(opQ + r * RS + d0, fq);
-                st8h(opK + r * RS + d0, fk);
                 st8h(opC + r * RS + d0, fc);
                 const float nq = s.nq[i], nk = s.nk[i], bk = s.beta[i] * nk;
                 float oq[8], ok[8], ob[8];
@@ -356,20 +364,9 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
                 }
             }
         } else if (build_q)
-            for (int r = r0; r < 16 * nqb; r += NT1 / 16) { /* q and k rows: one exponential */
-                const int i = qb + r;
-                float xq[8], xk[8], gr[8], fq[8], fk[8];
-                ld8h(xq, &s.q[i][d0]);
-                ld8h(xk, &s.k[i][d0]);
-                ld8f(gr, &s.G[i][d0]);
-#pragma unroll
-                for (int x = 0; x < 8; x++) {
-                    const float e = ex2f(gr[x] - ra[x]);
-                    fq[x] = xq[x] * e;
-                    fk[x] = xk[x] * e;
-                }
-                st8h(opQ + r * RS + d0, fq);
-                st8h(opK + r * RS + d0, fk);
+            for (int r = r0; r < 16 * nqb; r += NT1 / 16) { /* q and k rows */
+                float xk[8], gr[8], fq[8], fk[8];
+                qk_operands(r, qb + r, xk, gr, fq, fk);
             }
         if (!same_rows)
             for (int r = r0; r < 16 * nkb; r += NT1 / 16) { /* key rows */
@@ -674,9 +671,6 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
     state_regs_load<NTV>(S, p.h0 ? p.h0 + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0 + cw,
                          warp, lane);
     const int2 sq = p.seqs[n];
-    /* a sequence's chunks are consecutive 64-token chunks: (t0, L) from its first and last
-     * entries, read once (a table read per step put a global load on the critical path) */
-    int tfirst = 0, tend = 0;
     constexpr int NS = REC_STAGES;
     /* one commit group per chunk (empty past the end), so the wait count is constant */
 #pragma unroll
@@ -685,16 +679,13 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
             inter_load<BV, NT>(p, s.st[k], (int64_t)(sq.x + k) * HV + hv, c0, tid);
         cp_async_commit();
     }
-    if (sq.y > 0) {
-        const int2 cf = p.chunks[sq.x], cl = p.chunks[sq.x + sq.y - 1];
-        tfirst = cf.x;
-        tend = cl.x + cl.y;
-    }
+    const SeqSpan span(p.chunks, sq);
     /* o stores without per-element column checks when the whole slice lies inside V */
     const bool vfull = (V & 1) == 0 && c0 + BV <= V;
     for (int cc = 0; cc < sq.y; cc++) {
         const int ci = sq.x + cc;
-        const int t0 = tfirst + cc * BT, L = min(BT, tend - t0);
+        int t0, L;
+        span.chunk(cc, t0, L);
         InterStage<BV> &st = s.st[cc % NS];
         if (cc + NS - 1 < sq.y)
             inter_load<BV, NT>(p, s.st[(cc + NS - 1) % NS], (int64_t)(ci + NS - 1) * HV + hv, c0, tid);

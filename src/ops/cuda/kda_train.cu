@@ -10,8 +10,9 @@
  * from the raw gate (gate_cumsum_rows, as the intra kernel computes it).
  *
  * Backward (notation of docs/kda-math.md "Backward of one chunk"):
- *   b0  dO gathered into the padded [cb][64][128] layout (zeros outside [L, V]), and
- *       Kg = nk k e^G (bf16) for b3.
+ *   b0  Kg = nk k e^G (bf16) for b3, on a second stream beside b1; and, only when V is not
+ *       a multiple of 8 (otherwise b1 and b2 read dO in place), dO gathered into the
+ *       padded [cb][64][128] layout (zeros outside [L, V]) before b1.
  *   b1  one CTA per (sequence, value head, V slice), chunks in reverse, the state
  *       gradient dS (the gradient w.r.t. the state after the chunk) in fp32 registers:
  *         dh[cb] = dS  (bf16, for the chunk-parallel kernels)
@@ -122,10 +123,10 @@ __device__ __forceinline__ void split_bf16(float x, bf16 &hi, bf16 &lo) {
     lo = __float2bfloat16(x - __bfloat162float(hi));
 }
 
-/* ------------------------------------------------------ b0: gather dO, recompute Kg */
-/* dO into the padded [cb][64][128] layout, and Kg = nk k e^G (bf16) for the UT kernel,
- * with the cumulative log-decay G of the chunk recomputed from the raw gate as the
- * forward's intra kernel computes it (log2 units, cumulative over rows in two 32-row
+/* ------------------------------------------------------ b0: recompute Kg, gather dO */
+/* Kg = nk k e^G (bf16) for the UT kernel, and (p.do_direct false only) dO into the padded
+ * [cb][64][128] layout; G of the chunk recomputed from the raw gate as the forward's intra
+ * kernel computes it (log2 units, cumulative over rows in two 32-row
  * halves, zero past L and K). Recomputing costs 32 KB of reads per (chunk, head) against
  * 48 KB of G and Kg saves in the training forward. */
 __global__ void __launch_bounds__(NTB) kda_bwd_gather_do(BwdParams p) {
@@ -263,24 +264,13 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
                          warp, lane);
     const int2 sq = p.seqs[n];
     constexpr int NS = REC_STAGES;
-    /* chunk j of the sequence starts at token tfirst + 64 j and ends before min(that + 64,
-     * tend): read once, not a table read per step */
-    int tfirst = 0, tend = 0;
-    if (sq.y > 0) {
-        const int2 cf = p.chunks[sq.x], cl = p.chunks[sq.x + sq.y - 1];
-        tfirst = cf.x;
-        tend = cl.x + cl.y;
-    }
-    auto tok = [&](int j, int &t0, int &L) {
-        t0 = tfirst + j * BT;
-        L = min(BT, tend - t0);
-    };
+    const SeqSpan span(p.chunks, sq); /* the tokens of each chunk, for dO read in place */
     /* one commit group per chunk (empty past the end), so the wait count is constant */
 #pragma unroll
     for (int k = 0; k < NS - 1; k++) {
         if (k < sq.y) {
             int t0, L;
-            tok(sq.y - 1 - k, t0, L);
+            span.chunk(sq.y - 1 - k, t0, L);
             dh_load<BV, NT>(p, s.st[k], (int64_t)(sq.x + sq.y - 1 - k) * HV + hv, c0, tid, hv, t0, L);
         }
         cp_async_commit();
@@ -291,7 +281,7 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
         DhStage<BV> &st = s.st[jj % NS];
         if (jj + NS - 1 < sq.y) {
             int t0, L;
-            tok(sq.y - 1 - jj - (NS - 1), t0, L);
+            span.chunk(sq.y - 1 - jj - (NS - 1), t0, L);
             dh_load<BV, NT>(p, s.st[(jj + NS - 1) % NS], cb - (int64_t)(NS - 1) * HV, c0, tid, hv, t0, L);
         }
         cp_async_commit();
