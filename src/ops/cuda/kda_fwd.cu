@@ -23,6 +23,7 @@
  * two halves, then the lower-left 32 x 32 block). Other gates take the safe path on the
  * diagonal 16 x 16 blocks: per-pair exp(G_i - G_j) in fp32.
  */
+#include <cuda.h> /* CUtensorMap (the driver entry point is fetched at run time) */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -853,6 +854,211 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
         state_regs_store<NTV>(S, p.ht + ((int64_t)n * HV + hv) * K * V, K, V, c0 + cw, warp, lane);
 }
 
+/* ------------------------------------------------------------------ kernel 2, wgmma */
+/* The inference recurrence over all 128 columns on wgmma (sm_90a), for grids of about a
+ * sequence-head per SM: one CTA per sequence-head, two warpgroups, the fp32 state S
+ * [128][128] in accumulator registers (warpgroup wg: state rows 64 wg ..). Per chunk:
+ *   wg 0: v' = u - w S          wg 1: o = qg S          (S^T tile from shared memory)
+ *   wg 1: o += Aqk v'           both: S <- diag(gl) S + kg^T v' (their 64 state rows)
+ * The chunk's w, qg, kg, u (two 64-column boxes each) and Aqk arrive by the tensor copy
+ * engine with the 128-byte swizzle, gl by a bulk copy, on one mbarrier per stage, issued
+ * by one thread a chunk ahead. w and qg are wgmma A operands in place; kg^T (ldmatrix
+ * .trans) and Aqk (ldmatrix, blocks above the diagonal zeroed in registers) are register
+ * A operands. S^T and v'^T are written from the accumulators with stmatrix.trans into
+ * K-major core-matrix tiles ("CM", no swizzle, chunk stride padded by 16 bytes). */
+#define CM128 2064        /* chunk stride (bytes) of the 128-row CM tiles */
+#define SWT (BT * 64 * 2) /* bytes of one 64 x 64 swizzled box */
+struct __align__(1024) WgStage {
+    unsigned char w[2 * SWT], qg[2 * SWT], kg[2 * SWT], u[2 * SWT], A[SWT];
+    float gl[KD];
+};
+struct WgSmem {
+    WgStage st[2];
+    unsigned char S[16 * CM128]; /* S^T in bf16: rows = the state's columns, K = its rows */
+    unsigned char vn[8 * CM128]; /* v'^T in bf16: rows = columns, K = chunk rows */
+    uint64_t bar[2];
+};
+#define WG_SMEM (sizeof(WgSmem) + 1024) /* and room to align the base to 1024 bytes */
+static_assert(WG_SMEM <= 227 * 1024, "the wgmma recurrence fits an SM's shared memory");
+#define NTW 256 /* threads of kda_inter_wg */
+
+struct WgMaps { /* tensor maps of the workspace: [cb * 64 + row][128 (Aqk: 64) columns] */
+    CUtensorMap w, qg, kg, u, A;
+};
+
+/* chunk cb's operands into a stage (one thread) */
+__device__ __forceinline__ void wg_load(const Params &p, const WgMaps &m, WgStage &st,
+                                        uint64_t *bar, int64_t cb) {
+    mbar_expect(bar, 9 * SWT + KD * sizeof(float));
+    const int r0 = (int)(cb * BT);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        tma_g2s(st.w + h * SWT, &m.w, 64 * h, r0, bar);
+        tma_g2s(st.qg + h * SWT, &m.qg, 64 * h, r0, bar);
+        tma_g2s(st.kg + h * SWT, &m.kg, 64 * h, r0, bar);
+        tma_g2s(st.u + h * SWT, &m.u, 64 * h, r0, bar);
+    }
+    tma_g2s(st.A, &m.A, 0, r0, bar);
+    bulk_g2s(st.gl, p.gl + cb * KD, KD * sizeof(float), bar);
+}
+/* (row r, column c < 128) of a two-box swizzled tile */
+__device__ __forceinline__ int sw128x2(int r, int c) { return (c >> 6) * SWT + sw128(r, c & 63); }
+
+/* the accumulators d (rows 16 w + 8 h .. of the warpgroup's 64, 16 n-tiles) to a CM tile
+ * of 128 rows = d's columns, transposed: K-chunk kc0 + 2 w + h */
+__device__ __forceinline__ void wg_store_t(unsigned char *tile, const float (&d)[64], int kc0,
+                                           int w, int lane) {
+    const int i = lane >> 3, k = lane & 7;
+#pragma unroll
+    for (int jp = 0; jp < 8; jp++) {
+        /* matrices (h, j) = (0, 2jp) (1, 2jp) (0, 2jp+1) (1, 2jp+1) */
+        const int j = 2 * jp + (i >> 1), h = i & 1;
+        unsigned char *row = tile + (kc0 + 2 * w + h) * CM128 + (8 * j + k) * 16;
+        stsm4t(row, pack_bf16(d[8 * jp], d[8 * jp + 1]), pack_bf16(d[8 * jp + 2], d[8 * jp + 3]),
+               pack_bf16(d[8 * jp + 4], d[8 * jp + 5]), pack_bf16(d[8 * jp + 6], d[8 * jp + 7]));
+    }
+}
+
+__global__ void __launch_bounds__(NTW, 1)
+    kda_inter_wg(Params p, const __grid_constant__ WgMaps maps) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    WgSmem &s =
+        *reinterpret_cast<WgSmem *>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
+    const int n = blockIdx.y / p.HV, hv = blockIdx.y % p.HV;
+    const int K = p.K, V = p.V, HV = p.HV;
+    const int tid = threadIdx.x, lane = tid & 31, w = (tid >> 5) & 3;
+    /* warpgroup index, visibly warp-uniform (ptxas serializes wgmma behind a branch it
+     * cannot prove uniform, warning C7520) */
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int g = lane >> 2, t = lane & 3;
+
+    if (tid == 0) {
+        mbar_init(&s.bar[0], 1);
+        mbar_init(&s.bar[1], 1);
+    }
+    fence_proxy_async(); /* the barriers, before the async proxy */
+    __syncthreads();
+    const int2 sq = p.seqs[n];
+    if (tid == 0 && sq.y > 0)
+        wg_load(p, maps, s.st[0], &s.bar[0], (int64_t)sq.x * HV + hv);
+    float S[64], acc[64];
+    {
+        const float *h0 = p.h0 ? p.h0 + ((int64_t)n * HV + hv) * K * V : nullptr;
+#pragma unroll
+        for (int x = 0; x < 64; x++) {
+            const int d = 64 * wg + 16 * w + g + ((x >> 1) & 1) * 8,
+                      c = 8 * (x >> 2) + 2 * t + (x & 1);
+            S[x] = (h0 && d < K && c < V) ? h0[(int64_t)d * V + c] : 0.0f;
+            acc[x] = 0.0f;
+        }
+    }
+    const SeqSpan span(p.chunks, sq);
+    const bool vfull = V == KD;
+    for (int cc = 0; cc < sq.y; cc++) {
+        const int ci = sq.x + cc;
+        int t0, L;
+        span.chunk(cc, t0, L);
+        WgStage &st = s.st[cc & 1];
+        if (tid == 0 && cc + 1 < sq.y) /* the stage read in step cc - 1 (barrier at its end) */
+            wg_load(p, maps, s.st[(cc + 1) & 1], &s.bar[(cc + 1) & 1], (int64_t)(ci + 1) * HV + hv);
+        wg_store_t(s.S, S, 8 * wg, w, lane); /* S^T, K-chunks of this warpgroup's rows */
+        fence_proxy_async();
+        __syncthreads();
+        mbar_wait(&s.bar[cc & 1], (cc >> 1) & 1); /* chunk cc has landed */
+        /* wg 0: acc = w S, wg 1: acc = qg S */
+        {
+            const unsigned char *Aop = wg ? st.qg : st.w;
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < KD / 16; ks++)
+                wgmma_ss128(acc, wg_desc_sw128(Aop + (ks >> 2) * SWT, ks & 3),
+                            wg_desc(s.S + 2 * ks * CM128, CM128, 128), ks > 0);
+            wg_commit();
+            wg_wait<0>();
+            wg_regs(acc);
+        }
+        if (wg == 0) { /* v' = u - w S, to v'^T */
+#pragma unroll
+            for (int x = 0; x < 64; x += 2) {
+                const int r = 16 * w + g + ((x >> 1) & 1) * 8, c = 8 * (x >> 2) + 2 * t;
+                const __nv_bfloat162 uu =
+                    *reinterpret_cast<const __nv_bfloat162 *>(st.u + sw128x2(r, c));
+                acc[x] = __low2float(uu) - acc[x];
+                acc[x + 1] = __high2float(uu) - acc[x + 1];
+            }
+            wg_store_t(s.vn, acc, 0, w, lane);
+            fence_proxy_async();
+        }
+        __syncthreads();
+        /* wg 1: o += Aqk v'; both: S <- diag(gl) S + kg^T v' */
+        {
+            const int d = 64 * wg + 16 * w + g;
+            const float e0 = st.gl[d], e1 = st.gl[d + 8];
+#pragma unroll
+            for (int x = 0; x < 64; x++)
+                S[x] *= (x & 2) ? e1 : e0;
+            uint32_t fk[BT / 16][4], fa[BT / 16][4];
+#pragma unroll
+            for (int ks = 0; ks < BT / 16; ks++) {
+                /* kg^T rows 64 wg + 16 w .., tokens 16 ks .. (at_addr's lane map) */
+                const int tok = 16 * ks + (lane & 7) + ((lane >> 4) & 1) * 8;
+                ldsm4t(fk[ks], st.kg + sw128x2(tok, 64 * wg + 16 * w + ((lane >> 3) & 1) * 8));
+                /* Aqk rows 16 w .., columns 16 ks .. (a_addr's lane map); zero above the
+                 * diagonal blocks (never written there) */
+                fa[ks][0] = fa[ks][1] = fa[ks][2] = fa[ks][3] = 0u;
+                if (wg == 1 && ks <= w)
+                    ldsm4(fa[ks], st.A + sw128(16 * w + (lane & 15), 16 * ks + (lane >> 4) * 8));
+            }
+            wg_fence();
+            if (wg == 1) {
+#pragma unroll
+                for (int ks = 0; ks < BT / 16; ks++)
+                    wgmma_rs128(acc, fa[ks], wg_desc(s.vn + 2 * ks * CM128, CM128, 128), 1);
+            }
+#pragma unroll
+            for (int ks = 0; ks < BT / 16; ks++)
+                wgmma_rs128(S, fk[ks], wg_desc(s.vn + 2 * ks * CM128, CM128, 128), 1);
+            wg_commit();
+            wg_wait<0>();
+            wg_regs(S);
+            wg_regs(acc);
+        }
+        if (wg == 1) { /* o rows < L */
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                const int r = 16 * w + g + hh * 8;
+                if (r < L) {
+                    bf16 *dst = p.o + ((int64_t)(t0 + r) * HV + hv) * V;
+#pragma unroll
+                    for (int j = 0; j < 16; j++) {
+                        const int c = 8 * j + 2 * t;
+                        const float a0 = acc[4 * j + 2 * hh], a1 = acc[4 * j + 2 * hh + 1];
+                        if (vfull)
+                            *reinterpret_cast<uint32_t *>(dst + c) = pack_bf16(a0, a1);
+                        else {
+                            if (c < V)
+                                dst[c] = __float2bfloat16(a0);
+                            if (c + 1 < V)
+                                dst[c + 1] = __float2bfloat16(a1);
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads(); /* S^T, v'^T and this stage are rewritten next */
+    }
+    if (p.ht) {
+        float *ht = p.ht + ((int64_t)n * HV + hv) * K * V;
+#pragma unroll
+        for (int x = 0; x < 64; x++) {
+            const int d = 64 * wg + 16 * w + g + ((x >> 1) & 1) * 8,
+                      c = 8 * (x >> 2) + 2 * t + (x & 1);
+            if (d < K && c < V)
+                ht[(int64_t)d * V + c] = S[x];
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ host side */
 
 struct Workspace {
@@ -873,6 +1079,42 @@ lm_status cuda_err(lm_error *err, cudaError_t e, const char *what) {
         if (e_ != cudaSuccess)                                                                    \
             return cuda_err(err, e_, #call);                                                      \
     } while (0)
+
+/* Tensor maps of the workspace for kda_inter_wg: cuTensorMapEncodeTiled from the driver,
+ * fetched through the runtime (no link-time dependency on libcuda); false when the
+ * driver has none or refuses the map (the caller takes kda_inter_tc then) */
+typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                  const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                  const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+static EncodeTiledFn encode_tiled() {
+    static EncodeTiledFn fn = nullptr;
+    static bool tried = false;
+    if (!tried) {
+        tried = true;
+        void *f = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                             &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (EncodeTiledFn)f;
+        else
+            cudaGetLastError();
+    }
+    return fn;
+}
+/* [rows][cols] bf16 row-major at base, boxes of 64 x 64 with the 128-byte swizzle */
+static bool wg_map(CUtensorMap *m, const void *base, uint64_t rows, uint64_t cols) {
+    const EncodeTiledFn fn = encode_tiled();
+    if (!fn)
+        return false;
+    const cuuint64_t dim[2] = {cols, rows}, stride[1] = {cols * sizeof(bf16)};
+    const cuuint32_t box[2] = {64, 64}, es[2] = {1, 1};
+    return fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dim, stride, box,
+              es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+              CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
 
 int kda_cuda_bv(int nsh) {
     /* LINMOE_KDA_CUDA_BV=16|32|64|128 overrides the choice (measurements, docs/perf-notes.md) */
@@ -1135,6 +1377,19 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
     int BVsel = kda_cuda_bv(nsh);
     if (BVsel == 128 && !sv && V <= 64) /* inference: no idle half of a 128-column slice */
         BVsel = 64;
+    static int use_wg = -1; /* LINMOE_KDA_CUDA_WGMMA=0: kda_inter_tc<128, 2> instead */
+    if (use_wg < 0) {
+        const char *e = getenv("LINMOE_KDA_CUDA_WGMMA");
+        use_wg = !(e && e[0] == '0');
+    }
+    bool wgrec = BVsel == 128 && !sv && use_wg && nchunks > 0;
+    WgMaps maps;
+    if (wgrec) {
+        const uint64_t rows = (uint64_t)nchunks * HV * BT;
+        wgrec = wg_map(&maps.w, p.w, rows, KD) && wg_map(&maps.qg, p.qg, rows, KD) &&
+                wg_map(&maps.kg, p.kg, rows, KD) && wg_map(&maps.u, p.u, rows, KD) &&
+                wg_map(&maps.A, p.Aqk, rows, BT);
+    }
     const size_t sm1 = sizeof(IntraSmem);
     const size_t sm2 = BVsel == 128 ? sizeof(InterSmem<128>)
                        : BVsel == 64 ? sizeof(InterSmem<64>)
@@ -1154,6 +1409,8 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
                                 (int)sizeof(InterSmem<32>)));
         CK(cudaFuncSetAttribute(kda_inter_tc<16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 (int)sizeof(InterSmem<16>)));
+        CK(cudaFuncSetAttribute(kda_inter_wg, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)WG_SMEM));
     }
     /* LINMOE_KDA_CUDA_PROFILE=1: per-kernel times on stderr (docs/perf-notes.md) */
     static int prof = -1;
@@ -1174,7 +1431,9 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
     /* the training forward covers all 128 columns (the saved h and v' tiles are read
      * whole by the backward; columns >= V come out zero) */
     const dim3 g2(sv ? KD / BVsel : (V + BVsel - 1) / BVsel, N * HV);
-    if (BVsel == 128) /* 8 warps of 16 x 64: 0.292 -> 0.284 ms against 16 of 16 x 32 */
+    if (wgrec)
+        kda_inter_wg<<<g2, NTW, WG_SMEM>>>(p, maps);
+    else if (BVsel == 128) /* 8 warps of 16 x 64: 0.292 -> 0.284 ms against 16 of 16 x 32 */
         kda_inter_tc<128, 2><<<g2, NT2 * 2, sm2>>>(p);
     else if (BVsel == 64)
         kda_inter_tc<64, 2><<<g2, NT2 * 2, sm2>>>(p);
