@@ -42,6 +42,11 @@ struct Params {
     const int2 *seqs;     /* [N] (first chunk, number of chunks) */
     int nchunks, N;
     int T, H, HV, K, V, gdn, gate, l2, sig, shared_diag;
+    /* inference with kda_inter_wg: flags[cb] = epoch once (chunk, head) cb's workspace is
+     * written (kda_intra_tc), so the recurrence can start on a sequence-head before the
+     * whole intra grid ends (NULL otherwise) */
+    unsigned *flags;
+    unsigned epoch;
     float lb, scale;
 };
 
@@ -288,6 +293,22 @@ __device__ __forceinline__ int sw128(int r, int c) {
 __device__ __forceinline__ uint64_t wg_desc_sw128(const void *tile, int ks) {
     return (uint64_t)(((smem_u32(tile) + 32 * ks) >> 4) & 0x3FFF) | ((uint64_t)1 << 16) |
            ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+/* release / acquire of a flag in global memory (gpu scope) */
+__device__ __forceinline__ void st_release(unsigned *ptr, unsigned v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned ld_acquire(const unsigned *ptr) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+    return v;
+}
+/* named barrier `id` of n threads: wait for it, or arrive without waiting */
+__device__ __forceinline__ void bar_sync_n(int id, int n) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void bar_arrive_n(int id, int n) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 /* four 8 x 8 bf16 matrices stored transposed: lanes 8 i .. 8 i + 7 give the row addresses
  * of matrix i, register i holds its mma fragment (row lane / 4, columns 2 (lane % 4) ..) */

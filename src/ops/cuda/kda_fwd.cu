@@ -101,6 +101,9 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
     const int h = hv / (HV / H);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t cb = (int64_t)ci * HV + hv;
+    if (p.flags) /* kda_inter_wg (launched programmatically dependent) may start once every
+                  * CTA of this grid has: it waits on the per-block flags, not the grid */
+        asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     constexpr int NIT = BT * (KD / 8) / NT1; /* 8-wide items per thread: 4 */
     /* item m of this thread: row i = tid / 16 + 16 m, channels d0 .. d0 + 7 */
     const int d0 = (tid & 15) * 8, r0 = tid >> 4;
@@ -605,6 +608,12 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         *reinterpret_cast<uint4 *>((mat ? p.u : p.w) + (cb * BT + r) * KD + c) =
             *reinterpret_cast<const uint4 *>(mat ? &ut[r][c] : &wt[r][c]);
     }
+    if (p.flags) { /* the CTA's stores (ordered by the barrier), then the flag: a release at
+                    * gpu scope is cumulative over what the barrier ordered before it */
+        __syncthreads();
+        if (tid == 0)
+            st_release(p.flags + cb, p.epoch);
+    }
 }
 
 /* ------------------------------------------------------------------ kernel 2 */
@@ -939,6 +948,17 @@ __global__ void __launch_bounds__(NTW, 1)
     fence_proxy_async(); /* the barriers, before the async proxy */
     __syncthreads();
     const int2 sq = p.seqs[n];
+    if (p.flags && tid < 32) {
+        /* every chunk of this sequence-head written by kda_intra_tc (its CTAs of one
+         * sequence-head run close together, so waiting for all of them up front costs
+         * little and keeps the acquire loads off the recurrence's path) */
+        for (int c = lane; c < sq.y; c += 32)
+            while (ld_acquire(p.flags + (int64_t)(sq.x + c) * HV + hv) != p.epoch)
+                __nanosleep(256);
+        __syncwarp();
+        if (lane == 0) /* before the copy engine reads them */
+            asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    }
     if (tid == 0 && sq.y > 0)
         wg_load(p, maps, s.st[0], &s.bar[0], (int64_t)sq.x * HV + hv);
     float S[64], acc[64];
@@ -954,16 +974,35 @@ __global__ void __launch_bounds__(NTW, 1)
     }
     const SeqSpan span(p.chunks, sq);
     const bool vfull = V == KD;
+    /* Named barriers (256 threads: one warpgroup arrives, the other waits), so that
+     * warpgroup 0 never waits for warpgroup 1's o (Aqk v' and the stores):
+     *   WB_S1: wg 1's S^T rows written (wg 1 arrives after its state update)
+     *   WB_S0: wg 0's S^T rows written
+     *   WB_VN: wg 1 done with v'^T (its wgmma read it), before wg 0 rewrites it
+     *   barrier 0 (__syncthreads) once per step: v'^T written and both phase-1 products
+     *   done (S^T may be rewritten after it) */
+    enum { WB_S1 = 1, WB_S0 = 2, WB_VN = 3 };
+    if (wg == 1 && sq.y > 0) {
+        wg_store_t(s.S, S, 8, w, lane);
+        fence_proxy_async();
+        bar_arrive_n(WB_S1, NTW);
+    }
     for (int cc = 0; cc < sq.y; cc++) {
         const int ci = sq.x + cc;
         int t0, L;
         span.chunk(cc, t0, L);
         WgStage &st = s.st[cc & 1];
-        if (tid == 0 && cc + 1 < sq.y) /* the stage read in step cc - 1 (barrier at its end) */
-            wg_load(p, maps, s.st[(cc + 1) & 1], &s.bar[(cc + 1) & 1], (int64_t)(ci + 1) * HV + hv);
-        wg_store_t(s.S, S, 8 * wg, w, lane); /* S^T, K-chunks of this warpgroup's rows */
-        fence_proxy_async();
-        __syncthreads();
+        if (wg == 0) {
+            wg_store_t(s.S, S, 0, w, lane); /* S^T, K-chunks 0..7: state rows 0..63 */
+            fence_proxy_async();
+            bar_arrive_n(WB_S0, NTW);
+            bar_sync_n(WB_S1, NTW);
+            /* the other stage was last read in step cc - 1: by wg 1 before it arrived */
+            if (tid == 0 && cc + 1 < sq.y)
+                wg_load(p, maps, s.st[(cc + 1) & 1], &s.bar[(cc + 1) & 1],
+                        (int64_t)(ci + 1) * HV + hv);
+        } else
+            bar_sync_n(WB_S0, NTW);
         mbar_wait(&s.bar[cc & 1], (cc >> 1) & 1); /* chunk cc has landed */
         /* wg 0: acc = w S, wg 1: acc = qg S */
         {
@@ -977,7 +1016,9 @@ __global__ void __launch_bounds__(NTW, 1)
             wg_wait<0>();
             wg_regs(acc);
         }
-        if (wg == 0) { /* v' = u - w S, to v'^T */
+        if (wg == 0) { /* v' = u - w S, to v'^T once wg 1 is done with the previous one */
+            if (cc > 0)
+                bar_sync_n(WB_VN, NTW);
 #pragma unroll
             for (int x = 0; x < 64; x += 2) {
                 const int r = 16 * w + g + ((x >> 1) & 1) * 8, c = 8 * (x >> 2) + 2 * t;
@@ -990,7 +1031,7 @@ __global__ void __launch_bounds__(NTW, 1)
             fence_proxy_async();
         }
         __syncthreads();
-        /* wg 1: o += Aqk v'; both: S <- diag(gl) S + kg^T v' */
+        /* both: S <- diag(gl) S + kg^T v' (group 1); wg 1: o += Aqk v' (group 2) */
         {
             const int d = 64 * wg + 16 * w + g;
             const float e0 = st.gl[d], e1 = st.gl[d + 8];
@@ -1010,18 +1051,29 @@ __global__ void __launch_bounds__(NTW, 1)
                     ldsm4(fa[ks], st.A + sw128(16 * w + (lane & 15), 16 * ks + (lane >> 4) * 8));
             }
             wg_fence();
-            if (wg == 1) {
-#pragma unroll
-                for (int ks = 0; ks < BT / 16; ks++)
-                    wgmma_rs128(acc, fa[ks], wg_desc(s.vn + 2 * ks * CM128, CM128, 128), 1);
-            }
 #pragma unroll
             for (int ks = 0; ks < BT / 16; ks++)
                 wgmma_rs128(S, fk[ks], wg_desc(s.vn + 2 * ks * CM128, CM128, 128), 1);
             wg_commit();
-            wg_wait<0>();
-            wg_regs(S);
-            wg_regs(acc);
+            if (wg == 1) {
+#pragma unroll
+                for (int ks = 0; ks < BT / 16; ks++)
+                    wgmma_rs128(acc, fa[ks], wg_desc(s.vn + 2 * ks * CM128, CM128, 128), 1);
+                wg_commit();
+                wg_wait<1>(); /* the state update */
+                wg_regs(S);
+                if (cc + 1 < sq.y) { /* S^T rows 64..127 of the next step */
+                    wg_store_t(s.S, S, 8, w, lane);
+                    fence_proxy_async();
+                    bar_arrive_n(WB_S1, NTW);
+                }
+                wg_wait<0>();
+                wg_regs(acc);
+                bar_arrive_n(WB_VN, NTW);
+            } else {
+                wg_wait<0>();
+                wg_regs(S);
+            }
         }
         if (wg == 1) { /* o rows < L */
 #pragma unroll
@@ -1045,8 +1097,9 @@ __global__ void __launch_bounds__(NTW, 1)
                 }
             }
         }
-        __syncthreads(); /* S^T, v'^T and this stage are rewritten next */
     }
+    if (wg == 0 && sq.y > 0) /* wg 1's last arrival */
+        bar_sync_n(WB_VN, NTW);
     if (p.ht) {
         float *ht = p.ht + ((int64_t)n * HV + hv) * K * V;
 #pragma unroll
@@ -1321,7 +1374,7 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
         const size_t nblk = (size_t)nchunks * HV; /* (chunk, value head) blocks */
         const size_t nW = nblk * BT * KD, nA = nblk * BT * BT, nG = nblk * KD;
         const size_t bytes = sizeof(bf16) * (4 * nW + nA) + sizeof(float) * nG +
-                             sizeof(int2) * (nchunks + N) + 256;
+                             sizeof(int2) * (nchunks + N) + sizeof(unsigned) * nblk + 256;
         if (bytes > g_ws.cap) {
             lm_kda_cuda_release();
             kda_cuda_buffers_changed();
@@ -1340,6 +1393,21 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
         p.Aqk = f + 4 * nW;
         p.gl = (float *)(p.Aqk + nA);
         int2 *dch = (int2 *)(p.gl + nG);
+        /* kda_inter_wg's flags: zeroed whenever their place or extent changes, then each
+         * call writes its own epoch (never 0) */
+        unsigned *flags = (unsigned *)(dch + nchunks + N);
+        static const void *flags_at = nullptr;
+        static size_t flags_n = 0;
+        static unsigned epoch = 0;
+        if (flags != flags_at || nblk > flags_n) {
+            CK(cudaMemsetAsync(flags, 0, sizeof(unsigned) * nblk));
+            flags_at = flags;
+            flags_n = nblk;
+        }
+        if (++epoch == 0)
+            epoch = 1;
+        p.flags = flags;
+        p.epoch = epoch;
         const lm_status st = kda_cuda_upload_tables(dch, hch, (size_t)(nchunks + N), err);
         free(hch);
         if (st != LM_OK)
@@ -1383,13 +1451,26 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
         use_wg = !(e && e[0] == '0');
     }
     bool wgrec = BVsel == 128 && !sv && use_wg && nchunks > 0;
-    WgMaps maps;
+    /* the tensor maps, encoded again only when the workspace or its extent changes */
+    static WgMaps maps;
+    static const void *maps_at = nullptr;
+    static uint64_t maps_rows = 0;
     if (wgrec) {
         const uint64_t rows = (uint64_t)nchunks * HV * BT;
-        wgrec = wg_map(&maps.w, p.w, rows, KD) && wg_map(&maps.qg, p.qg, rows, KD) &&
-                wg_map(&maps.kg, p.kg, rows, KD) && wg_map(&maps.u, p.u, rows, KD) &&
-                wg_map(&maps.A, p.Aqk, rows, BT);
+        if (maps_at != p.w || maps_rows != rows) {
+            maps_at = nullptr;
+            if (!(wg_map(&maps.w, p.w, rows, KD) && wg_map(&maps.qg, p.qg, rows, KD) &&
+                  wg_map(&maps.kg, p.kg, rows, KD) && wg_map(&maps.u, p.u, rows, KD) &&
+                  wg_map(&maps.A, p.Aqk, rows, BT)))
+                wgrec = false;
+            else {
+                maps_at = p.w;
+                maps_rows = rows;
+            }
+        }
     }
+    if (!wgrec)
+        p.flags = nullptr;
     const size_t sm1 = sizeof(IntraSmem);
     const size_t sm2 = BVsel == 128 ? sizeof(InterSmem<128>)
                        : BVsel == 64 ? sizeof(InterSmem<64>)
@@ -1431,9 +1512,27 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
     /* the training forward covers all 128 columns (the saved h and v' tiles are read
      * whole by the backward; columns >= V come out zero) */
     const dim3 g2(sv ? KD / BVsel : (V + BVsel - 1) / BVsel, N * HV);
-    if (wgrec)
-        kda_inter_wg<<<g2, NTW, WG_SMEM>>>(p, maps);
-    else if (BVsel == 128) /* 8 warps of 16 x 64: 0.292 -> 0.284 ms against 16 of 16 x 32 */
+    if (wgrec) {
+        /* programmatically dependent on the intra grid (LINMOE_KDA_CUDA_PDL=0: a plain
+         * launch): its CTAs take SMs as the intra grid's last wave drains and start on the
+         * sequence-heads whose chunks are flagged */
+        static int pdl = -1;
+        if (pdl < 0) {
+            const char *e = getenv("LINMOE_KDA_CUDA_PDL");
+            pdl = !(e && e[0] == '0');
+        }
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute at[1];
+        cfg.gridDim = g2;
+        cfg.blockDim = dim3(NTW);
+        cfg.dynamicSmemBytes = WG_SMEM;
+        cfg.stream = 0;
+        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = at;
+        cfg.numAttrs = pdl && !prof ? 1 : 0;
+        CK(cudaLaunchKernelEx(&cfg, kda_inter_wg, p, maps));
+    } else if (BVsel == 128) /* 8 warps of 16 x 64: 0.292 -> 0.284 ms against 16 of 16 x 32 */
         kda_inter_tc<128, 2><<<g2, NT2 * 2, sm2>>>(p);
     else if (BVsel == 64)
         kda_inter_tc<64, 2><<<g2, NT2 * 2, sm2>>>(p);
