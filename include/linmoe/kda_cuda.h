@@ -81,7 +81,12 @@ int lm_cuda_device_count(void);
  * and launch failures are reported here, a fault inside a kernel at the next
  * synchronising call. Scratch is a device workspace kept between calls and grown on
  * demand; calls on the default stream are ordered, so one call's kernels finish before
- * the next one reuses it. */
+ * the next one reuses it. At about a sequence-head per SM (N * HV >= 120, V > 64) the
+ * recurrence runs on wgmma (kda_inter_wg) and is launched programmatically dependent on
+ * the intra-chunk kernel: it starts on a sequence-head once per-block flags in the
+ * workspace say that head's chunks are written (the ordering with the caller's stream is
+ * unchanged). LINMOE_KDA_CUDA_WGMMA=0 selects the mma.sync recurrence instead,
+ * LINMOE_KDA_CUDA_PDL=0 a plain launch (docs/perf-notes.md v11). */
 lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cuda_inputs *in,
                                     lm_kda_cuda_outputs *out, lm_error *err);
 

@@ -22,6 +22,11 @@
  * factors stay within e^(+-80) and the diagonal shares the matmul path (three rounds:
  * two halves, then the lower-left 32 x 32 block). Other gates take the safe path on the
  * diagonal 16 x 16 blocks: per-pair exp(G_i - G_j) in fp32.
+ *
+ * The recurrence runs in value-column slices (kda_inter_tc, mma.sync); for the inference
+ * forward at about a sequence-head per SM it runs on wgmma over all 128 columns
+ * (kda_inter_wg: tensor-map loads, started per sequence-head under a programmatically
+ * dependent launch; docs/perf-notes.md v11).
  */
 #include <cuda.h> /* CUtensorMap (the driver entry point is fetched at run time) */
 #include <cuda_bf16.h>
@@ -1375,7 +1380,9 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
         const size_t nW = nblk * BT * KD, nA = nblk * BT * BT, nG = nblk * KD;
         const size_t bytes = sizeof(bf16) * (4 * nW + nA) + sizeof(float) * nG +
                              sizeof(int2) * (nchunks + N) + sizeof(unsigned) * nblk + 256;
+        bool fresh = false; /* a new allocation: whatever its memory held is not a flag */
         if (bytes > g_ws.cap) {
+            fresh = true;
             lm_kda_cuda_release();
             kda_cuda_buffers_changed();
             cudaError_t e = cudaMalloc(&g_ws.buf, bytes);
@@ -1399,7 +1406,7 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
         static const void *flags_at = nullptr;
         static size_t flags_n = 0;
         static unsigned epoch = 0;
-        if (flags != flags_at || nblk > flags_n) {
+        if (fresh || flags != flags_at || nblk > flags_n) {
             CK(cudaMemsetAsync(flags, 0, sizeof(unsigned) * nblk));
             flags_at = flags;
             flags_n = nblk;
@@ -1531,7 +1538,13 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
         at[0].val.programmaticStreamSerializationAllowed = 1;
         cfg.attrs = at;
         cfg.numAttrs = pdl && !prof ? 1 : 0;
-        CK(cudaLaunchKernelEx(&cfg, kda_inter_wg, p, maps));
+        cudaError_t e = cudaLaunchKernelEx(&cfg, kda_inter_wg, p, maps);
+        if (e != cudaSuccess && cfg.numAttrs) { /* a driver without it: a plain launch */
+            cudaGetLastError();
+            cfg.numAttrs = 0;
+            e = cudaLaunchKernelEx(&cfg, kda_inter_wg, p, maps);
+        }
+        CK(e);
     } else if (BVsel == 128) /* 8 warps of 16 x 64: 0.292 -> 0.284 ms against 16 of 16 x 32 */
         kda_inter_tc<128, 2><<<g2, NT2 * 2, sm2>>>(p);
     else if (BVsel == 64)
