@@ -456,10 +456,13 @@ inline cudaError_t kda_cuda_first_on_device(int &last, bool &first) {
     return e;
 }
 
-/* Copies the chunk tables (n entries) to dst unless the last copy to dst had the same
- * entries and no device buffer was allocated or freed since (kda_cuda_buffers_changed);
- * saves a synchronous host-to-device copy per call in training loops. kda_fwd.cu. */
-lm_status kda_cuda_upload_tables(int2 *dst, const int2 *h, size_t n, lm_error *err);
+/* Copies the chunk tables (n entries) to dst, inside the device buffer [buf, buf + cap)
+ * that the call's kernels write, unless the last copy to dst had the same entries, no
+ * device buffer was allocated or freed since (kda_cuda_buffers_changed) and no call with
+ * another layout of that buffer (whose workspace covers dst) came in between; saves a
+ * synchronous host-to-device copy per call in training and inference loops. kda_fwd.cu. */
+lm_status kda_cuda_upload_tables(int2 *dst, const int2 *h, size_t n, const void *buf, size_t cap,
+                                 lm_error *err);
 void kda_cuda_buffers_changed(void);
 
 /* Validates the configuration for the CUDA path and sets c->N (kda_fwd.cu). */

@@ -1242,7 +1242,17 @@ void kda_cuda_buffers_changed(void) {
     }
 }
 
-lm_status kda_cuda_upload_tables(int2 *dst, const int2 *h, size_t n, lm_error *err) {
+lm_status kda_cuda_upload_tables(int2 *dst, const int2 *h, size_t n, const void *buf, size_t cap,
+                                 lm_error *err) {
+    /* a call with another layout of the same buffer writes its workspace over the other
+     * layouts' tables: only an entry for this very place survives it */
+    const char *lo = (const char *)buf, *hi = lo + cap;
+    for (TableCache &t : g_tabs)
+        if (t.dst && (t.dst != dst || t.n != n) && (const char *)t.dst >= lo &&
+            (const char *)t.dst < hi) {
+            free(t.host);
+            t = TableCache();
+        }
     for (const TableCache &t : g_tabs)
         if (t.dst == dst && t.n == n && memcmp(t.host, h, sizeof(int2) * n) == 0)
             return LM_OK;
@@ -1415,7 +1425,8 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
             epoch = 1;
         p.flags = flags;
         p.epoch = epoch;
-        const lm_status st = kda_cuda_upload_tables(dch, hch, (size_t)(nchunks + N), err);
+        const lm_status st =
+            kda_cuda_upload_tables(dch, hch, (size_t)(nchunks + N), g_ws.buf, g_ws.cap, err);
         free(hch);
         if (st != LM_OK)
             return st;

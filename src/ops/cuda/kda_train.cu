@@ -1408,7 +1408,8 @@ extern "C" lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cu
     }
     carve_saved((char *)sv->mem.buf, nblk, nchunks, N, &sv->sv);
     kda_cuda_chunk_tables(c, hch, hch + nchunks);
-    const lm_status ut = kda_cuda_upload_tables((int2 *)sv->sv.chunks, hch, (size_t)(nchunks + N), err);
+    const lm_status ut = kda_cuda_upload_tables((int2 *)sv->sv.chunks, hch, (size_t)(nchunks + N),
+                                                sv->mem.buf, sv->mem.cap, err);
     free(hch);
     if (ut != LM_OK) {
         lm_kda_cuda_saved_free(sv);
