@@ -403,6 +403,71 @@ static void run_case(void **state) {
     free(o_ref), free(ht_ref), free(ho), free(fht), free(o), free(ht);
 }
 
+/* Forward calls with two layouts of the shared workspace, A B A B A: a B call writes its
+ * workspace over A's chunk tables and flags, so a stale cache entry would run A on B's
+ * data. Every call of a layout must give the bits of its first call (the forward is
+ * deterministic). 128 sequence-heads: the inference recurrence is the wgmma one, with
+ * its flags and tensor maps. */
+static void test_alternating_layouts(void **state) {
+    (void)state;
+    if (lm_cuda_device_count() < 1) {
+        print_message("no CUDA device: skipped\n");
+        skip();
+    }
+    enum { H = 128, D = 128, TA = 256, TB = 1024 };
+    const int64_t n = (int64_t)TB * H * D, nb = (int64_t)TB * H;
+    lm_rng rng;
+    lm_rng_init(&rng, 77);
+    double *x = malloc(sizeof(double) * n);
+    uint16_t *hbuf = malloc(2 * n);
+    const void *dev[5];
+    for (int t = 0; t < 5; t++) { /* q k v g beta, [1, TB, H, D] (beta [1, TB, H]) */
+        const int64_t m = t == 4 ? nb : n;
+        for (int64_t i = 0; i < m; i++)
+            x[i] = lm_rng_normal(&rng);
+        fill_bf16(hbuf, x, m);
+        dev[t] = dev_upload(hbuf, 2 * m);
+    }
+    lm_kda_cuda_inputs in = {0};
+    in.q = dev[0], in.k = dev[1], in.v = dev[2], in.g = dev[3], in.beta = dev[4];
+    void *o = dev_poison(n, 2);
+    uint16_t *ref[2] = {malloc(2 * n), malloc(2 * n)};
+    const int Ts[5] = {TA, TB, TA, TB, TA};
+    for (int call = 0; call < 5; call++) {
+        const int T = Ts[call], li = T == TB;
+        const int64_t no = (int64_t)T * H * D;
+        lm_kda_config c;
+        lm_kda_config_default(&c, 1, T, H, H, D, D); /* the first T tokens of the inputs */
+        c.gate = LM_GATE_BOUNDED;
+        c.has_lower_bound = 1;
+        c.lower_bound = -5.0f;
+        c.use_qk_l2norm_in_kernel = 1;
+        c.use_beta_sigmoid_in_kernel = 1;
+        c.N = 1;
+        lm_kda_cuda_outputs out = {o, NULL};
+        lm_error err = {0};
+        const lm_status st = lm_kda_cuda_chunk_forward(&c, &in, &out, &err);
+        if (st != LM_OK)
+            print_error("%s\n", err.msg);
+        assert_int_equal(st, LM_OK);
+        assert_int_equal(lm_cuda_download(hbuf, o, 2 * no, &err), LM_OK);
+        if (call < 2)
+            memcpy(ref[li], hbuf, 2 * no);
+        else {
+            int64_t differ = 0;
+            for (int64_t i = 0; i < no; i++)
+                differ += hbuf[i] != ref[li][i];
+            print_message("call %d (T = %d): %lld of %lld outputs differ from its first call\n",
+                          call + 1, T, (long long)differ, (long long)no);
+            assert_int_equal(differ, 0);
+        }
+    }
+    for (int t = 0; t < 5; t++)
+        lm_cuda_free((void *)dev[t]);
+    lm_cuda_free(o);
+    free(x), free(hbuf), free(ref[0]), free(ref[1]);
+}
+
 /* Bad configurations are refused before any device work (no device needed). */
 static void test_invalid(void **state) {
     (void)state;
@@ -433,11 +498,12 @@ static void test_invalid(void **state) {
 
 int main(void) {
     enum { NC = sizeof CASES / sizeof CASES[0] };
-    struct CMUnitTest tests[NC + 1];
+    struct CMUnitTest tests[NC + 2];
     for (int i = 0; i < NC; i++) {
         tests[i] = (struct CMUnitTest)cmocka_unit_test_prestate(run_case, (void *)&CASES[i]);
         tests[i].name = CASES[i].name;
     }
-    tests[NC] = (struct CMUnitTest)cmocka_unit_test(test_invalid);
+    tests[NC] = (struct CMUnitTest)cmocka_unit_test(test_alternating_layouts);
+    tests[NC + 1] = (struct CMUnitTest)cmocka_unit_test(test_invalid);
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
