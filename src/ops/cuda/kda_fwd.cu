@@ -1411,7 +1411,10 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
         p.gl = (float *)(p.Aqk + nA);
         int2 *dch = (int2 *)(p.gl + nG);
         /* kda_inter_wg's flags: zeroed whenever their place or extent changes, then each
-         * call writes its own epoch (never 0) */
+         * call writes its own epoch (never 0). Tracked on every inference call, whichever
+         * recurrence it takes: a call with another layout writes its workspace over the
+         * flags' old place, and moving flags_at to its own place makes the next call with
+         * the old layout zero them again. */
         unsigned *flags = (unsigned *)(dch + nchunks + N);
         static const void *flags_at = nullptr;
         static size_t flags_n = 0;
