@@ -719,22 +719,27 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
 #define CW 32       /* channels per CTA */
 #define CWS 40      /* bf16 row stride of the operand tiles */
 #define OS 36       /* fp32 row stride of the slice tiles */
-#define NTP 128     /* threads: warp a = row block a */
+#define PW 8        /* warps per CTA */
+#define NTP (32 * PW)
+#define RPW 8       /* rows per warp in the lane = channel phases: warp w holds rows 8w .. 8w + 7;
+                       in the products warp w computes row block w / 2, channels 16 (w % 2) .. + 15 */
 
 struct PairSmem {
-    bf16 op[8][BT][CWS]; /* Q hi, lo; K hi, lo; Z0 hi, lo (bounded); Zc or Z1 hi, lo */
+    bf16 op[8][BT][CWS]; /* Q hi, lo; K hi, lo; Z0 hi, lo (bounded; other gates: raw k in slot 4);
+                            Zc or Z1 hi, lo */
     bf16 dA[BT][AS], dPb[BT][AS];
     float G[BT][OS];
     float out[3][BT][OS]; /* dq, dk (row side), dk (column side); later dG */
     float rr[5][CW];
-    float nq[BT], nk[BT], red[4][CW], redw[4];
+    float nq[BT], nk[BT], red[PW][CW], redw[PW];
 };
 
 /* A Horner step of the off-diagonal accumulation: acc[., channel x] *= e^(hi[x] - lo[x])
- * (<= 1: hi is the log-decay at a later row than lo) */
+ * (<= 1: hi is the log-decay at a later row than lo); NT n-tiles of 8 channels */
+template <int NT>
 __device__ __forceinline__ void horner_step(float (*acc)[4], const float *hi, const float *lo, int t) {
 #pragma unroll
-    for (int nt = 0; nt < 4; nt++)
+    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int x = nt * 8 + 2 * t + (e & 1);
@@ -771,12 +776,12 @@ __device__ __forceinline__ float gate_bwd(const BwdParams &p, float x, float bia
         return gate_bwd_t<LM_GATE_BOUNDED>(p.lb, x, bias, ga, dg, dAl);
     return gate_bwd_t<LM_GATE_NONE>(p.lb, x, bias, ga, dg, dAl);
 }
-/* the gate backward of this lane's 16 rows (rows m >= nrow give 0 and add nothing) */
-template <int GATE>
-__device__ __forceinline__ void gate_bwd_rows(float lb, const unsigned short (&gr)[16], const float (&dg)[16],
-                                              int nrow, float bias, float ga, float (&dz)[16], float &dAl) {
+/* the gate backward of this lane's N rows (rows m >= nrow give 0 and add nothing) */
+template <int GATE, int N>
+__device__ __forceinline__ void gate_bwd_rows(float lb, const unsigned short (&gr)[N], const float (&dg)[N],
+                                              int nrow, float bias, float ga, float (&dz)[N], float &dAl) {
 #pragma unroll
-    for (int m = 0; m < 16; m++) {
+    for (int m = 0; m < N; m++) {
         float a = 0.0f;
         const float v = gate_bwd_t<GATE>(lb, __uint_as_float((uint32_t)gr[m] << 16), bias, ga, dg[m], a);
         dz[m] = m < nrow ? v : 0.0f;
@@ -784,12 +789,54 @@ __device__ __forceinline__ void gate_bwd_rows(float lb, const unsigned short (&g
     }
 }
 
+/* The diagonal block of the gates without a shared reference, per pair in fp32 (lane =
+ * channel): rows R0 .. R0 + RPW - 1 of the 16-row block at row o (this warp's rows; q, k, G
+ * of them in registers) against keys i <= r of the block (keys before R0 from shared
+ * memory: raw k in operand slot 4, G). Row sides into out[0], out[1] (this warp's rows
+ * only); column sides added to out[2] atomically (the two warps of a block share keys). */
+template <int R0>
+__device__ __forceinline__ void pair_diag(PairSmem &s, int o, int lane, const float (&qraw)[RPW],
+                                          const float (&kraw)[RPW], const float (&gv)[RPW]) {
+    float qv[RPW], kv[RPW], dq[RPW], dkr[RPW], ki[R0 + RPW], Gi[R0 + RPW], dkc[R0 + RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+        qv[r] = qraw[r] * s.nq[o + R0 + r];
+        kv[r] = kraw[r] * s.nk[o + R0 + r];
+        dq[r] = dkr[r] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < R0 + RPW; i++) {
+        ki[i] = i >= R0 ? kv[i - R0] : __bfloat162float(s.op[4][o + i][lane]) * s.nk[o + i];
+        Gi[i] = i >= R0 ? gv[i - R0] : s.G[o + i][lane];
+        dkc[i] = 0.0f;
+    }
+#pragma unroll
+    for (int r = 0; r < RPW; r++)
+#pragma unroll
+        for (int i = 0; i <= R0 + r; i++) {
+            const float aqv = __bfloat162float(s.dA[o + R0 + r][o + i]);
+            const float apv = i < R0 + r ? __bfloat162float(s.dPb[o + R0 + r][o + i]) : 0.0f;
+            const float e = fexp(gv[r] - Gi[i]);
+            dq[r] += aqv * ki[i] * e;
+            dkr[r] += apv * ki[i] * e;
+            dkc[i] += (aqv * qv[r] + apv * kv[r]) * e;
+        }
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+        s.out[0][o + R0 + r][lane] += dq[r];
+        s.out[1][o + R0 + r][lane] += dkr[r];
+    }
+#pragma unroll
+    for (int i = 0; i < R0 + RPW; i++)
+        atomicAdd(&s.out[2][o + i][lane], dkc[i]);
+}
+
 __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     PairSmem &s = *reinterpret_cast<PairSmem *>(smem_raw);
     const int ci = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * CW;
-    const int2 ch = p.chunks[ci];
-    const int t0 = ch.x, L = ch.y;
+    const int2 chk = p.chunks[ci];
+    const int t0 = chk.x, L = chk.y;
     const int K = p.K, HV = p.HV, H = p.H, h = hv / p.grp;
     const int64_t cb = (int64_t)ci * HV + hv;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -806,34 +853,34 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         return;
     const int d = c0 + lane; /* this lane's channel in the lane = channel phases */
     const bool dok = d < K;
-    const int a = warp;  /* row block of this warp: rows 16a .. 16a + 15 */
+    const int rb = warp * RPW; /* this warp's rows in the lane = channel phases */
+    const int ab = warp >> 1;  /* their 16-row block */
     /* 1. loads. Everything this warp reads from global memory is issued here, before
      * the first shared-memory store, in two waves, so that the kernel pays about two
-     * load latencies instead of one per phase (at 8 warps per SM the phases cannot hide
-     * each other's). Wave 1: the raw gate, q, k (raw), dA / dP, row factors. */
-    /* rows past L or channels past K load element 0 (branch-free, so that the compiler
-     * keeps every load in flight together) and are zeroed on conversion */
-    const int nrow = dok ? min(max(L - a * 16, 0), 16) : 0; /* valid rows of this lane */
-    /* this lane's element of row a * 16 + m: base + m * stride, 32-bit offsets within the
-     * chunk (rows past nrow read row a * 16, or element 0 when no row is valid) */
-    const int64_t offH = nrow ? ((int64_t)(t0 + a * 16) * H + h) * K + d : 0;
-    const int64_t offHV = nrow ? ((int64_t)(t0 + a * 16) * HV + hv) * K + d : 0;
+     * load latencies instead of one per phase. Wave 1: the raw gate, q, k (raw), dA / dP,
+     * row factors. Rows past L or channels past K load element 0 (branch-free, so that
+     * the compiler keeps every load in flight together) and are zeroed on conversion */
+    const int nrow = dok ? min(max(L - rb, 0), RPW) : 0; /* valid rows of this lane */
+    /* this lane's element of row rb + m: base + m * stride (rows past nrow read row rb,
+     * or element 0 when no row is valid) */
+    const int64_t offH = nrow ? ((int64_t)(t0 + rb) * H + h) * K + d : 0;
+    const int64_t offHV = nrow ? ((int64_t)(t0 + rb) * HV + hv) * K + d : 0;
     const int strH = H * K, strHV = HV * K;
-    float gv[16], qraw[16], kraw[16];
-    unsigned short gr[16]; /* raw gate (bf16 bits), converted where used */
+    float gv[RPW], qraw[RPW], kraw[RPW];
+    unsigned short gr[RPW]; /* raw gate (bf16 bits), converted where used */
     /* the gate parameters of this lane's channel (GDN: of the head) */
     const float ga = p.A_log ? fexp(p.A_log[hv]) : 1.0f;
     const float bias = p.dt_bias ? (p.gdn ? p.dt_bias[hv] : (dok ? p.dt_bias[hv * K + d] : 0.0f)) : 0.0f;
     {
-        unsigned short qr[16], kr[16];
+        unsigned short qr[RPW], kr[RPW];
         const unsigned short *q16 = reinterpret_cast<const unsigned short *>(p.q) + offH;
         const unsigned short *k16 = reinterpret_cast<const unsigned short *>(p.k) + offH;
         /* the raw gate: per channel (KDA) or per token (GDN, the same for every channel) */
-        const int64_t offG = p.gdn ? (nrow ? (int64_t)(t0 + a * 16) * HV + hv : 0) : offHV;
+        const int64_t offG = p.gdn ? (nrow ? (int64_t)(t0 + rb) * HV + hv : 0) : offHV;
         const int strG = p.gdn ? HV : strHV;
         const unsigned short *g16 = reinterpret_cast<const unsigned short *>(p.g) + offG;
 #pragma unroll
-        for (int m = 0; m < 16; m++) {
+        for (int m = 0; m < RPW; m++) {
             const int o = (m < nrow ? m : 0) * strH;
             qr[m] = __ldg(q16 + o);
             kr[m] = __ldg(k16 + o);
@@ -852,50 +899,51 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             nkv = p.nks[cb * BT + tid];
         }
         /* G of this lane's channel recomputed from the raw gate as the forward's intra
-         * kernel does (log2 units, cumulative over rows, zero past L): the warp's 16 rows
-         * here, the earlier row blocks' totals added after the barrier below */
-        gate_cumsum_rows<16>(p.gate, gr, nrow, bias, ga, p.lb, gv);
-        s.red[a][lane] = gv[15];
+         * kernel does (log2 units, cumulative over rows, zero past L): the warp's rows
+         * here, the earlier warps' totals added after the barrier below */
+        gate_cumsum_rows<RPW>(p.gate, gr, nrow, bias, ga, p.lb, gv);
+        s.red[warp][lane] = gv[RPW - 1];
         if (tid < BT) {
             s.nq[tid] = nqv;
             s.nk[tid] = nkv;
         }
 #pragma unroll
-        for (int m = 0; m < 16; m++) {
+        for (int m = 0; m < RPW; m++) {
             qraw[m] = m < nrow ? __uint_as_float((uint32_t)qr[m] << 16) : 0.0f;
             kraw[m] = m < nrow ? __uint_as_float((uint32_t)kr[m] << 16) : 0.0f;
         }
     }
     /* wave 2, used only by the assembly and the gate backward (after the products):
      * dQg, dKd, dKg, dgamma and gl of this lane's channel */
-    float xq_[16], xd_[16], xg_[16];
+    float xq_[RPW], xd_[RPW], xg_[RPW];
     float gam_l = 0.0f;
     {
         const float *dQg = p.dQg + cb * BT * KD + c0, *dKd = p.dKd + cb * BT * KD + c0;
         const float *dKg = p.dKg + cb * BT * KD + c0;
 #pragma unroll
-        for (int m = 0; m < 16; m++) {
-            const int r = a * 16 + m;
+        for (int m = 0; m < RPW; m++) {
+            const int r = rb + m;
             xq_[m] = __ldg(dQg + r * KD + lane);
             xd_[m] = __ldg(dKd + r * KD + lane);
             xg_[m] = __ldg(dKg + r * KD + lane);
         }
-        if (warp == 3 && dok)
+        if (warp == PW - 1 && dok)
             gam_l = p.dgam[cb * KD + d] * p.gl[cb * KD + d];
     }
     cp_async_wait<0>();
     __syncthreads();
     {
-        float off = 0.0f; /* G at the row before this block */
-        for (int b = 0; b < a; b++)
+        float off = 0.0f; /* G at the row before this warp's rows */
+        for (int b = 0; b < warp; b++)
             off += s.red[b][lane];
 #pragma unroll
-        for (int m = 0; m < 16; m++) {
+        for (int m = 0; m < RPW; m++) {
             gv[m] = (gv[m] + off) * LN2_F; /* natural log units from here on */
-            s.G[a * 16 + m][lane] = gv[m];
+            s.G[rb + m][lane] = gv[m];
         }
-        s.rr[a + 1][lane] = gv[15]; /* rr[b] = G of row 16 b - 1, rr[0] = 0 */
-        if (a == 0)
+        if (warp & 1)
+            s.rr[ab + 1][lane] = gv[RPW - 1]; /* rr[b] = G of row 16 b - 1, rr[0] = 0 */
+        if (warp == 0)
             s.rr[0][lane] = 0.0f;
     }
     __syncthreads();
@@ -903,58 +951,58 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
      * middle rows of the 32-row halves, rh = G_15 (rows 0..31) or G_47 (rows 32..63):
      * Q = q e^(G - rh), K = k e^(G - rh), Z0 = k e^(G_15 - G) (rows 0..31 only),
      * Z1 = k e^(G_47 - G); every factor <= e^(16 |lower_bound|) <= e^80, Z1 <= 1 on rows
-     * 0..31 (in the slots of Zd and Zc) */
-    const float rh = s.rr[a < 2 ? 1 : 3][lane], r47 = s.rr[3][lane];
+     * 0..31. Other gates: slot 4 holds the raw k for the per-pair diagonal */
+    {
+        const float rh = s.rr[ab < 2 ? 1 : 3][lane], r47 = s.rr[3][lane];
+        const float ra = s.rr[ab][lane], rn = s.rr[ab + 1][lane];
 #pragma unroll
-    for (int m = 0; m < 16; m++) {
-        const int r = a * 16 + m;
-        const float qv = qraw[m] * s.nq[r];
-        const float kv = kraw[m] * s.nk[r];
-        const float G = gv[m];
-        float f[4];
-        if (p.shared_diag) {
-            const float eg = fexp(G - rh);
-            f[0] = qv * eg;
-            f[1] = kv * eg;
-            f[2] = a < 2 ? kv * fexp(rh - G) : 0.0f;
-            f[3] = kv * fexp(r47 - G);
-        } else {
-            const float ra = s.rr[a][lane], rn = s.rr[a + 1][lane];
-            const float eg = fexp(G - ra);
-            f[0] = qv * eg;
-            f[1] = kv * eg;
-            f[2] = 0.0f;
-            f[3] = kv * fexp(rn - G);
+        for (int m = 0; m < RPW; m++) {
+            const int r = rb + m;
+            const float qv = qraw[m] * s.nq[r];
+            const float kv = kraw[m] * s.nk[r];
+            const float G = gv[m];
+            if (p.shared_diag) {
+                const float eg = fexp(G - rh);
+                split_bf16(qv * eg, s.op[0][r][lane], s.op[1][r][lane]);
+                split_bf16(kv * eg, s.op[2][r][lane], s.op[3][r][lane]);
+                if (ab < 2)
+                    split_bf16(kv * fexp(rh - G), s.op[4][r][lane], s.op[5][r][lane]);
+                split_bf16(kv * fexp(r47 - G), s.op[6][r][lane], s.op[7][r][lane]);
+            } else {
+                const float eg = fexp(G - ra);
+                split_bf16(qv * eg, s.op[0][r][lane], s.op[1][r][lane]);
+                split_bf16(kv * eg, s.op[2][r][lane], s.op[3][r][lane]);
+                s.op[4][r][lane] = __float2bfloat16(kraw[m]); /* exact: k is bf16 */
+                split_bf16(kv * fexp(rn - G), s.op[6][r][lane], s.op[7][r][lane]);
+            }
         }
-#pragma unroll
-        for (int x = 0; x < 4; x++)
-            split_bf16(f[x], s.op[2 * x][r][lane], s.op[2 * x + 1][r][lane]);
     }
     __syncthreads();
-    /* 3. row and column sides of block a = warp */
+    /* 3. row and column sides of block a = warp / 2, channels cx .. cx + 15 */
     {
-        float aq[4][4], ak[4][4], ac[4][4], ad[4][4];
-        zero_acc<4>(aq);
-        zero_acc<4>(ak);
-        zero_acc<4>(ac);
-        zero_acc<4>(ad);
+        const int a = warp >> 1, cx = (warp & 1) * 16;
+        float aq[2][4], ak[2][4], ac[2][4], ad[2][4];
+        zero_acc<2>(aq);
+        zero_acc<2>(ak);
+        zero_acc<2>(ac);
+        zero_acc<2>(ad);
         /* row side: key block b against operand slot zs (hi, lo) into aq (dA) and ak (dP);
          * column side: row block a2 of Q (dA^T) and K (dP^T) into acc */
         auto row_block = [&](int b, int zs) {
 #pragma unroll
             for (int hl = 0; hl < 2; hl++) {
-                wmma<2, false, false>(aq, &s.dA[0][0], AS, a * 16, b * 16, &s.op[zs + hl][0][0], CWS, 0,
+                wmma<1, false, false>(aq, &s.dA[0][0], AS, a * 16, b * 16, &s.op[zs + hl][0][0], CWS, cx,
                                       b * 16, 1, lane);
-                wmma<2, false, false>(ak, &s.dPb[0][0], AS, a * 16, b * 16, &s.op[zs + hl][0][0], CWS, 0,
+                wmma<1, false, false>(ak, &s.dPb[0][0], AS, a * 16, b * 16, &s.op[zs + hl][0][0], CWS, cx,
                                       b * 16, 1, lane);
             }
         };
-        auto col_block = [&](float (&acc)[4][4], int a2) {
+        auto col_block = [&](float (&acc)[2][4], int a2) {
 #pragma unroll
             for (int hl = 0; hl < 2; hl++) {
-                wmma<2, true, false>(acc, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0 + hl][0][0], CWS, 0,
+                wmma<1, true, false>(acc, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0 + hl][0][0], CWS, cx,
                                      a2 * 16, 1, lane);
-                wmma<2, true, false>(acc, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[2 + hl][0][0], CWS, 0,
+                wmma<1, true, false>(acc, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[2 + hl][0][0], CWS, cx,
                                      a2 * 16, 1, lane);
             }
         };
@@ -972,10 +1020,10 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
                 col_block(ad, a2);
             const int ih = a < 2 ? 1 : 3;
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++)
+            for (int nt = 0; nt < 2; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    const int r = a * 16 + g + (e >> 1) * 8, x = nt * 8 + 2 * t + (e & 1);
+                    const int r = a * 16 + g + (e >> 1) * 8, x = cx + nt * 8 + 2 * t + (e & 1);
                     const float G = s.G[r][x], rx = s.rr[ih][x];
                     const float fr = fexp(G - rx);
                     s.out[0][r][x] = aq[nt][e] * fr;
@@ -988,21 +1036,21 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         } else {
             for (int b = 0; b < a; b++) {
                 if (b > 0) {
-                    horner_step(aq, s.rr[b + 1], s.rr[b], t);
-                    horner_step(ak, s.rr[b + 1], s.rr[b], t);
+                    horner_step<2>(aq, s.rr[b + 1] + cx, s.rr[b] + cx, t);
+                    horner_step<2>(ak, s.rr[b + 1] + cx, s.rr[b] + cx, t);
                 }
                 row_block(b, 6);
             }
             for (int a2 = 3; a2 > a; a2--) {
                 if (a2 < 3)
-                    horner_step(ac, s.rr[a2 + 1], s.rr[a2], t);
+                    horner_step<2>(ac, s.rr[a2 + 1] + cx, s.rr[a2] + cx, t);
                 col_block(ac, a2);
             }
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++)
+            for (int nt = 0; nt < 2; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    const int r = a * 16 + g + (e >> 1) * 8, x = nt * 8 + 2 * t + (e & 1);
+                    const int r = a * 16 + g + (e >> 1) * 8, x = cx + nt * 8 + 2 * t + (e & 1);
                     const float G = s.G[r][x];
                     const float fr = fexp(G - s.rr[a][x]);
                     s.out[0][r][x] = aq[nt][e] * fr;
@@ -1011,45 +1059,23 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
                 }
         }
     }
-    __syncwarp();
+    __syncthreads();
     if (!p.shared_diag) { /* diagonal block per pair in fp32 (lane = channel) */
-        const int o = a * 16;
-        float qv[16], kv[16], dq[16], dkr[16], dkc[16];
-        const float *Gv = gv;
-#pragma unroll
-        for (int r = 0; r < 16; r++) {
-            qv[r] = qraw[r] * s.nq[o + r];
-            kv[r] = kraw[r] * s.nk[o + r];
-            dq[r] = dkr[r] = dkc[r] = 0.0f;
-        }
-#pragma unroll
-        for (int r = 0; r < 16; r++)
-#pragma unroll
-            for (int i = 0; i <= r; i++) {
-                const float aqv = __bfloat162float(s.dA[o + r][o + i]);
-                const float apv = i < r ? __bfloat162float(s.dPb[o + r][o + i]) : 0.0f;
-                const float e = fexp(Gv[r] - Gv[i]);
-                dq[r] += aqv * kv[i] * e;
-                dkr[r] += apv * kv[i] * e;
-                dkc[i] += (aqv * qv[r] + apv * kv[r]) * e;
-            }
-#pragma unroll
-        for (int r = 0; r < 16; r++) {
-            s.out[0][o + r][lane] += dq[r];
-            s.out[1][o + r][lane] += dkr[r];
-            s.out[2][o + r][lane] += dkc[r];
-        }
-        __syncwarp();
+        if (warp & 1)
+            pair_diag<RPW>(s, ab * 16, lane, qraw, kraw, gv);
+        else
+            pair_diag<0>(s, ab * 16, lane, qraw, kraw, gv);
+        __syncthreads();
     }
-    /* 4. assembly (lane = channel, rows of block a):
+    /* 4. assembly (lane = channel, this warp's rows):
      * dq = dq_pair + dQg e^G;  dk = dk_row + dk_col + dKg e^G + dKd e^(Gl - G);
      * dG = q dq_pair + k (dk_row - dk_col) + dQg Qg + dKg Kg - dKd Kd; dGl += sum dKd Kd */
     {
         const float Gl = s.G[BT - 1][lane];
         float gsum = 0.0f;
 #pragma unroll
-        for (int m = 0; m < 16; m++) {
-            const int r = a * 16 + m;
+        for (int m = 0; m < RPW; m++) {
+            const int r = rb + m;
             const float qv = qraw[m] * s.nq[r], kv = kraw[m] * s.nk[r];
             const float G = gv[m], eg = fexp(G), ed = fexp(Gl - G);
             const float xq = xq_[m], xd = xd_[m], xg = xg_[m];
@@ -1064,51 +1090,61 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
                 p.dks[offHV + m * strHV] = dk;
             }
         }
-        s.red[a][lane] = gsum;
+        s.red[warp][lane] = gsum;
     }
     __syncthreads();
-    if (warp == 3) {
-        const float x = s.red[0][lane] + s.red[1][lane] + s.red[2][lane] + s.red[3][lane];
+    if (warp == PW - 1) {
+        float x = 0.0f;
+#pragma unroll
+        for (int b = 0; b < PW; b++)
+            x += s.red[b][lane];
         s.out[0][BT - 1][lane] += dok ? x + gam_l : 0.0f;
     }
     __syncthreads();
-    /* 5. reverse cumulative sum over rows: within block a, then the later blocks' totals */
+    /* 5. reverse cumulative sum over rows: within this warp's rows, then the later warps'
+     * totals */
     {
         float acc = 0.0f;
-        for (int r = a * 16 + 15; r >= a * 16; r--) {
-            acc += s.out[0][r][lane];
-            s.out[0][r][lane] = acc;
+#pragma unroll
+        for (int m = RPW - 1; m >= 0; m--) {
+            acc += s.out[0][rb + m][lane];
+            s.out[0][rb + m][lane] = acc;
         }
-        s.red[a][lane] = acc;
+        s.red[warp][lane] = acc;
     }
     __syncthreads();
     float base = 0.0f;
-    for (int a2 = a + 1; a2 < 4; a2++)
-        base += s.red[a2][lane];
+    for (int w2 = warp + 1; w2 < PW; w2++)
+        base += s.red[w2][lane];
     __syncthreads(); /* red is reused below */
     /* 6. gate backward (KDA), or the per-row channel sum (GDN) */
     float dAl = 0.0f;
     if (!p.gdn) {
-        float dbias = 0.0f, dgv[16], dz[16];
+        float dbias = 0.0f, dgv[RPW], dz[RPW];
 #pragma unroll
-        for (int m = 0; m < 16; m++)
-            dgv[m] = s.out[0][a * 16 + m][lane] + base;
+        for (int m = 0; m < RPW; m++)
+            dgv[m] = s.out[0][rb + m][lane] + base;
         if (p.gate == LM_GATE_BOUNDED)
-            gate_bwd_rows<LM_GATE_BOUNDED>(p.lb, gr, dgv, nrow, bias, ga, dz, dAl);
+            gate_bwd_rows<LM_GATE_BOUNDED, RPW>(p.lb, gr, dgv, nrow, bias, ga, dz, dAl);
         else if (p.gate == LM_GATE_SOFTPLUS)
-            gate_bwd_rows<LM_GATE_SOFTPLUS>(p.lb, gr, dgv, nrow, bias, ga, dz, dAl);
+            gate_bwd_rows<LM_GATE_SOFTPLUS, RPW>(p.lb, gr, dgv, nrow, bias, ga, dz, dAl);
         else
-            gate_bwd_rows<LM_GATE_NONE>(p.lb, gr, dgv, nrow, bias, ga, dz, dAl);
+            gate_bwd_rows<LM_GATE_NONE, RPW>(p.lb, gr, dgv, nrow, bias, ga, dz, dAl);
 #pragma unroll
-        for (int m = 0; m < 16; m++) {
+        for (int m = 0; m < RPW; m++) {
             dbias += dz[m];
             if (p.dg && m < nrow)
                 p.dg[offHV + m * strHV] = __float2bfloat16(dz[m]);
         }
-        s.red[a][lane] = dbias; /* the previous reads of red are before the barrier above */
+        s.red[warp][lane] = dbias; /* the previous reads of red are before the barrier above */
         __syncthreads();
-        if (warp == 0 && p.ddt_bias && dok)
-            atomicAdd(&p.ddt_bias[hv * K + d], s.red[0][lane] + s.red[1][lane] + s.red[2][lane] + s.red[3][lane]);
+        if (warp == 0 && p.ddt_bias && dok) {
+            float x = 0.0f;
+#pragma unroll
+            for (int b = 0; b < PW; b++)
+                x += s.red[b][lane];
+            atomicAdd(&p.ddt_bias[hv * K + d], x);
+        }
         if (p.dA_log) {
 #pragma unroll
             for (int o = 16; o; o >>= 1)
@@ -1116,11 +1152,16 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             if (lane == 0)
                 s.redw[warp] = dAl;
             __syncthreads();
-            if (tid == 0)
-                atomicAdd(&p.dA_log[hv], s.redw[0] + s.redw[1] + s.redw[2] + s.redw[3]);
+            if (tid == 0) {
+                float x = 0.0f;
+#pragma unroll
+                for (int b = 0; b < PW; b++)
+                    x += s.redw[b];
+                atomicAdd(&p.dA_log[hv], x);
+            }
         }
     } else {
-        for (int r = a * 16; r < a * 16 + 16; r++) {
+        for (int r = rb; r < rb + RPW; r++) {
             float x = dok ? s.out[0][r][lane] + base : 0.0f;
 #pragma unroll
             for (int o = 16; o; o >>= 1)
@@ -1130,7 +1171,6 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         }
     }
 }
-
 /* ------------------------------------------- b5: GDN gate backward (per token, head) */
 __global__ void kda_bwd_gdn_gate(BwdParams p, int64_t rows) {
     const int64_t n = rows * p.HV;
