@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
     const int2 ch = p.chunks[ci];
     const int t0 = ch.x, L = ch.y;
     const int K = p.K, V = p.V, H = p.H, HV = p.HV;
-    const int h = hv / (HV / H);
+    const int h = HV == H ? hv : hv / (HV / H); /* no integer division without GVA */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int64_t cb = (int64_t)ci * HV + hv;
     if (p.flags) /* kda_inter_wg (launched programmatically dependent) may start once every

@@ -789,19 +789,23 @@ __device__ __forceinline__ void gate_bwd_rows(float lb, const unsigned short (&g
     }
 }
 
+/* raw q and k of a row as one register: q's bf16 bits in the high half, k's in the low */
+__device__ __forceinline__ float qk_q(uint32_t x) { return __uint_as_float(x & 0xffff0000u); }
+__device__ __forceinline__ float qk_k(uint32_t x) { return __uint_as_float(x << 16); }
+
 /* The diagonal block of the gates without a shared reference, per pair in fp32 (lane =
  * channel): rows R0 .. R0 + RPW - 1 of the 16-row block at row o (this warp's rows; q, k, G
  * of them in registers) against keys i <= r of the block (keys before R0 from shared
  * memory: raw k in operand slot 4, G). Row sides into out[0], out[1] (this warp's rows
  * only); column sides added to out[2] atomically (the two warps of a block share keys). */
 template <int R0>
-__device__ __forceinline__ void pair_diag(PairSmem &s, int o, int lane, const float (&qraw)[RPW],
-                                          const float (&kraw)[RPW], const float (&gv)[RPW]) {
+__device__ __forceinline__ void pair_diag(PairSmem &s, int o, int lane, const uint32_t (&qk)[RPW],
+                                          const float (&gv)[RPW]) {
     float qv[RPW], kv[RPW], dq[RPW], dkr[RPW], ki[R0 + RPW], Gi[R0 + RPW], dkc[R0 + RPW];
 #pragma unroll
     for (int r = 0; r < RPW; r++) {
-        qv[r] = qraw[r] * s.nq[o + R0 + r];
-        kv[r] = kraw[r] * s.nk[o + R0 + r];
+        qv[r] = qk_q(qk[r]) * s.nq[o + R0 + r];
+        kv[r] = qk_k(qk[r]) * s.nk[o + R0 + r];
         dq[r] = dkr[r] = 0.0f;
     }
 #pragma unroll
@@ -837,7 +841,8 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     const int ci = blockIdx.x, hv = blockIdx.y, c0 = blockIdx.z * CW;
     const int2 chk = p.chunks[ci];
     const int t0 = chk.x, L = chk.y;
-    const int K = p.K, HV = p.HV, H = p.H, h = hv / p.grp;
+    const int K = p.K, HV = p.HV, H = p.H;
+    const int h = p.grp == 1 ? hv : hv / p.grp; /* no integer division without GVA */
     const int64_t cb = (int64_t)ci * HV + hv;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -866,7 +871,8 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     const int64_t offH = nrow ? ((int64_t)(t0 + rb) * H + h) * K + d : 0;
     const int64_t offHV = nrow ? ((int64_t)(t0 + rb) * HV + hv) * K + d : 0;
     const int strH = H * K, strHV = HV * K;
-    float gv[RPW], qraw[RPW], kraw[RPW];
+    float gv[RPW];
+    uint32_t qk[RPW]; /* raw q, k (qk_q, qk_k); zero past the valid rows */
     unsigned short gr[RPW]; /* raw gate (bf16 bits), converted where used */
     /* the gate parameters of this lane's channel (GDN: of the head) */
     const float ga = p.A_log ? fexp(p.A_log[hv]) : 1.0f;
@@ -909,8 +915,7 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         }
 #pragma unroll
         for (int m = 0; m < RPW; m++) {
-            qraw[m] = m < nrow ? __uint_as_float((uint32_t)qr[m] << 16) : 0.0f;
-            kraw[m] = m < nrow ? __uint_as_float((uint32_t)kr[m] << 16) : 0.0f;
+            qk[m] = m < nrow ? ((uint32_t)qr[m] << 16) | kr[m] : 0u;
         }
     }
     /* wave 2, used only by the assembly and the gate backward (after the products):
@@ -918,14 +923,14 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     float xq_[RPW], xd_[RPW], xg_[RPW];
     float gam_l = 0.0f;
     {
-        const float *dQg = p.dQg + cb * BT * KD + c0, *dKd = p.dKd + cb * BT * KD + c0;
-        const float *dKg = p.dKg + cb * BT * KD + c0;
+        /* this lane's element of row rb: the rows at constant offsets m KD from it */
+        const int64_t o2 = cb * BT * KD + c0 + rb * KD + lane;
+        const float *dQg = p.dQg + o2, *dKd = p.dKd + o2, *dKg = p.dKg + o2;
 #pragma unroll
         for (int m = 0; m < RPW; m++) {
-            const int r = rb + m;
-            xq_[m] = __ldg(dQg + r * KD + lane);
-            xd_[m] = __ldg(dKd + r * KD + lane);
-            xg_[m] = __ldg(dKg + r * KD + lane);
+            xq_[m] = __ldg(dQg + m * KD);
+            xd_[m] = __ldg(dKd + m * KD);
+            xg_[m] = __ldg(dKg + m * KD);
         }
         if (warp == PW - 1 && dok)
             gam_l = p.dgam[cb * KD + d] * p.gl[cb * KD + d];
@@ -958,8 +963,8 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
 #pragma unroll
         for (int m = 0; m < RPW; m++) {
             const int r = rb + m;
-            const float qv = qraw[m] * s.nq[r];
-            const float kv = kraw[m] * s.nk[r];
+            const float qv = qk_q(qk[m]) * s.nq[r];
+            const float kv = qk_k(qk[m]) * s.nk[r];
             const float G = gv[m];
             if (p.shared_diag) {
                 const float eg = fexp(G - rh);
@@ -972,7 +977,7 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
                 const float eg = fexp(G - ra);
                 split_bf16(qv * eg, s.op[0][r][lane], s.op[1][r][lane]);
                 split_bf16(kv * eg, s.op[2][r][lane], s.op[3][r][lane]);
-                s.op[4][r][lane] = __float2bfloat16(kraw[m]); /* exact: k is bf16 */
+                s.op[4][r][lane] = __ushort_as_bfloat16((unsigned short)(qk[m] & 0xffffu));
                 split_bf16(kv * fexp(rn - G), s.op[6][r][lane], s.op[7][r][lane]);
             }
         }
@@ -1062,9 +1067,9 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     __syncthreads();
     if (!p.shared_diag) { /* diagonal block per pair in fp32 (lane = channel) */
         if (warp & 1)
-            pair_diag<RPW>(s, ab * 16, lane, qraw, kraw, gv);
+            pair_diag<RPW>(s, ab * 16, lane, qk, gv);
         else
-            pair_diag<0>(s, ab * 16, lane, qraw, kraw, gv);
+            pair_diag<0>(s, ab * 16, lane, qk, gv);
         __syncthreads();
     }
     /* 4. assembly (lane = channel, this warp's rows):
@@ -1073,10 +1078,11 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     {
         const float Gl = s.G[BT - 1][lane];
         float gsum = 0.0f;
+        float *pdq = p.dqs + offHV, *pdk = p.dks + offHV; /* row rb + m, advanced per row */
 #pragma unroll
         for (int m = 0; m < RPW; m++) {
             const int r = rb + m;
-            const float qv = qraw[m] * s.nq[r], kv = kraw[m] * s.nk[r];
+            const float qv = qk_q(qk[m]) * s.nq[r], kv = qk_k(qk[m]) * s.nk[r];
             const float G = gv[m], eg = fexp(G), ed = fexp(Gl - G);
             const float xq = xq_[m], xd = xd_[m], xg = xg_[m];
             const float pq = s.out[0][r][lane], pr = s.out[1][r][lane], pc = s.out[2][r][lane];
@@ -1086,9 +1092,11 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             s.out[0][r][lane] = qv * pq + kv * (pr - pc) + xq * qv * eg + xg * kv * eg - kdd;
             gsum += kdd;
             if (m < nrow) {
-                p.dqs[offHV + m * strHV] = dq;
-                p.dks[offHV + m * strHV] = dk;
+                *pdq = dq;
+                *pdk = dk;
             }
+            pdq += strHV;
+            pdk += strHV;
         }
         s.red[warp][lane] = gsum;
     }
@@ -1131,10 +1139,16 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         else
             gate_bwd_rows<LM_GATE_NONE, RPW>(p.lb, gr, dgv, nrow, bias, ga, dz, dAl);
 #pragma unroll
-        for (int m = 0; m < RPW; m++) {
+        for (int m = 0; m < RPW; m++)
             dbias += dz[m];
-            if (p.dg && m < nrow)
-                p.dg[offHV + m * strHV] = __float2bfloat16(dz[m]);
+        if (p.dg) {
+            bf16 *pdg = p.dg + offHV; /* row rb + m, advanced per row */
+#pragma unroll
+            for (int m = 0; m < RPW; m++) {
+                if (m < nrow)
+                    *pdg = __float2bfloat16(dz[m]);
+                pdg += strHV;
+            }
         }
         s.red[warp][lane] = dbias; /* the previous reads of red are before the barrier above */
         __syncthreads();
