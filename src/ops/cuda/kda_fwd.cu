@@ -32,6 +32,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
+#include <type_traits>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -628,6 +629,63 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
  * memory with cp.async (the next chunk loads while this one computes). Per chunk:
  * S -> bf16 tile; v' = u - w S and o = qg S (warp w: chunk rows 16w..16w+15);
  * o += Aqk v'; S <- diag(gl) S + kg^T v'. */
+#define SWT (BT * 64 * 2) /* bytes of one 64 x 64 swizzled box */
+/* (row r, column c < 128) of a two-box swizzled tile */
+__device__ __forceinline__ int sw128x2(int r, int c) { return (c >> 6) * SWT + sw128(r, c & 63); }
+
+/* The stage of the recurrence when the tensor copy engine loads it (TM): w, qg, kg as two
+ * 64 x 64 boxes with the 128-byte swizzle, Aqk one such box, the u slice one box of BV
+ * columns (BV <= 64; rows of 2 BV bytes, swizzled over that span) or two 64-column boxes,
+ * gl by a bulk copy; one mbarrier per stage, one thread issuing. Against cp.async (about 29
+ * 16-byte copies per thread and chunk with their address arithmetic, at one warp per
+ * scheduler on the recurrence's critical path) the warps only wait on the barrier. */
+template <int BV> struct __align__(1024) InterStageT {
+    unsigned char w[2 * SWT], qg[2 * SWT], kg[2 * SWT], A[SWT];
+    unsigned char u[BT * BV * 2];
+    float gl[KD];
+};
+template <int BV> struct InterSmemT {
+    InterStageT<BV> st[REC_STAGES];
+    bf16 S[KD][BV + 8];
+    bf16 vn[BT][BV + 8];
+    uint64_t bar[REC_STAGES];
+};
+template <int BV> constexpr size_t inter_smem_t() { return sizeof(InterSmemT<BV>) + 1024; }
+static_assert(inter_smem_t<128>() <= 227 * 1024, "the TM recurrence at 128 columns fits an SM's shared memory");
+struct TcMaps { /* tensor maps of the workspace for kda_inter_tc (TM) */
+    CUtensorMap w, qg, kg, A, u;
+};
+/* byte offset of u's (row r, column c) in a TM stage: the box rows are 2 BV bytes,
+ * swizzled over that span (32, 64 or 128 bytes: the 16-byte chunk index XOR the row bits
+ * above it, as the copy engine writes them into a 1024-byte aligned tile) */
+template <int BV> __device__ __forceinline__ int u_off(int r, int c) {
+    if (BV == 128)
+        return sw128x2(r, c);
+    constexpr int S = BV * 2;
+    const int off = r * S + c * 2;
+    return off ^ (((off >> 7) & (S / 16 - 1)) << 4);
+}
+/* fragment addresses in either stage layout: A operand (rows m0.., K columns k0..) of a
+ * row-major tile, and A = M^T of a row-major M */
+__device__ __forceinline__ const void *frag_a(const bf16 (&t)[BT][RS], int m0, int k0, int l) {
+    return a_addr(&t[0][0], RS, m0, k0, l);
+}
+__device__ __forceinline__ const void *frag_a(const bf16 (&t)[BT][AS], int m0, int k0, int l) {
+    return a_addr(&t[0][0], AS, m0, k0, l);
+}
+__device__ __forceinline__ const void *frag_a(const unsigned char (&t)[2 * SWT], int m0, int k0, int l) {
+    return t + sw128x2(m0 + (l & 15), k0 + (l >> 4) * 8);
+}
+__device__ __forceinline__ const void *frag_a(const unsigned char (&t)[SWT], int m0, int k0, int l) {
+    return t + sw128(m0 + (l & 15), k0 + (l >> 4) * 8);
+}
+__device__ __forceinline__ const void *frag_at(const bf16 (&t)[BT][RS], int m0, int k0, int l) {
+    return at_addr(&t[0][0], RS, m0, k0, l);
+}
+__device__ __forceinline__ const void *frag_at(const unsigned char (&t)[2 * SWT], int m0, int k0, int l) {
+    return t + sw128x2(k0 + (l & 7) + ((l >> 4) & 1) * 8, m0 + ((l >> 3) & 1) * 8);
+}
+
 template <int BV> struct InterStage {
     bf16 w[BT][RS], qg[BT][RS], kg[BT][RS];
     bf16 A[BT][AS];
@@ -669,9 +727,38 @@ __device__ __forceinline__ void inter_load(const Params &p, InterStage<BV> &st, 
  * (v', o) and 32 wr (state) of the columns wc * BV / WC .. of the slice. WC = 2 puts two
  * warps on each SM sub-partition, whose tensor pipe one warp's dependent mma chain
  * leaves mostly idle (the grid has about one CTA per SM). */
-template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_tc(Params p) {
+template <int BV> __device__ __forceinline__ __nv_bfloat162 u_pair(const InterStage<BV> &st, int r, int c) {
+    return *reinterpret_cast<const __nv_bfloat162 *>(&st.u[r][c]);
+}
+template <int BV> __device__ __forceinline__ __nv_bfloat162 u_pair(const InterStageT<BV> &st, int r, int c) {
+    return *reinterpret_cast<const __nv_bfloat162 *>(st.u + u_off<BV>(r, c));
+}
+/* chunk cb's operands into a TM stage (one thread) */
+template <int BV>
+__device__ __forceinline__ void tc_load(const Params &p, const TcMaps &m, InterStageT<BV> &st, uint64_t *bar,
+                                        int64_t cb, int c0) {
+    mbar_expect(bar, 7 * SWT + BT * BV * 2 + KD * sizeof(float));
+    const int r0 = (int)(cb * BT);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        tma_g2s(st.w + h * SWT, &m.w, 64 * h, r0, bar);
+        tma_g2s(st.qg + h * SWT, &m.qg, 64 * h, r0, bar);
+        tma_g2s(st.kg + h * SWT, &m.kg, 64 * h, r0, bar);
+        if (BV == 128)
+            tma_g2s(st.u + h * SWT, &m.u, c0 + 64 * h, r0, bar);
+    }
+    if (BV < 128)
+        tma_g2s(st.u, &m.u, c0, r0, bar);
+    tma_g2s(st.A, &m.A, 0, r0, bar);
+    bulk_g2s(st.gl, p.gl + cb * KD, KD * sizeof(float), bar);
+}
+
+template <int BV, int WC, bool TM>
+__global__ void __launch_bounds__(NT2 * WC) kda_inter_tc(Params p, const __grid_constant__ TcMaps maps) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    InterSmem<BV> &s = *reinterpret_cast<InterSmem<BV> *>(smem_raw);
+    using Smem = typename std::conditional<TM, InterSmemT<BV>, InterSmem<BV>>::type;
+    Smem &s = *reinterpret_cast<Smem *>(
+        TM ? smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023) : smem_raw);
     constexpr int NTV = BV / 8 / WC; /* n-tiles of this warp */
     constexpr int NT = NT2 * WC;       /* threads */
     const int c0 = blockIdx.x * BV;
@@ -687,12 +774,25 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
                          warp, lane);
     const int2 sq = p.seqs[n];
     constexpr int NS = REC_STAGES;
-    /* one commit group per chunk (empty past the end), so the wait count is constant */
+    if constexpr (TM) {
+        if (tid == 0) {
 #pragma unroll
-    for (int k = 0; k < NS - 1; k++) {
-        if (k < sq.y)
-            inter_load<BV, NT>(p, s.st[k], (int64_t)(sq.x + k) * HV + hv, c0, tid);
-        cp_async_commit();
+            for (int k = 0; k < NS; k++)
+                mbar_init(&s.bar[k], 1);
+        }
+        fence_proxy_async(); /* the barriers, before the async proxy */
+        __syncthreads();
+        if (tid == 0)
+            for (int k = 0; k < NS - 1 && k < sq.y; k++)
+                tc_load<BV>(p, maps, s.st[k], &s.bar[k], (int64_t)(sq.x + k) * HV + hv, c0);
+    } else {
+        /* one commit group per chunk (empty past the end), so the wait count is constant */
+#pragma unroll
+        for (int k = 0; k < NS - 1; k++) {
+            if (k < sq.y)
+                inter_load<BV, NT>(p, s.st[k], (int64_t)(sq.x + k) * HV + hv, c0, tid);
+            cp_async_commit();
+        }
     }
     const SeqSpan span(p.chunks, sq);
     /* o stores without per-element column checks when the whole slice lies inside V */
@@ -701,10 +801,17 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
         const int ci = sq.x + cc;
         int t0, L;
         span.chunk(cc, t0, L);
-        InterStage<BV> &st = s.st[cc % NS];
-        if (cc + NS - 1 < sq.y)
-            inter_load<BV, NT>(p, s.st[(cc + NS - 1) % NS], (int64_t)(ci + NS - 1) * HV + hv, c0, tid);
-        cp_async_commit();
+        auto &st = s.st[cc % NS];
+        if constexpr (TM) { /* the stage last read in step cc - 1 (before its end barrier) */
+            if (tid == 0 && cc + NS - 1 < sq.y)
+                tc_load<BV>(p, maps, s.st[(cc + NS - 1) % NS], &s.bar[(cc + NS - 1) % NS],
+                            (int64_t)(ci + NS - 1) * HV + hv, c0);
+        } else {
+            if (cc + NS - 1 < sq.y)
+                inter_load<BV, NT>(p, s.st[(cc + NS - 1) % NS], (int64_t)(ci + NS - 1) * HV + hv, c0,
+                                   tid);
+            cp_async_commit();
+        }
         /* S -> bf16 tile */
 #pragma unroll
         for (int mt = 0; mt < 2; mt++)
@@ -721,7 +828,10 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
                     *reinterpret_cast<uint32_t *>(hs + (d + 8) * KD) = hi;
                 }
             }
-        cp_async_wait<NS - 1>(); /* chunk cc's group is complete */
+        if constexpr (TM)
+            mbar_wait(&s.bar[cc % NS], (cc / NS) & 1); /* chunk cc has landed */
+        else
+            cp_async_wait<NS - 1>(); /* chunk cc's group is complete */
         __syncthreads();
         /* v' = u - w S ; o = qg S  (rows 16 warp ..) */
         float av[NTV][4], ao[NTV][4];
@@ -735,8 +845,8 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
              * asm statements keep their order, so the pipelining is written out) */
             uint32_t fw[2][4], fq[2][4], fb[2][NTV / 2][4];
             auto frags = [&](int ks, int b) {
-                ldsm4(fw[b], a_addr(&st.w[0][0], RS, warp * 16, ks * 16, lane));
-                ldsm4(fq[b], a_addr(&st.qg[0][0], RS, warp * 16, ks * 16, lane));
+                ldsm4(fw[b], frag_a(st.w, warp * 16, ks * 16, lane));
+                ldsm4(fq[b], frag_a(st.qg, warp * 16, ks * 16, lane));
 #pragma unroll
                 for (int np = 0; np < NTV / 2; np++)
                     ldsm4t(fb[b][np], b_kn_addr(&s.S[0][0], BV + 8, ks * 16, cw + np * 16, lane));
@@ -759,8 +869,8 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
 #pragma unroll
         for (int nt = 0; nt < NTV; nt++) {
             const int r = warp * 16 + g, c = cw + nt * 8 + 2 * t;
-            const __nv_bfloat162 u0 = *reinterpret_cast<const __nv_bfloat162 *>(&st.u[r][c]);
-            const __nv_bfloat162 u1 = *reinterpret_cast<const __nv_bfloat162 *>(&st.u[r + 8][c]);
+            const __nv_bfloat162 u0 = u_pair<BV>(st, r, c);
+            const __nv_bfloat162 u1 = u_pair<BV>(st, r + 8, c);
             const float v0 = __low2float(u0) - av[nt][0], v1 = __high2float(u0) - av[nt][1];
             const float v2 = __low2float(u1) - av[nt][2], v3 = __high2float(u1) - av[nt][3];
             *reinterpret_cast<uint32_t *>(&s.vn[r][c]) = pack_bf16(v0, v1);
@@ -775,7 +885,7 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
         /* o += Aqk v' (causal: column blocks <= warp) */
         for (int ks = 0; ks <= warp; ks++) {
             uint32_t fa[4];
-            ldsm4(fa, a_addr(&st.A[0][0], AS, warp * 16, ks * 16, lane));
+            ldsm4(fa, frag_a(st.A, warp * 16, ks * 16, lane));
 #pragma unroll
             for (int np = 0; np < NTV / 2; np++) {
                 uint32_t fb[4];
@@ -834,8 +944,8 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
         {
             uint32_t fa[2][2][4], fb[2][NTV / 2][4];
             auto frags = [&](int ks, int b) {
-                ldsm4t(fa[b][0], at_addr(&st.kg[0][0], RS, warp * 32, ks * 16, lane));
-                ldsm4t(fa[b][1], at_addr(&st.kg[0][0], RS, warp * 32 + 16, ks * 16, lane));
+                ldsm4t(fa[b][0], frag_at(st.kg, warp * 32, ks * 16, lane));
+                ldsm4t(fa[b][1], frag_at(st.kg, warp * 32 + 16, ks * 16, lane));
 #pragma unroll
                 for (int np = 0; np < NTV / 2; np++)
                     ldsm4t(fb[b][np], b_kn_addr(&s.vn[0][0], BV + 8, ks * 16, cw + np * 16, lane));
@@ -881,7 +991,6 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_inter_
  * A operands. S^T and v'^T are written from the accumulators with stmatrix.trans into
  * K-major core-matrix tiles ("CM", no swizzle, chunk stride padded by 16 bytes). */
 #define CM128 2064        /* chunk stride (bytes) of the 128-row CM tiles */
-#define SWT (BT * 64 * 2) /* bytes of one 64 x 64 swizzled box */
 struct __align__(1024) WgStage {
     unsigned char w[2 * SWT], qg[2 * SWT], kg[2 * SWT], u[2 * SWT], A[SWT];
     float gl[KD];
@@ -915,8 +1024,6 @@ __device__ __forceinline__ void wg_load(const Params &p, const WgMaps &m, WgStag
     tma_g2s(st.A, &m.A, 0, r0, bar);
     bulk_g2s(st.gl, p.gl + cb * KD, KD * sizeof(float), bar);
 }
-/* (row r, column c < 128) of a two-box swizzled tile */
-__device__ __forceinline__ int sw128x2(int r, int c) { return (c >> 6) * SWT + sw128(r, c & 63); }
 
 /* the accumulators d (rows 16 w + 8 h .. of the warpgroup's 64, 16 n-tiles) to a CM tile
  * of 128 rows = d's columns, transposed: K-chunk kc0 + 2 w + h */
@@ -1172,6 +1279,60 @@ static bool wg_map(CUtensorMap *m, const void *base, uint64_t rows, uint64_t col
               es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
               CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* u's [rows][128] with boxes of min(BV, 64) columns x 64 rows, swizzled over the box row
+ * (32, 64 or 128 bytes; u_off) */
+static bool tc_umap(CUtensorMap *m, const void *base, uint64_t rows, int BV) {
+    const EncodeTiledFn fn = encode_tiled();
+    if (!fn)
+        return false;
+    const cuuint64_t dim[2] = {KD, rows}, stride[1] = {KD * sizeof(bf16)};
+    const cuuint32_t box[2] = {(cuuint32_t)(BV < 64 ? BV : 64), 64}, es[2] = {1, 1};
+    const CUtensorMapSwizzle sw = BV == 16   ? CU_TENSOR_MAP_SWIZZLE_32B
+                                  : BV == 32 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                             : CU_TENSOR_MAP_SWIZZLE_128B;
+    return fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dim, stride, box, es,
+              CU_TENSOR_MAP_INTERLEAVE_NONE, sw, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+/* the tensor maps of kda_inter_tc (TM) for the workspace at p, encoded again only when its
+ * place, extent or the slice width changes; false when the driver gives none */
+static bool tc_maps(const Params &p, uint64_t rows, int BV, TcMaps &out) {
+    static TcMaps maps;
+    static const void *at = nullptr, *at_u = nullptr;
+    static uint64_t at_rows = 0;
+    static int at_bv = 0;
+    if (at != p.w || at_u != p.u || at_rows != rows || at_bv != BV) {
+        at = nullptr;
+        if (!(wg_map(&maps.w, p.w, rows, KD) && wg_map(&maps.qg, p.qg, rows, KD) &&
+              wg_map(&maps.kg, p.kg, rows, KD) && wg_map(&maps.A, p.Aqk, rows, BT) &&
+              tc_umap(&maps.u, p.u, rows, BV)))
+            return false;
+        at = p.w;
+        at_u = p.u;
+        at_rows = rows;
+        at_bv = BV;
+    }
+    out = maps;
+    return true;
+}
+/* kda_inter_tc<BV, WC, TM> with its shared memory (the opt-in once per device and kernel) */
+template <int BV, int WC, bool TM> static cudaError_t launch_inter_tc(dim3 grid, const Params &p, const TcMaps &m) {
+    const size_t sm = TM ? inter_smem_t<BV>() : sizeof(InterSmem<BV>);
+    static int attr_dev = -1;
+    bool first = false;
+    cudaError_t e = kda_cuda_first_on_device(attr_dev, first);
+    if (e != cudaSuccess)
+        return e;
+    if (first && (e = cudaFuncSetAttribute(kda_inter_tc<BV, WC, TM>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm)) != cudaSuccess)
+        return e;
+    kda_inter_tc<BV, WC, TM><<<grid, NT2 * WC, sm>>>(p, m);
+    return cudaGetLastError();
+}
+template <int BV, int WC> static cudaError_t launch_inter(dim3 grid, const Params &p, bool tm, const TcMaps &m) {
+    return tm ? launch_inter_tc<BV, WC, true>(grid, p, m) : launch_inter_tc<BV, WC, false>(grid, p, m);
 }
 
 int kda_cuda_bv(int nsh) {
@@ -1493,9 +1654,16 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
     if (!wgrec)
         p.flags = nullptr;
     const size_t sm1 = sizeof(IntraSmem);
-    const size_t sm2 = BVsel == 128 ? sizeof(InterSmem<128>)
-                       : BVsel == 64 ? sizeof(InterSmem<64>)
-                                     : (BVsel == 32 ? sizeof(InterSmem<32>) : sizeof(InterSmem<16>));
+    /* kda_inter_tc's loads by the tensor copy engine (LINMOE_KDA_CUDA_TMA=0: cp.async) */
+    static int use_tma = -1;
+    if (use_tma < 0) {
+        const char *e = getenv("LINMOE_KDA_CUDA_TMA");
+        use_tma = !(e && e[0] == '0');
+    }
+    TcMaps tmaps;
+    memset(&tmaps, 0, sizeof tmaps);
+    const bool tm = !wgrec && use_tma && nchunks > 0 &&
+                    tc_maps(p, (uint64_t)nchunks * HV * BT, BVsel, tmaps);
     /* the shared-memory opt-ins once per device (a driver call each; they add up in a
      * training loop) */
     static int attr_dev = -1;
@@ -1503,14 +1671,6 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
     CK(kda_cuda_first_on_device(attr_dev, first));
     if (first) {
         CK(cudaFuncSetAttribute(kda_intra_tc, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm1));
-        CK(cudaFuncSetAttribute(kda_inter_tc<128, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)sizeof(InterSmem<128>)));
-        CK(cudaFuncSetAttribute(kda_inter_tc<64, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)sizeof(InterSmem<64>)));
-        CK(cudaFuncSetAttribute(kda_inter_tc<32, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)sizeof(InterSmem<32>)));
-        CK(cudaFuncSetAttribute(kda_inter_tc<16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)sizeof(InterSmem<16>)));
         CK(cudaFuncSetAttribute(kda_inter_wg, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 (int)WG_SMEM));
     }
@@ -1560,14 +1720,13 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
         }
         CK(e);
     } else if (BVsel == 128) /* 8 warps of 16 x 64: 0.292 -> 0.284 ms against 16 of 16 x 32 */
-        kda_inter_tc<128, 2><<<g2, NT2 * 2, sm2>>>(p);
+        CK((launch_inter<128, 2>(g2, p, tm, tmaps)));
     else if (BVsel == 64)
-        kda_inter_tc<64, 2><<<g2, NT2 * 2, sm2>>>(p);
+        CK((launch_inter<64, 2>(g2, p, tm, tmaps)));
     else if (BVsel == 32)
-        kda_inter_tc<32, 2><<<g2, NT2 * 2, sm2>>>(p);
+        CK((launch_inter<32, 2>(g2, p, tm, tmaps)));
     else
-        kda_inter_tc<16, 1><<<g2, NT2, sm2>>>(p);
-    CK(cudaGetLastError());
+        CK((launch_inter<16, 1>(g2, p, tm, tmaps)));
     if (prof)
         CK(cudaEventRecord(ev[2]));
     /* asynchronous on the default stream (include/linmoe/kda_cuda.h); the profile waits */
