@@ -5,6 +5,7 @@
 #ifndef LINMOE_KDA_COMMON_CUH
 #define LINMOE_KDA_COMMON_CUH
 
+#include <cuda.h> /* CUtensorMap (the driver entry point is fetched at run time) */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -461,5 +462,73 @@ void kda_cuda_chunk_tables(const lm_kda_config *c, int2 *chunks, int2 *seqs);
  * training quantities saved, otherwise the cached workspace. Synchronous. */
 lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
                                lm_kda_cuda_outputs *out, const KdaSaveBufs *sv, lm_error *err);
+
+/* ------------------------------------------------ swizzled tiles, tensor maps */
+#define SWT (BT * 64 * 2) /* bytes of one 64 x 64 swizzled box */
+/* (row r, column c < 128) of a two-box swizzled tile */
+__device__ __forceinline__ int sw128x2(int r, int c) { return (c >> 6) * SWT + sw128(r, c & 63); }
+
+/* fragment addresses in either stage layout: A operand (rows m0.., K columns k0..) of a
+ * row-major tile, and A = M^T of a row-major M */
+__device__ __forceinline__ const void *frag_a(const bf16 (&t)[BT][RS], int m0, int k0, int l) {
+    return a_addr(&t[0][0], RS, m0, k0, l);
+}
+__device__ __forceinline__ const void *frag_a(const bf16 (&t)[BT][AS], int m0, int k0, int l) {
+    return a_addr(&t[0][0], AS, m0, k0, l);
+}
+__device__ __forceinline__ const void *frag_a(const unsigned char (&t)[2 * SWT], int m0, int k0, int l) {
+    return t + sw128x2(m0 + (l & 15), k0 + (l >> 4) * 8);
+}
+__device__ __forceinline__ const void *frag_a(const unsigned char (&t)[SWT], int m0, int k0, int l) {
+    return t + sw128(m0 + (l & 15), k0 + (l >> 4) * 8);
+}
+__device__ __forceinline__ const void *frag_at(const bf16 (&t)[BT][RS], int m0, int k0, int l) {
+    return at_addr(&t[0][0], RS, m0, k0, l);
+}
+__device__ __forceinline__ const void *frag_at(const bf16 (&t)[BT][AS], int m0, int k0, int l) {
+    return at_addr(&t[0][0], AS, m0, k0, l);
+}
+__device__ __forceinline__ const void *frag_at(const unsigned char (&t)[2 * SWT], int m0, int k0, int l) {
+    return t + sw128x2(k0 + (l & 7) + ((l >> 4) & 1) * 8, m0 + ((l >> 3) & 1) * 8);
+}
+__device__ __forceinline__ const void *frag_at(const unsigned char (&t)[SWT], int m0, int k0, int l) {
+    return t + sw128(k0 + (l & 7) + ((l >> 4) & 1) * 8, m0 + ((l >> 3) & 1) * 8);
+}
+
+/* Tensor maps of the workspaces for the recurrences' tensor copies: cuTensorMapEncodeTiled
+ * from the driver, fetched through the runtime (no link-time dependency on libcuda); false
+ * when the driver has none or refuses the map (the caller takes its cp.async path then) */
+typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                  const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                  const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+static inline EncodeTiledFn encode_tiled() {
+    static EncodeTiledFn fn = nullptr;
+    static bool tried = false;
+    if (!tried) {
+        tried = true;
+        void *f = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                             &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (EncodeTiledFn)f;
+        else
+            cudaGetLastError();
+    }
+    return fn;
+}
+/* [rows][cols] bf16 row-major at base, boxes of 64 x 64 with the 128-byte swizzle */
+static inline bool wg_map(CUtensorMap *m, const void *base, uint64_t rows, uint64_t cols) {
+    const EncodeTiledFn fn = encode_tiled();
+    if (!fn)
+        return false;
+    const cuuint64_t dim[2] = {cols, rows}, stride[1] = {cols * sizeof(bf16)};
+    const cuuint32_t box[2] = {64, 64}, es[2] = {1, 1};
+    return fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dim, stride, box,
+              es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+              CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
 
 #endif

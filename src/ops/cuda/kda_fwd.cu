@@ -629,10 +629,6 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
  * memory with cp.async (the next chunk loads while this one computes). Per chunk:
  * S -> bf16 tile; v' = u - w S and o = qg S (warp w: chunk rows 16w..16w+15);
  * o += Aqk v'; S <- diag(gl) S + kg^T v'. */
-#define SWT (BT * 64 * 2) /* bytes of one 64 x 64 swizzled box */
-/* (row r, column c < 128) of a two-box swizzled tile */
-__device__ __forceinline__ int sw128x2(int r, int c) { return (c >> 6) * SWT + sw128(r, c & 63); }
-
 /* The stage of the recurrence when the tensor copy engine loads it (TM): w, qg, kg as two
  * 64 x 64 boxes with the 128-byte swizzle, Aqk one such box, the u slice one box of BV
  * columns (BV <= 64; rows of 2 BV bytes, swizzled over that span) or two 64-column boxes,
@@ -665,27 +661,6 @@ template <int BV> __device__ __forceinline__ int u_off(int r, int c) {
     const int off = r * S + c * 2;
     return off ^ (((off >> 7) & (S / 16 - 1)) << 4);
 }
-/* fragment addresses in either stage layout: A operand (rows m0.., K columns k0..) of a
- * row-major tile, and A = M^T of a row-major M */
-__device__ __forceinline__ const void *frag_a(const bf16 (&t)[BT][RS], int m0, int k0, int l) {
-    return a_addr(&t[0][0], RS, m0, k0, l);
-}
-__device__ __forceinline__ const void *frag_a(const bf16 (&t)[BT][AS], int m0, int k0, int l) {
-    return a_addr(&t[0][0], AS, m0, k0, l);
-}
-__device__ __forceinline__ const void *frag_a(const unsigned char (&t)[2 * SWT], int m0, int k0, int l) {
-    return t + sw128x2(m0 + (l & 15), k0 + (l >> 4) * 8);
-}
-__device__ __forceinline__ const void *frag_a(const unsigned char (&t)[SWT], int m0, int k0, int l) {
-    return t + sw128(m0 + (l & 15), k0 + (l >> 4) * 8);
-}
-__device__ __forceinline__ const void *frag_at(const bf16 (&t)[BT][RS], int m0, int k0, int l) {
-    return at_addr(&t[0][0], RS, m0, k0, l);
-}
-__device__ __forceinline__ const void *frag_at(const unsigned char (&t)[2 * SWT], int m0, int k0, int l) {
-    return t + sw128x2(k0 + (l & 7) + ((l >> 4) & 1) * 8, m0 + ((l >> 3) & 1) * 8);
-}
-
 template <int BV> struct InterStage {
     bf16 w[BT][RS], qg[BT][RS], kg[BT][RS];
     bf16 A[BT][AS];
@@ -1244,42 +1219,6 @@ lm_status cuda_err(lm_error *err, cudaError_t e, const char *what) {
         if (e_ != cudaSuccess)                                                                    \
             return cuda_err(err, e_, #call);                                                      \
     } while (0)
-
-/* Tensor maps of the workspace for kda_inter_wg: cuTensorMapEncodeTiled from the driver,
- * fetched through the runtime (no link-time dependency on libcuda); false when the
- * driver has none or refuses the map (the caller takes kda_inter_tc then) */
-typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
-                                  const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
-                                  const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-static EncodeTiledFn encode_tiled() {
-    static EncodeTiledFn fn = nullptr;
-    static bool tried = false;
-    if (!tried) {
-        tried = true;
-        void *f = nullptr;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                             &q) == cudaSuccess &&
-            q == cudaDriverEntryPointSuccess)
-            fn = (EncodeTiledFn)f;
-        else
-            cudaGetLastError();
-    }
-    return fn;
-}
-/* [rows][cols] bf16 row-major at base, boxes of 64 x 64 with the 128-byte swizzle */
-static bool wg_map(CUtensorMap *m, const void *base, uint64_t rows, uint64_t cols) {
-    const EncodeTiledFn fn = encode_tiled();
-    if (!fn)
-        return false;
-    const cuuint64_t dim[2] = {cols, rows}, stride[1] = {cols * sizeof(bf16)};
-    const cuuint32_t box[2] = {64, 64}, es[2] = {1, 1};
-    return fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dim, stride, box,
-              es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-              CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
 
 /* u's [rows][128] with boxes of min(BV, 64) columns x 64 rows, swizzled over the box row
  * (32, 64 or 128 bytes; u_off) */

@@ -112,6 +112,42 @@ __device__ __forceinline__ void wmma(float (*acc)[4], const bf16 *A, int lda, in
         prods(1);
     }
 }
+/* as wmma with B [k][n] (TB false), the A fragments' addresses from fa(ks) (any tile
+ * layout: the frag_a / frag_at overloads) */
+template <int NP, bool TA, typename FA>
+__device__ __forceinline__ void wmma_fa(float (*acc)[4], FA fa, const bf16 *B, int ldb, int n0, int kb0, int nks,
+                                        int lane) {
+    uint32_t fr[2][4], fb[2][NP][4];
+    auto frags = [&](int ks, int b) {
+        if (TA)
+            ldsm4t(fr[b], fa(ks));
+        else
+            ldsm4(fr[b], fa(ks));
+#pragma unroll
+        for (int np = 0; np < NP; np++)
+            ldsm4t(fb[b][np], b_kn_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane));
+    };
+    auto prods = [&](int b) {
+#pragma unroll
+        for (int np = 0; np < NP; np++) {
+            mma16816(acc[2 * np], fr[b], fb[b][np][0], fb[b][np][1]);
+            mma16816(acc[2 * np + 1], fr[b], fb[b][np][2], fb[b][np][3]);
+        }
+    };
+    if (nks <= 0)
+        return;
+    frags(0, 0);
+    for (int ks = 0; ks < nks; ks += 2) {
+        if (ks + 1 < nks)
+            frags(ks + 1, 1);
+        prods(0);
+        if (ks + 1 >= nks)
+            break;
+        if (ks + 2 < nks)
+            frags(ks + 2, 0);
+        prods(1);
+    }
+}
 template <int N> __device__ __forceinline__ void zero_acc(float (*acc)[4]) {
 #pragma unroll
     for (int i = 0; i < N; i++)
@@ -202,6 +238,25 @@ template <int BV> struct DhSmem {
     bf16 dvn[BT][BV + 8], ndvn[BT][BV + 8];
 };
 static_assert(sizeof(DhSmem<128>) <= 227 * 1024, "the 128-column dh kernel fits an SM's shared memory");
+/* The stage when the tensor copy engine loads w, qg, kd (64 x 64 boxes with the 128-byte
+ * swizzle), Aqk (one box) and gl (a bulk copy) on one mbarrier per stage (TM, as the
+ * forward's kda_inter_tc); dO stays on cp.async (zero past L and V, read in place) */
+template <int BV> struct __align__(1024) DhStageT {
+    unsigned char w[2 * SWT], qg[2 * SWT], kd[2 * SWT], A[SWT];
+    bf16 dO[BT][BV + 8];
+    float gl[KD];
+};
+template <int BV> struct DhSmemT {
+    DhStageT<BV> st[REC_STAGES];
+    bf16 dS[KD][BV + 8];
+    bf16 dvn[BT][BV + 8], ndvn[BT][BV + 8];
+    uint64_t bar[REC_STAGES];
+};
+template <int BV> constexpr size_t dh_smem_t() { return sizeof(DhSmemT<BV>) + 1024; }
+static_assert(dh_smem_t<128>() <= 227 * 1024, "the TM dh kernel at 128 columns fits an SM's shared memory");
+struct DhMaps {
+    CUtensorMap w, qg, kd, A;
+};
 
 /* dO rows t0 .. t0 + L - 1 of value head hv, columns c0 .. c0 + NC - 1, into a [64][ld]
  * tile at dst (element (r, c) at dst + off(r, c)), zeros past L and V; V % 8 == 0 */
@@ -216,6 +271,21 @@ __device__ __forceinline__ void load_do_direct(const BwdParams &p, bf16 *dst, Of
     }
 }
 
+/* dO of chunk cb (columns c0 ..) into a stage by cp.async, every thread */
+template <int BV, int NT, typename Stage>
+__device__ __forceinline__ void dh_load_do(const BwdParams &p, Stage &st, int64_t cb, int c0, int tid, int hv,
+                                           int t0, int L) {
+    if (p.do_direct) {
+        load_do_direct<BV, NT>(p, &st.dO[0][0], [](int i, int c) { return i * (BV + 8) + c; }, t0, L,
+                               hv, c0, tid);
+    } else {
+        const bf16 *dO = p.dO + cb * BT * KD + c0;
+        for (int e = tid; e < BT * (BV / 8); e += NT) {
+            const int i = e / (BV / 8), c = (e % (BV / 8)) * 8;
+            cp_async16(&st.dO[i][c], dO + i * KD + c);
+        }
+    }
+}
 template <int BV, int NT>
 __device__ __forceinline__ void dh_load(const BwdParams &p, DhStage<BV> &st, int64_t cb, int c0,
                                         int tid, int hv, int t0, int L) {
@@ -231,24 +301,36 @@ __device__ __forceinline__ void dh_load(const BwdParams &p, DhStage<BV> &st, int
         const int i = e >> 3, j0 = (e & 7) * 8;
         cp_async16(&st.A[i][j0], A + i * BT + j0);
     }
-    if (p.do_direct) {
-        load_do_direct<BV, NT>(p, &st.dO[0][0], [](int i, int c) { return i * (BV + 8) + c; }, t0, L,
-                               hv, c0, tid);
-    } else {
-        const bf16 *dO = p.dO + cb * BT * KD + c0;
-        for (int e = tid; e < BT * (BV / 8); e += NT) {
-            const int i = e / (BV / 8), c = (e % (BV / 8)) * 8;
-            cp_async16(&st.dO[i][c], dO + i * KD + c);
-        }
-    }
+    dh_load_do<BV, NT>(p, st, cb, c0, tid, hv, t0, L);
     if (tid < KD / 4)
         cp_async16(&st.gl[tid * 4], p.gl + cb * KD + tid * 4);
 }
+/* TM: the tensor copies by thread 0 on the stage's barrier, dO by every thread */
+template <int BV, int NT>
+__device__ __forceinline__ void dh_load(const BwdParams &p, DhStageT<BV> &st, uint64_t *bar, const DhMaps &m,
+                                        int64_t cb, int c0, int tid, int hv, int t0, int L) {
+    if (tid == 0) {
+        mbar_expect(bar, 7 * SWT + KD * sizeof(float));
+        const int r0 = (int)(cb * BT);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            tma_g2s(st.w + h * SWT, &m.w, 64 * h, r0, bar);
+            tma_g2s(st.qg + h * SWT, &m.qg, 64 * h, r0, bar);
+            tma_g2s(st.kd + h * SWT, &m.kd, 64 * h, r0, bar);
+        }
+        tma_g2s(st.A, &m.A, 0, r0, bar);
+        bulk_g2s(st.gl, p.gl + cb * KD, KD * sizeof(float), bar);
+    }
+    dh_load_do<BV, NT>(p, st, cb, c0, tid, hv, t0, L);
+}
 
 /* WC column groups of 4 warps, as in the forward's kda_inter_tc */
-template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh(BwdParams p) {
+template <int BV, int WC, bool TM>
+__global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh(BwdParams p, const __grid_constant__ DhMaps maps) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    DhSmem<BV> &s = *reinterpret_cast<DhSmem<BV> *>(smem_raw);
+    using Smem = typename std::conditional<TM, DhSmemT<BV>, DhSmem<BV>>::type;
+    Smem &s = *reinterpret_cast<Smem *>(
+        TM ? smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023) : smem_raw);
     constexpr int NTV = BV / 8 / WC;
     constexpr int NT = NT2 * WC;
     const int c0 = blockIdx.x * BV;
@@ -265,25 +347,37 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
     const int2 sq = p.seqs[n];
     constexpr int NS = REC_STAGES;
     const SeqSpan span(p.chunks, sq); /* the tokens of each chunk, for dO read in place */
+    if constexpr (TM) {
+        if (tid == 0) {
+#pragma unroll
+            for (int k = 0; k < NS; k++)
+                mbar_init(&s.bar[k], 1);
+        }
+        fence_proxy_async(); /* the barriers, before the async proxy */
+        __syncthreads();
+    }
+    /* chunk j (from the end) into stage k */
+    auto load = [&](int k, int j, int64_t cb) {
+        int t0, L;
+        span.chunk(sq.y - 1 - j, t0, L);
+        if constexpr (TM)
+            dh_load<BV, NT>(p, s.st[k], &s.bar[k], maps, cb, c0, tid, hv, t0, L);
+        else
+            dh_load<BV, NT>(p, s.st[k], cb, c0, tid, hv, t0, L);
+    };
     /* one commit group per chunk (empty past the end), so the wait count is constant */
 #pragma unroll
     for (int k = 0; k < NS - 1; k++) {
-        if (k < sq.y) {
-            int t0, L;
-            span.chunk(sq.y - 1 - k, t0, L);
-            dh_load<BV, NT>(p, s.st[k], (int64_t)(sq.x + sq.y - 1 - k) * HV + hv, c0, tid, hv, t0, L);
-        }
+        if (k < sq.y)
+            load(k, k, (int64_t)(sq.x + sq.y - 1 - k) * HV + hv);
         cp_async_commit();
     }
     for (int jj = 0; jj < sq.y; jj++) {
         const int ci = sq.x + sq.y - 1 - jj;
         const int64_t cb = (int64_t)ci * HV + hv;
-        DhStage<BV> &st = s.st[jj % NS];
-        if (jj + NS - 1 < sq.y) {
-            int t0, L;
-            span.chunk(sq.y - 1 - jj - (NS - 1), t0, L);
-            dh_load<BV, NT>(p, s.st[(jj + NS - 1) % NS], cb - (int64_t)(NS - 1) * HV, c0, tid, hv, t0, L);
-        }
+        auto &st = s.st[jj % NS];
+        if (jj + NS - 1 < sq.y)
+            load((jj + NS - 1) % NS, jj + NS - 1, cb - (int64_t)(NS - 1) * HV);
         cp_async_commit();
         /* dS -> bf16 tile and dh[cb] */
 #pragma unroll
@@ -302,14 +396,18 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
                 }
             }
         cp_async_wait<NS - 1>(); /* chunk jj's group is complete */
+        if constexpr (TM)
+            mbar_wait(&s.bar[jj % NS], (jj / NS) & 1); /* and its tensor copies */
         __syncthreads();
         /* dVn = Aqk^T dO + Kd dS (rows 16 warp ..) */
         float av[NTV][4];
         zero_acc<NTV>(av);
-        wmma<NTV / 2, true, false>(av, &st.A[0][0], AS, warp * 16, warp * 16, &st.dO[0][0], BV + 8,
-                                   cw, warp * 16, 4 - warp, lane);
-        wmma<NTV / 2, false, false>(av, &st.kd[0][0], RS, warp * 16, 0, &s.dS[0][0], BV + 8, cw, 0,
-                                    KD / 16, lane);
+        wmma_fa<NTV / 2, true>(
+            av, [&](int ks) { return frag_at(st.A, warp * 16, warp * 16 + ks * 16, lane); }, &st.dO[0][0],
+            BV + 8, cw, warp * 16, 4 - warp, lane);
+        wmma_fa<NTV / 2, false>(
+            av, [&](int ks) { return frag_a(st.kd, warp * 16, ks * 16, lane); }, &s.dS[0][0], BV + 8, cw, 0,
+            KD / 16, lane);
 #pragma unroll
         for (int nt = 0; nt < NTV; nt++) {
             const int r = warp * 16 + g, c = cw + nt * 8 + 2 * t;
@@ -341,10 +439,12 @@ template <int BV, int WC> __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh
         }
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
-            wmma<NTV / 2, true, false>(S[mt], &st.qg[0][0], RS, warp * 32 + mt * 16, 0,
-                                       &st.dO[0][0], BV + 8, cw, 0, BT / 16, lane);
-            wmma<NTV / 2, true, false>(S[mt], &st.w[0][0], RS, warp * 32 + mt * 16, 0,
-                                       &s.ndvn[0][0], BV + 8, cw, 0, BT / 16, lane);
+            wmma_fa<NTV / 2, true>(
+                S[mt], [&](int ks) { return frag_at(st.qg, warp * 32 + mt * 16, ks * 16, lane); },
+                &st.dO[0][0], BV + 8, cw, 0, BT / 16, lane);
+            wmma_fa<NTV / 2, true>(
+                S[mt], [&](int ks) { return frag_at(st.w, warp * 32 + mt * 16, ks * 16, lane); },
+                &s.ndvn[0][0], BV + 8, cw, 0, BT / 16, lane);
         }
         /* dh[cb] and dVn out (s.dS and s.dvn are rewritten only after the barrier below) */
         if (STAGED) {
@@ -1481,6 +1581,48 @@ extern "C" lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cu
     return LM_OK;
 }
 
+
+/* the tensor maps of kda_bwd_dh (TM) for the saved buffers at p, encoded again only when
+ * their place or extent changes; false when the driver gives none */
+static bool dh_maps(const BwdParams &p, uint64_t rows, DhMaps &out) {
+    static DhMaps maps;
+    static const void *at_w = nullptr, *at_kd = nullptr, *at_qg = nullptr, *at_A = nullptr;
+    static uint64_t at_rows = 0;
+    if (at_w != p.w || at_kd != p.kd || at_qg != p.qg || at_A != p.Aqk || at_rows != rows) {
+        at_w = nullptr;
+        if (!(wg_map(&maps.w, p.w, rows, KD) && wg_map(&maps.qg, p.qg, rows, KD) &&
+              wg_map(&maps.kd, p.kd, rows, KD) && wg_map(&maps.A, p.Aqk, rows, BT)))
+            return false;
+        at_w = p.w;
+        at_kd = p.kd;
+        at_qg = p.qg;
+        at_A = p.Aqk;
+        at_rows = rows;
+    }
+    out = maps;
+    return true;
+}
+/* kda_bwd_dh<BV, WC, TM> with its shared memory (the opt-in once per device and kernel) */
+template <int BV, int WC, bool TM>
+static cudaError_t launch_dh_t(dim3 grid, const BwdParams &p, const DhMaps &m) {
+    const size_t sm = TM ? dh_smem_t<BV>() : sizeof(DhSmem<BV>);
+    static int attr_dev = -1;
+    bool first = false;
+    cudaError_t e = kda_cuda_first_on_device(attr_dev, first);
+    if (e != cudaSuccess)
+        return e;
+    if (first && (e = cudaFuncSetAttribute(kda_bwd_dh<BV, WC, TM>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm)) !=
+                     cudaSuccess)
+        return e;
+    kda_bwd_dh<BV, WC, TM><<<grid, NT2 * WC, sm>>>(p, m);
+    return cudaGetLastError();
+}
+template <int BV, int WC>
+static cudaError_t launch_dh(dim3 grid, const BwdParams &p, bool tm, const DhMaps &m) {
+    return tm ? launch_dh_t<BV, WC, true>(grid, p, m) : launch_dh_t<BV, WC, false>(grid, p, m);
+}
+
 extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda_cuda_grads *gr,
                                           lm_error *err) {
     if (!saved || !gr || !gr->do_)
@@ -1578,21 +1720,19 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
 
     const int nsh = N * HV;
     const int BVsel = kda_cuda_bv(nsh);
-    const size_t smDh = BVsel == 128 ? sizeof(DhSmem<128>)
-                        : BVsel == 64 ? sizeof(DhSmem<64>)
-                                    : (BVsel == 32 ? sizeof(DhSmem<32>) : sizeof(DhSmem<16>));
+    /* the dh recurrence's loads by the tensor copy engine (LINMOE_KDA_CUDA_TMA=0: cp.async) */
+    static int use_tma = -1;
+    if (use_tma < 0) {
+        const char *e = getenv("LINMOE_KDA_CUDA_TMA");
+        use_tma = !(e && e[0] == '0');
+    }
+    DhMaps dmaps;
+    memset(&dmaps, 0, sizeof dmaps);
+    const bool tm = use_tma && nchunks > 0 && dh_maps(p, (uint64_t)nchunks * HV * BT, dmaps);
     static int attr_dev = -1; /* the shared-memory opt-ins once per device */
     bool first = false;
     CK(kda_cuda_first_on_device(attr_dev, first));
     if (first) {
-        CK(cudaFuncSetAttribute(kda_bwd_dh<128, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)sizeof(DhSmem<128>)));
-        CK(cudaFuncSetAttribute(kda_bwd_dh<64, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)sizeof(DhSmem<64>)));
-        CK(cudaFuncSetAttribute(kda_bwd_dh<32, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)sizeof(DhSmem<32>)));
-        CK(cudaFuncSetAttribute(kda_bwd_dh<16, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)sizeof(DhSmem<16>)));
         CK(cudaFuncSetAttribute(kda_bwd_state, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 (int)sizeof(StateSmem)));
         CK(cudaFuncSetAttribute(kda_bwd_ut, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1638,14 +1778,13 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
         CK(cudaEventRecord(ev[1]));
     const dim3 g1(KD / BVsel, N * HV);
     if (BVsel == 64)
-        kda_bwd_dh<64, 2><<<g1, NT2 * 2, smDh>>>(p);
+        CK((launch_dh<64, 2>(g1, p, tm, dmaps)));
     else if (BVsel == 128) /* 8 warps of 16 x 64: 0.317 -> 0.305 ms against 16 of 16 x 32 */
-        kda_bwd_dh<128, 2><<<g1, NT2 * 2, smDh>>>(p);
+        CK((launch_dh<128, 2>(g1, p, tm, dmaps)));
     else if (BVsel == 32)
-        kda_bwd_dh<32, 2><<<g1, NT2 * 2, smDh>>>(p);
+        CK((launch_dh<32, 2>(g1, p, tm, dmaps)));
     else
-        kda_bwd_dh<16, 1><<<g1, NT2, smDh>>>(p);
-    CK(cudaGetLastError());
+        CK((launch_dh<16, 1>(g1, p, tm, dmaps)));
     if (use_side) { /* dh first on the default stream, so that it takes its SMs first */
         CK(cudaStreamWaitEvent(sides[dev].st, sides[dev].fork, 0));
         kda_bwd_gather_do<<<gb, NTB, 0, sides[dev].st>>>(p);
