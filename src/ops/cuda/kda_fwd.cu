@@ -118,24 +118,31 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
 
     /* 1. every global load of q, k, g first (in flight together), then v (used late) */
     uint4 rq[NIT], rk[NIT], rg[NIT], vreg[NIT];
+    {
+        /* row r0 of this thread's items, the others 16 m rows further (one stride each) */
+        const int64_t sH = (int64_t)16 * H * K, sG = (int64_t)16 * HV * K, sV = (int64_t)16 * HV * V;
+        const int64_t oH = ((int64_t)(t0 + r0) * H + h) * K + d0;
+        const bf16 *q0 = p.q + oH, *k0 = p.k + oH;
+        const bf16 *g0 = p.g + ((int64_t)(t0 + r0) * HV + hv) * K + d0;
+        const bf16 *v0 = p.v + ((int64_t)(t0 + r0) * HV + hv) * V + d0;
 #pragma unroll
-    for (int m = 0; m < NIT; m++) {
-        const int i = r0 + 16 * m;
-        rq[m] = rk[m] = rg[m] = z4;
-        if (i < L && vecK && d0 < K) {
-            const int64_t row = (int64_t)(t0 + i);
-            rq[m] = __ldg(reinterpret_cast<const uint4 *>(p.q + (row * H + h) * K + d0));
-            rk[m] = __ldg(reinterpret_cast<const uint4 *>(p.k + (row * H + h) * K + d0));
-            if (!p.gdn)
-                rg[m] = __ldg(reinterpret_cast<const uint4 *>(p.g + (row * HV + hv) * K + d0));
+        for (int m = 0; m < NIT; m++) {
+            const int i = r0 + 16 * m;
+            rq[m] = rk[m] = rg[m] = z4;
+            if (i < L && vecK && d0 < K) {
+                rq[m] = __ldg(reinterpret_cast<const uint4 *>(q0 + m * sH));
+                rk[m] = __ldg(reinterpret_cast<const uint4 *>(k0 + m * sH));
+                if (!p.gdn)
+                    rg[m] = __ldg(reinterpret_cast<const uint4 *>(g0 + m * sG));
+            }
         }
-    }
 #pragma unroll
-    for (int m = 0; m < NIT; m++) {
-        const int i = r0 + 16 * m;
-        vreg[m] = z4;
-        if (i < L && vecV && d0 < V)
-            vreg[m] = __ldg(reinterpret_cast<const uint4 *>(p.v + ((int64_t)(t0 + i) * HV + hv) * V + d0));
+        for (int m = 0; m < NIT; m++) {
+            const int i = r0 + 16 * m;
+            vreg[m] = z4;
+            if (i < L && vecV && d0 < V)
+                vreg[m] = __ldg(reinterpret_cast<const uint4 *>(v0 + m * sV));
+        }
     }
     if (!vecK || !vecV) { /* K or V not a multiple of 8: element loads */
 #pragma unroll
@@ -609,10 +616,16 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
         }
     }
     __syncthreads();
-    for (int e = tid; e < 2 * BT * (KD / 8); e += NT1) {
-        const int mat = e / (BT * (KD / 8)), r = (e >> 4) & (BT - 1), c = (e & 15) * 8;
-        *reinterpret_cast<uint4 *>((mat ? p.u : p.w) + (cb * BT + r) * KD + c) =
-            *reinterpret_cast<const uint4 *>(mat ? &ut[r][c] : &wt[r][c]);
+    {
+        static_assert(NT1 % 16 == 0 && BT % (NT1 / 16) == 0, "whole rows per pass");
+        const int r = tid >> 4, c = (tid & 15) * 8; /* rows r + (NT1 / 16) m */
+        bf16 *gw = p.w + (cb * BT + r) * KD + c, *gu = p.u + (cb * BT + r) * KD + c;
+#pragma unroll
+        for (int m = 0; m < BT / (NT1 / 16); m++) {
+            const int rr = r + (NT1 / 16) * m, o = (NT1 / 16) * m * KD;
+            *reinterpret_cast<uint4 *>(gw + o) = *reinterpret_cast<const uint4 *>(&wt[rr][c]);
+            *reinterpret_cast<uint4 *>(gu + o) = *reinterpret_cast<const uint4 *>(&ut[rr][c]);
+        }
     }
     if (p.flags) { /* the CTA's stores (ordered by the barrier), then the flag: a release at
                     * gpu scope is cumulative over what the barrier ordered before it */

@@ -795,10 +795,15 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
  * separable over channels, so a CTA needs only its slice (2 CTAs per SM).
  * Every pair term dA[r][i] q_r k_i e^(G_r - G_i) enters dG_r with + (row side) and
  * dG_i with - (column side); the reverse cumulative sum cancels the two for every
- * pair with both rows after j. So that they cancel to rounding, the exponential
- * factors enter as bf16 hi + lo (about fp32); dA and dP are bf16 on both sides (the
- * state and UT kernels write them in bf16; the per-pair diagonal of the other gates
- * reads the same bf16 values).
+ * pair with both rows after j. So that they cancel to rounding, both sides take the
+ * pair term as the same product of the same bf16 operands: the row side's dG part is
+ * Q~_r (the rounded operand of the column side) times its accumulator, the column
+ * side's is Z~_i (the rounded key operand of the row side) times its accumulator, so
+ * either sees dA Q~_r Z~_i with its exact exponential scale factor between (an
+ * earlier version rounded the operands independently and needed them as bf16 hi + lo
+ * to cancel; docs/perf-notes.md). dq and dk take the fp32 factors. dA and dP are bf16
+ * on both sides (the state and UT kernels write them in bf16; the per-pair diagonal of
+ * the other gates reads the same bf16 values).
  *
  * Bounded gate (every factor <= e^(16 |lower_bound|) <= e^80, as in the forward's
  * rounds): 32-row halves with references rh = G_15 (rows 0..31) and G_47 (rows 32..63);
@@ -825,13 +830,14 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
                        in the products warp w computes row block w / 2, channels 16 (w % 2) .. + 15 */
 
 struct PairSmem {
-    bf16 op[8][BT][CWS]; /* Q hi, lo; K hi, lo; Z0 hi, lo (bounded; other gates: raw k in slot 4);
-                            Zc or Z1 hi, lo */
+    bf16 op[4][BT][CWS]; /* Q; K; Z0 (bounded; other gates: raw k); Z1 or Zc */
     bf16 dA[BT][AS], dPb[BT][AS];
     float G[BT][OS];
-    float out[3][BT][OS]; /* dq, dk (row side), dk (column side); later dG */
+    float out[3][BT][OS]; /* dq and dk of the pairs, the pairs' part of dG; later dG */
     float rr[5][CW];
     float nq[BT], nk[BT], red[PW][CW], redw[PW];
+    float xs[4][2][RPW][CW]; /* the diagonal's column sides of a block's first rows from its
+                                second warp (dk, dG), added by the first after a barrier */
 };
 
 /* A Horner step of the off-diagonal accumulation: acc[., channel x] *= e^(hi[x] - lo[x])
@@ -896,8 +902,9 @@ __device__ __forceinline__ float qk_k(uint32_t x) { return __uint_as_float(x << 
 /* The diagonal block of the gates without a shared reference, per pair in fp32 (lane =
  * channel): rows R0 .. R0 + RPW - 1 of the 16-row block at row o (this warp's rows; q, k, G
  * of them in registers) against keys i <= r of the block (keys before R0 from shared
- * memory: raw k in operand slot 4, G). Row sides into out[0], out[1] (this warp's rows
- * only); column sides added to out[2] atomically (the two warps of a block share keys). */
+ * memory: raw k in operand slot 2, G). Row sides and the column sides of this warp's rows
+ * into out[0..2]; the second warp of a block (R0 = RPW) leaves the column sides of the
+ * first warp's rows in xs, which that warp adds after a barrier (no shared atomics). */
 template <int R0>
 __device__ __forceinline__ void pair_diag(PairSmem &s, int o, int lane, const uint32_t (&qk)[RPW],
                                           const float (&gv)[RPW]) {
@@ -910,7 +917,7 @@ __device__ __forceinline__ void pair_diag(PairSmem &s, int o, int lane, const ui
     }
 #pragma unroll
     for (int i = 0; i < R0 + RPW; i++) {
-        ki[i] = i >= R0 ? kv[i - R0] : __bfloat162float(s.op[4][o + i][lane]) * s.nk[o + i];
+        ki[i] = i >= R0 ? kv[i - R0] : __bfloat162float(s.op[2][o + i][lane]) * s.nk[o + i];
         Gi[i] = i >= R0 ? gv[i - R0] : s.G[o + i][lane];
         dkc[i] = 0.0f;
     }
@@ -927,12 +934,16 @@ __device__ __forceinline__ void pair_diag(PairSmem &s, int o, int lane, const ui
         }
 #pragma unroll
     for (int r = 0; r < RPW; r++) {
-        s.out[0][o + R0 + r][lane] += dq[r];
-        s.out[1][o + R0 + r][lane] += dkr[r];
+        const int i = R0 + r;
+        s.out[0][o + i][lane] += dq[r];
+        s.out[1][o + i][lane] += dkr[r] + dkc[i];
+        s.out[2][o + i][lane] += qv[r] * dq[r] + kv[r] * dkr[r] - ki[i] * dkc[i];
     }
 #pragma unroll
-    for (int i = 0; i < R0 + RPW; i++)
-        atomicAdd(&s.out[2][o + i][lane], dkc[i]);
+    for (int i = 0; i < R0; i++) {
+        s.xs[o / 16][0][i][lane] = dkc[i];
+        s.xs[o / 16][1][i][lane] = -ki[i] * dkc[i];
+    }
 }
 
 __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
@@ -1056,7 +1067,7 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
      * middle rows of the 32-row halves, rh = G_15 (rows 0..31) or G_47 (rows 32..63):
      * Q = q e^(G - rh), K = k e^(G - rh), Z0 = k e^(G_15 - G) (rows 0..31 only),
      * Z1 = k e^(G_47 - G); every factor <= e^(16 |lower_bound|) <= e^80, Z1 <= 1 on rows
-     * 0..31. Other gates: slot 4 holds the raw k for the per-pair diagonal */
+     * 0..31. Other gates: slot 2 holds the raw k for the per-pair diagonal */
     {
         const float rh = s.rr[ab < 2 ? 1 : 3][lane], r47 = s.rr[3][lane];
         const float ra = s.rr[ab][lane], rn = s.rr[ab + 1][lane];
@@ -1068,17 +1079,17 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             const float G = gv[m];
             if (p.shared_diag) {
                 const float eg = fexp(G - rh);
-                split_bf16(qv * eg, s.op[0][r][lane], s.op[1][r][lane]);
-                split_bf16(kv * eg, s.op[2][r][lane], s.op[3][r][lane]);
+                s.op[0][r][lane] = __float2bfloat16(qv * eg);
+                s.op[1][r][lane] = __float2bfloat16(kv * eg);
                 if (ab < 2)
-                    split_bf16(kv * fexp(rh - G), s.op[4][r][lane], s.op[5][r][lane]);
-                split_bf16(kv * fexp(r47 - G), s.op[6][r][lane], s.op[7][r][lane]);
+                    s.op[2][r][lane] = __float2bfloat16(kv * fexp(rh - G));
+                s.op[3][r][lane] = __float2bfloat16(kv * fexp(r47 - G));
             } else {
                 const float eg = fexp(G - ra);
-                split_bf16(qv * eg, s.op[0][r][lane], s.op[1][r][lane]);
-                split_bf16(kv * eg, s.op[2][r][lane], s.op[3][r][lane]);
-                s.op[4][r][lane] = __ushort_as_bfloat16((unsigned short)(qk[m] & 0xffffu));
-                split_bf16(kv * fexp(rn - G), s.op[6][r][lane], s.op[7][r][lane]);
+                s.op[0][r][lane] = __float2bfloat16(qv * eg);
+                s.op[1][r][lane] = __float2bfloat16(kv * eg);
+                s.op[2][r][lane] = __ushort_as_bfloat16((unsigned short)(qk[m] & 0xffffu));
+                s.op[3][r][lane] = __float2bfloat16(kv * fexp(rn - G));
             }
         }
     }
@@ -1091,32 +1102,27 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         zero_acc<2>(ak);
         zero_acc<2>(ac);
         zero_acc<2>(ad);
-        /* row side: key block b against operand slot zs (hi, lo) into aq (dA) and ak (dP);
-         * column side: row block a2 of Q (dA^T) and K (dP^T) into acc */
+        /* row side: key block b against operand slot zs into aq (dA) and ak (dP); column
+         * side: row block a2 of Q (dA^T) and K (dP^T) into acc */
         auto row_block = [&](int b, int zs) {
-#pragma unroll
-            for (int hl = 0; hl < 2; hl++) {
-                wmma<1, false, false>(aq, &s.dA[0][0], AS, a * 16, b * 16, &s.op[zs + hl][0][0], CWS, cx,
-                                      b * 16, 1, lane);
-                wmma<1, false, false>(ak, &s.dPb[0][0], AS, a * 16, b * 16, &s.op[zs + hl][0][0], CWS, cx,
-                                      b * 16, 1, lane);
-            }
+            wmma<1, false, false>(aq, &s.dA[0][0], AS, a * 16, b * 16, &s.op[zs][0][0], CWS, cx, b * 16, 1,
+                                  lane);
+            wmma<1, false, false>(ak, &s.dPb[0][0], AS, a * 16, b * 16, &s.op[zs][0][0], CWS, cx, b * 16, 1,
+                                  lane);
         };
         auto col_block = [&](float (&acc)[2][4], int a2) {
-#pragma unroll
-            for (int hl = 0; hl < 2; hl++) {
-                wmma<1, true, false>(acc, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0 + hl][0][0], CWS, cx,
-                                     a2 * 16, 1, lane);
-                wmma<1, true, false>(acc, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[2 + hl][0][0], CWS, cx,
-                                     a2 * 16, 1, lane);
-            }
+            wmma<1, true, false>(acc, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0][0][0], CWS, cx, a2 * 16, 1,
+                                 lane);
+            wmma<1, true, false>(acc, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[1][0][0], CWS, cx, a2 * 16, 1,
+                                 lane);
         };
+        auto opf = [&](int slot, int r, int x) { return __bfloat162float(s.op[slot][r][x]); };
         if (p.shared_diag) {
             /* bounded gate, by halves: the row side of block a against key blocks 0..a with
              * the key operand of its half's reference (Z0 or Z1), no Horner steps; the column
              * side from the row blocks of its own half (reference rh, into ac) and, for a
              * block of the first half, from the second half's (reference G_47, into ad) */
-            const int zs = a < 2 ? 4 : 6, hend = a < 2 ? 2 : 4;
+            const int zs = a < 2 ? 2 : 3, hend = a < 2 ? 2 : 4;
             for (int b = 0; b <= a; b++)
                 row_block(b, zs);
             for (int a2 = a; a2 < hend; a2++)
@@ -1131,12 +1137,15 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
                     const int r = a * 16 + g + (e >> 1) * 8, x = cx + nt * 8 + 2 * t + (e & 1);
                     const float G = s.G[r][x], rx = s.rr[ih][x];
                     const float fr = fexp(G - rx);
-                    s.out[0][r][x] = aq[nt][e] * fr;
-                    s.out[1][r][x] = ak[nt][e] * fr;
                     float vc = ac[nt][e] * fexp(rx - G);
-                    if (a < 2)
+                    float gp = opf(0, r, x) * aq[nt][e] + opf(1, r, x) * ak[nt][e] - opf(zs, r, x) * ac[nt][e];
+                    if (a < 2) {
                         vc += ad[nt][e] * fexp(s.rr[3][x] - G);
-                    s.out[2][r][x] = vc;
+                        gp -= opf(3, r, x) * ad[nt][e];
+                    }
+                    s.out[0][r][x] = aq[nt][e] * fr;
+                    s.out[1][r][x] = ak[nt][e] * fr + vc;
+                    s.out[2][r][x] = gp;
                 }
         } else {
             for (int b = 0; b < a; b++) {
@@ -1144,7 +1153,7 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
                     horner_step<2>(aq, s.rr[b + 1] + cx, s.rr[b] + cx, t);
                     horner_step<2>(ak, s.rr[b + 1] + cx, s.rr[b] + cx, t);
                 }
-                row_block(b, 6);
+                row_block(b, 3);
             }
             for (int a2 = 3; a2 > a; a2--) {
                 if (a2 < 3)
@@ -1159,8 +1168,8 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
                     const float G = s.G[r][x];
                     const float fr = fexp(G - s.rr[a][x]);
                     s.out[0][r][x] = aq[nt][e] * fr;
-                    s.out[1][r][x] = ak[nt][e] * fr;
-                    s.out[2][r][x] = ac[nt][e] * fexp(s.rr[a + 1][x] - G);
+                    s.out[1][r][x] = ak[nt][e] * fr + ac[nt][e] * fexp(s.rr[a + 1][x] - G);
+                    s.out[2][r][x] = opf(0, r, x) * aq[nt][e] + opf(1, r, x) * ak[nt][e] - opf(3, r, x) * ac[nt][e];
                 }
         }
     }
@@ -1171,10 +1180,18 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         else
             pair_diag<0>(s, ab * 16, lane, qk, gv);
         __syncthreads();
+        if (!(warp & 1)) {
+#pragma unroll
+            for (int m = 0; m < RPW; m++) {
+                s.out[1][rb + m][lane] += s.xs[ab][0][m][lane];
+                s.out[2][rb + m][lane] += s.xs[ab][1][m][lane];
+            }
+        }
+        __syncthreads();
     }
     /* 4. assembly (lane = channel, this warp's rows):
-     * dq = dq_pair + dQg e^G;  dk = dk_row + dk_col + dKg e^G + dKd e^(Gl - G);
-     * dG = q dq_pair + k (dk_row - dk_col) + dQg Qg + dKg Kg - dKd Kd; dGl += sum dKd Kd */
+     * dq = dq_pair + dQg e^G;  dk = dk_pair + dKg e^G + dKd e^(Gl - G);
+     * dG = dG_pair + dQg Qg + dKg Kg - dKd Kd; dGl += sum dKd Kd */
     {
         const float Gl = s.G[BT - 1][lane];
         float gsum = 0.0f;
@@ -1185,11 +1202,11 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             const float qv = qk_q(qk[m]) * s.nq[r], kv = qk_k(qk[m]) * s.nk[r];
             const float G = gv[m], eg = fexp(G), ed = fexp(Gl - G);
             const float xq = xq_[m], xd = xd_[m], xg = xg_[m];
-            const float pq = s.out[0][r][lane], pr = s.out[1][r][lane], pc = s.out[2][r][lane];
+            const float pq = s.out[0][r][lane], pk = s.out[1][r][lane], pg = s.out[2][r][lane];
             const float dq = pq + xq * eg;
-            const float dk = pr + pc + xg * eg + xd * ed;
+            const float dk = pk + xg * eg + xd * ed;
             const float kdd = xd * kv * ed;
-            s.out[0][r][lane] = qv * pq + kv * (pr - pc) + xq * qv * eg + xg * kv * eg - kdd;
+            s.out[0][r][lane] = pg + xq * qv * eg + xg * kv * eg - kdd;
             gsum += kdd;
             if (m < nrow) {
                 *pdq = dq;
