@@ -908,41 +908,41 @@ __device__ __forceinline__ float qk_k(uint32_t x) { return __uint_as_float(x << 
 template <int R0>
 __device__ __forceinline__ void pair_diag(PairSmem &s, int o, int lane, const uint32_t (&qk)[RPW],
                                           const float (&gv)[RPW]) {
-    float qv[RPW], kv[RPW], dq[RPW], dkr[RPW], ki[R0 + RPW], Gi[R0 + RPW], dkc[R0 + RPW];
+    float qv[RPW], kv[RPW], dq[RPW], dkr[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; r++) {
         qv[r] = qk_q(qk[r]) * s.nq[o + R0 + r];
         kv[r] = qk_k(qk[r]) * s.nk[o + R0 + r];
         dq[r] = dkr[r] = 0.0f;
     }
+    /* key i outer (its k and G in two registers), this warp's rows r >= i inner */
 #pragma unroll
     for (int i = 0; i < R0 + RPW; i++) {
-        ki[i] = i >= R0 ? kv[i - R0] : __bfloat162float(s.op[2][o + i][lane]) * s.nk[o + i];
-        Gi[i] = i >= R0 ? gv[i - R0] : s.G[o + i][lane];
-        dkc[i] = 0.0f;
-    }
+        const float ki = i >= R0 ? kv[i - R0] : __bfloat162float(s.op[2][o + i][lane]) * s.nk[o + i];
+        const float Gi = i >= R0 ? gv[i - R0] : s.G[o + i][lane];
+        float dkc = 0.0f;
 #pragma unroll
-    for (int r = 0; r < RPW; r++)
-#pragma unroll
-        for (int i = 0; i <= R0 + r; i++) {
+        for (int r = (i > R0 ? i - R0 : 0); r < RPW; r++) {
             const float aqv = __bfloat162float(s.dA[o + R0 + r][o + i]);
             const float apv = i < R0 + r ? __bfloat162float(s.dPb[o + R0 + r][o + i]) : 0.0f;
-            const float e = fexp(gv[r] - Gi[i]);
-            dq[r] += aqv * ki[i] * e;
-            dkr[r] += apv * ki[i] * e;
-            dkc[i] += (aqv * qv[r] + apv * kv[r]) * e;
+            const float e = fexp(gv[r] - Gi);
+            dq[r] += aqv * ki * e;
+            dkr[r] += apv * ki * e;
+            dkc += (aqv * qv[r] + apv * kv[r]) * e;
         }
-#pragma unroll
-    for (int r = 0; r < RPW; r++) {
-        const int i = R0 + r;
-        s.out[0][o + i][lane] += dq[r];
-        s.out[1][o + i][lane] += dkr[r] + dkc[i];
-        s.out[2][o + i][lane] += qv[r] * dq[r] + kv[r] * dkr[r] - ki[i] * dkc[i];
+        if (i < R0) {
+            s.xs[o / 16][0][i][lane] = dkc;
+            s.xs[o / 16][1][i][lane] = -ki * dkc;
+        } else {
+            s.out[1][o + i][lane] += dkc;
+            s.out[2][o + i][lane] -= ki * dkc;
+        }
     }
 #pragma unroll
-    for (int i = 0; i < R0; i++) {
-        s.xs[o / 16][0][i][lane] = dkc[i];
-        s.xs[o / 16][1][i][lane] = -ki[i] * dkc[i];
+    for (int r = 0; r < RPW; r++) {
+        s.out[0][o + R0 + r][lane] += dq[r];
+        s.out[1][o + R0 + r][lane] += dkr[r];
+        s.out[2][o + R0 + r][lane] += qv[r] * dq[r] + kv[r] * dkr[r];
     }
 }
 
