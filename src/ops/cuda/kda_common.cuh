@@ -391,6 +391,11 @@ __device__ __forceinline__ void state_regs_store(const float (&S)[2][NTV][4], fl
  * while c computes. Three stages fit at BV <= 32 but were measured slower at
  * (1, 32768, 16, 128): 1.08 vs 1.02 ms forward, 0.98 vs 0.87 ms backward (perf notes v8). */
 constexpr int REC_STAGES = 2;
+/* stages of the dh recurrence when the tensor copy engine loads them (TM): three at slices
+ * of up to 32 columns (a chunk's 61 KB lands two steps ahead of its use: dh 0.718 -> 0.684 ms
+ * at (1,32768,16,128)), two where three do not fit. The forward's kda_inter_tc keeps two
+ * (three measured 0.643 -> 0.741 ms there) */
+__host__ __device__ constexpr int tm_stages(int BV) { return BV <= 32 ? 3 : 2; }
 
 /* Whether a recurrence kernel writes its saved [rows][BV] tiles (h and v' forward, dh and
  * dVn backward) with 16-byte stores from the bf16 shared tile at the end of a step

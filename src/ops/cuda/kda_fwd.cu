@@ -661,6 +661,9 @@ template <int BV> struct InterSmemT {
 };
 template <int BV> constexpr size_t inter_smem_t() { return sizeof(InterSmemT<BV>) + 1024; }
 static_assert(inter_smem_t<128>() <= 227 * 1024, "the TM recurrence at 128 columns fits an SM's shared memory");
+static_assert(inter_smem_t<32>() <= 227 * 1024 && inter_smem_t<64>() <= 227 * 1024 &&
+                  inter_smem_t<16>() <= 227 * 1024,
+              "the TM recurrence fits an SM's shared memory at every slice width");
 struct TcMaps { /* tensor maps of the workspace for kda_inter_tc (TM) */
     CUtensorMap w, qg, kg, A, u;
 };

@@ -247,13 +247,15 @@ template <int BV> struct __align__(1024) DhStageT {
     float gl[KD];
 };
 template <int BV> struct DhSmemT {
-    DhStageT<BV> st[REC_STAGES];
+    DhStageT<BV> st[tm_stages(BV)];
     bf16 dS[KD][BV + 8];
     bf16 dvn[BT][BV + 8], ndvn[BT][BV + 8];
-    uint64_t bar[REC_STAGES];
+    uint64_t bar[tm_stages(BV)];
 };
 template <int BV> constexpr size_t dh_smem_t() { return sizeof(DhSmemT<BV>) + 1024; }
-static_assert(dh_smem_t<128>() <= 227 * 1024, "the TM dh kernel at 128 columns fits an SM's shared memory");
+static_assert(dh_smem_t<128>() <= 227 * 1024 && dh_smem_t<64>() <= 227 * 1024 && dh_smem_t<32>() <= 227 * 1024 &&
+                  dh_smem_t<16>() <= 227 * 1024,
+              "the TM dh kernel fits an SM's shared memory at every slice width");
 struct DhMaps {
     CUtensorMap w, qg, kd, A;
 };
@@ -345,7 +347,7 @@ __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh(BwdParams p, const __grid
     state_regs_load<NTV>(S, p.dht ? p.dht + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0 + cw,
                          warp, lane);
     const int2 sq = p.seqs[n];
-    constexpr int NS = REC_STAGES;
+    constexpr int NS = TM ? tm_stages(BV) : REC_STAGES;
     const SeqSpan span(p.chunks, sq); /* the tokens of each chunk, for dO read in place */
     if constexpr (TM) {
         if (tid == 0) {
