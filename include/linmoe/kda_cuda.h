@@ -86,7 +86,10 @@ int lm_cuda_device_count(void);
  * the intra-chunk kernel: it starts on a sequence-head once per-block flags in the
  * workspace say that head's chunks are written (the ordering with the caller's stream is
  * unchanged). LINMOE_KDA_CUDA_WGMMA=0 selects the mma.sync recurrence instead,
- * LINMOE_KDA_CUDA_PDL=0 a plain launch (docs/perf-notes.md v11). */
+ * LINMOE_KDA_CUDA_PDL=0 a plain launch (docs/perf-notes.md v11). The mma.sync recurrences
+ * (here and in lm_kda_cuda_backward's dh) load each chunk with the tensor copy engine
+ * through tensor maps of the workspace; LINMOE_KDA_CUDA_TMA=0 selects cp.async, as does a
+ * driver that gives no cuTensorMapEncodeTiled (docs/perf-notes.md v12). */
 lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cuda_inputs *in,
                                     lm_kda_cuda_outputs *out, lm_error *err);
 
