@@ -481,10 +481,12 @@ __device__ __forceinline__ const void *frag_a(const bf16 (&t)[BT][RS], int m0, i
 __device__ __forceinline__ const void *frag_a(const bf16 (&t)[BT][AS], int m0, int k0, int l) {
     return a_addr(&t[0][0], AS, m0, k0, l);
 }
-__device__ __forceinline__ const void *frag_a(const unsigned char (&t)[2 * SWT], int m0, int k0, int l) {
+__device__ __forceinline__ const void *frag_a(const unsigned char (&t)[2 * SWT], int m0, int k0,
+                                              int l) {
     return t + sw128x2(m0 + (l & 15), k0 + (l >> 4) * 8);
 }
-__device__ __forceinline__ const void *frag_a(const unsigned char (&t)[SWT], int m0, int k0, int l) {
+__device__ __forceinline__ const void *frag_a(const unsigned char (&t)[SWT], int m0, int k0,
+                                              int l) {
     return t + sw128(m0 + (l & 15), k0 + (l >> 4) * 8);
 }
 __device__ __forceinline__ const void *frag_at(const bf16 (&t)[BT][RS], int m0, int k0, int l) {
@@ -493,10 +495,12 @@ __device__ __forceinline__ const void *frag_at(const bf16 (&t)[BT][RS], int m0, 
 __device__ __forceinline__ const void *frag_at(const bf16 (&t)[BT][AS], int m0, int k0, int l) {
     return at_addr(&t[0][0], AS, m0, k0, l);
 }
-__device__ __forceinline__ const void *frag_at(const unsigned char (&t)[2 * SWT], int m0, int k0, int l) {
+__device__ __forceinline__ const void *frag_at(const unsigned char (&t)[2 * SWT], int m0, int k0,
+                                               int l) {
     return t + sw128x2(k0 + (l & 7) + ((l >> 4) & 1) * 8, m0 + ((l >> 3) & 1) * 8);
 }
-__device__ __forceinline__ const void *frag_at(const unsigned char (&t)[SWT], int m0, int k0, int l) {
+__device__ __forceinline__ const void *frag_at(const unsigned char (&t)[SWT], int m0, int k0,
+                                               int l) {
     return t + sw128(k0 + (l & 7) + ((l >> 4) & 1) * 8, m0 + ((l >> 3) & 1) * 8);
 }
 

@@ -120,7 +120,8 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
     uint4 rq[NIT], rk[NIT], rg[NIT], vreg[NIT];
     {
         /* row r0 of this thread's items, the others 16 m rows further (one stride each) */
-        const int64_t sH = (int64_t)16 * H * K, sG = (int64_t)16 * HV * K, sV = (int64_t)16 * HV * V;
+        const int64_t sH = (int64_t)16 * H * K, sG = (int64_t)16 * HV * K,
+                      sV = (int64_t)16 * HV * V;
         const int64_t oH = ((int64_t)(t0 + r0) * H + h) * K + d0;
         const bf16 *q0 = p.q + oH, *k0 = p.k + oH;
         const bf16 *g0 = p.g + ((int64_t)(t0 + r0) * HV + hv) * K + d0;
@@ -660,7 +661,8 @@ template <int BV> struct InterSmemT {
     uint64_t bar[REC_STAGES];
 };
 template <int BV> constexpr size_t inter_smem_t() { return sizeof(InterSmemT<BV>) + 1024; }
-static_assert(inter_smem_t<128>() <= 227 * 1024, "the TM recurrence at 128 columns fits an SM's shared memory");
+static_assert(inter_smem_t<128>() <= 227 * 1024,
+              "the TM recurrence at 128 columns fits an SM's shared memory");
 static_assert(inter_smem_t<32>() <= 227 * 1024 && inter_smem_t<64>() <= 227 * 1024 &&
                   inter_smem_t<16>() <= 227 * 1024,
               "the TM recurrence fits an SM's shared memory at every slice width");
@@ -718,16 +720,18 @@ __device__ __forceinline__ void inter_load(const Params &p, InterStage<BV> &st, 
  * (v', o) and 32 wr (state) of the columns wc * BV / WC .. of the slice. WC = 2 puts two
  * warps on each SM sub-partition, whose tensor pipe one warp's dependent mma chain
  * leaves mostly idle (the grid has about one CTA per SM). */
-template <int BV> __device__ __forceinline__ __nv_bfloat162 u_pair(const InterStage<BV> &st, int r, int c) {
+template <int BV>
+__device__ __forceinline__ __nv_bfloat162 u_pair(const InterStage<BV> &st, int r, int c) {
     return *reinterpret_cast<const __nv_bfloat162 *>(&st.u[r][c]);
 }
-template <int BV> __device__ __forceinline__ __nv_bfloat162 u_pair(const InterStageT<BV> &st, int r, int c) {
+template <int BV>
+__device__ __forceinline__ __nv_bfloat162 u_pair(const InterStageT<BV> &st, int r, int c) {
     return *reinterpret_cast<const __nv_bfloat162 *>(st.u + u_off<BV>(r, c));
 }
 /* chunk cb's operands into a TM stage (one thread) */
 template <int BV>
-__device__ __forceinline__ void tc_load(const Params &p, const TcMaps &m, InterStageT<BV> &st, uint64_t *bar,
-                                        int64_t cb, int c0) {
+__device__ __forceinline__ void tc_load(const Params &p, const TcMaps &m, InterStageT<BV> &st,
+                                        uint64_t *bar, int64_t cb, int c0) {
     mbar_expect(bar, 7 * SWT + BT * BV * 2 + KD * sizeof(float));
     const int r0 = (int)(cb * BT);
 #pragma unroll
@@ -745,7 +749,8 @@ __device__ __forceinline__ void tc_load(const Params &p, const TcMaps &m, InterS
 }
 
 template <int BV, int WC, bool TM>
-__global__ void __launch_bounds__(NT2 * WC) kda_inter_tc(Params p, const __grid_constant__ TcMaps maps) {
+__global__ void __launch_bounds__(NT2 * WC)
+    kda_inter_tc(Params p, const __grid_constant__ TcMaps maps) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     using Smem = typename std::conditional<TM, InterSmemT<BV>, InterSmem<BV>>::type;
     Smem &s = *reinterpret_cast<Smem *>(
@@ -799,8 +804,8 @@ __global__ void __launch_bounds__(NT2 * WC) kda_inter_tc(Params p, const __grid_
                             (int64_t)(ci + NS - 1) * HV + hv, c0);
         } else {
             if (cc + NS - 1 < sq.y)
-                inter_load<BV, NT>(p, s.st[(cc + NS - 1) % NS], (int64_t)(ci + NS - 1) * HV + hv, c0,
-                                   tid);
+                inter_load<BV, NT>(p, s.st[(cc + NS - 1) % NS], (int64_t)(ci + NS - 1) * HV + hv,
+                                   c0, tid);
             cp_async_commit();
         }
         /* S -> bf16 tile */
@@ -1247,8 +1252,8 @@ static bool tc_umap(CUtensorMap *m, const void *base, uint64_t rows, int BV) {
     const CUtensorMapSwizzle sw = BV == 16   ? CU_TENSOR_MAP_SWIZZLE_32B
                                   : BV == 32 ? CU_TENSOR_MAP_SWIZZLE_64B
                                              : CU_TENSOR_MAP_SWIZZLE_128B;
-    return fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dim, stride, box, es,
-              CU_TENSOR_MAP_INTERLEAVE_NONE, sw, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+    return fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dim, stride, box,
+              es, CU_TENSOR_MAP_INTERLEAVE_NONE, sw, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 /* the tensor maps of kda_inter_tc (TM) for the workspace at p, encoded again only when its
@@ -1273,7 +1278,8 @@ static bool tc_maps(const Params &p, uint64_t rows, int BV, TcMaps &out) {
     return true;
 }
 /* kda_inter_tc<BV, WC, TM> with its shared memory (the opt-in once per device and kernel) */
-template <int BV, int WC, bool TM> static cudaError_t launch_inter_tc(dim3 grid, const Params &p, const TcMaps &m) {
+template <int BV, int WC, bool TM>
+static cudaError_t launch_inter_tc(dim3 grid, const Params &p, const TcMaps &m) {
     const size_t sm = TM ? inter_smem_t<BV>() : sizeof(InterSmem<BV>);
     static int attr_dev = -1;
     bool first = false;
@@ -1281,13 +1287,16 @@ template <int BV, int WC, bool TM> static cudaError_t launch_inter_tc(dim3 grid,
     if (e != cudaSuccess)
         return e;
     if (first && (e = cudaFuncSetAttribute(kda_inter_tc<BV, WC, TM>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm)) != cudaSuccess)
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm)) !=
+                     cudaSuccess)
         return e;
     kda_inter_tc<BV, WC, TM><<<grid, NT2 * WC, sm>>>(p, m);
     return cudaGetLastError();
 }
-template <int BV, int WC> static cudaError_t launch_inter(dim3 grid, const Params &p, bool tm, const TcMaps &m) {
-    return tm ? launch_inter_tc<BV, WC, true>(grid, p, m) : launch_inter_tc<BV, WC, false>(grid, p, m);
+template <int BV, int WC>
+static cudaError_t launch_inter(dim3 grid, const Params &p, bool tm, const TcMaps &m) {
+    return tm ? launch_inter_tc<BV, WC, true>(grid, p, m)
+              : launch_inter_tc<BV, WC, false>(grid, p, m);
 }
 
 int kda_cuda_bv(int nsh) {

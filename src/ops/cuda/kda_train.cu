@@ -115,8 +115,8 @@ __device__ __forceinline__ void wmma(float (*acc)[4], const bf16 *A, int lda, in
 /* as wmma with B [k][n] (TB false), the A fragments' addresses from fa(ks) (any tile
  * layout: the frag_a / frag_at overloads) */
 template <int NP, bool TA, typename FA>
-__device__ __forceinline__ void wmma_fa(float (*acc)[4], FA fa, const bf16 *B, int ldb, int n0, int kb0, int nks,
-                                        int lane) {
+__device__ __forceinline__ void wmma_fa(float (*acc)[4], FA fa, const bf16 *B, int ldb, int n0,
+                                        int kb0, int nks, int lane) {
     uint32_t fr[2][4], fb[2][NP][4];
     auto frags = [&](int ks, int b) {
         if (TA)
@@ -253,8 +253,8 @@ template <int BV> struct DhSmemT {
     uint64_t bar[tm_stages(BV)];
 };
 template <int BV> constexpr size_t dh_smem_t() { return sizeof(DhSmemT<BV>) + 1024; }
-static_assert(dh_smem_t<128>() <= 227 * 1024 && dh_smem_t<64>() <= 227 * 1024 && dh_smem_t<32>() <= 227 * 1024 &&
-                  dh_smem_t<16>() <= 227 * 1024,
+static_assert(dh_smem_t<128>() <= 227 * 1024 && dh_smem_t<64>() <= 227 * 1024 &&
+                  dh_smem_t<32>() <= 227 * 1024 && dh_smem_t<16>() <= 227 * 1024,
               "the TM dh kernel fits an SM's shared memory at every slice width");
 struct DhMaps {
     CUtensorMap w, qg, kd, A;
@@ -275,8 +275,8 @@ __device__ __forceinline__ void load_do_direct(const BwdParams &p, bf16 *dst, Of
 
 /* dO of chunk cb (columns c0 ..) into a stage by cp.async, every thread */
 template <int BV, int NT, typename Stage>
-__device__ __forceinline__ void dh_load_do(const BwdParams &p, Stage &st, int64_t cb, int c0, int tid, int hv,
-                                           int t0, int L) {
+__device__ __forceinline__ void dh_load_do(const BwdParams &p, Stage &st, int64_t cb, int c0,
+                                           int tid, int hv, int t0, int L) {
     if (p.do_direct) {
         load_do_direct<BV, NT>(p, &st.dO[0][0], [](int i, int c) { return i * (BV + 8) + c; }, t0, L,
                                hv, c0, tid);
@@ -309,8 +309,9 @@ __device__ __forceinline__ void dh_load(const BwdParams &p, DhStage<BV> &st, int
 }
 /* TM: the tensor copies by thread 0 on the stage's barrier, dO by every thread */
 template <int BV, int NT>
-__device__ __forceinline__ void dh_load(const BwdParams &p, DhStageT<BV> &st, uint64_t *bar, const DhMaps &m,
-                                        int64_t cb, int c0, int tid, int hv, int t0, int L) {
+__device__ __forceinline__ void dh_load(const BwdParams &p, DhStageT<BV> &st, uint64_t *bar,
+                                        const DhMaps &m, int64_t cb, int c0, int tid, int hv,
+                                        int t0, int L) {
     if (tid == 0) {
         mbar_expect(bar, 7 * SWT + KD * sizeof(float));
         const int r0 = (int)(cb * BT);
@@ -328,7 +329,8 @@ __device__ __forceinline__ void dh_load(const BwdParams &p, DhStageT<BV> &st, ui
 
 /* WC column groups of 4 warps, as in the forward's kda_inter_tc */
 template <int BV, int WC, bool TM>
-__global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh(BwdParams p, const __grid_constant__ DhMaps maps) {
+__global__ void __launch_bounds__(NT2 * WC)
+    kda_bwd_dh(BwdParams p, const __grid_constant__ DhMaps maps) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     using Smem = typename std::conditional<TM, DhSmemT<BV>, DhSmem<BV>>::type;
     Smem &s = *reinterpret_cast<Smem *>(
@@ -405,11 +407,11 @@ __global__ void __launch_bounds__(NT2 * WC) kda_bwd_dh(BwdParams p, const __grid
         float av[NTV][4];
         zero_acc<NTV>(av);
         wmma_fa<NTV / 2, true>(
-            av, [&](int ks) { return frag_at(st.A, warp * 16, warp * 16 + ks * 16, lane); }, &st.dO[0][0],
-            BV + 8, cw, warp * 16, 4 - warp, lane);
+            av, [&](int ks) { return frag_at(st.A, warp * 16, warp * 16 + ks * 16, lane); },
+            &st.dO[0][0], BV + 8, cw, warp * 16, 4 - warp, lane);
         wmma_fa<NTV / 2, false>(
-            av, [&](int ks) { return frag_a(st.kd, warp * 16, ks * 16, lane); }, &s.dS[0][0], BV + 8, cw, 0,
-            KD / 16, lane);
+            av, [&](int ks) { return frag_a(st.kd, warp * 16, ks * 16, lane); }, &s.dS[0][0],
+            BV + 8, cw, 0, KD / 16, lane);
 #pragma unroll
         for (int nt = 0; nt < NTV; nt++) {
             const int r = warp * 16 + g, c = cw + nt * 8 + 2 * t;
@@ -811,10 +813,11 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
  * rounds): 32-row halves with references rh = G_15 (rows 0..31) and G_47 (rows 32..63);
  *   Q = q e^(G - rh), K = k e^(G - rh), Z0 = k e^(G_15 - G) (rows 0..31),
  *   Z1 = k e^(G_47 - G) (all rows; <= 1 on rows 0..31).
- * Row side of block a (warp a): sum over key blocks b <= a of dA_ab Z_b with Z = Z0 (a in
- * the first half) or Z1, times e^(G_r - rh). Column side of block a: the row blocks a' >= a
- * of its own half, (dA_a'a^T Q_a' + dP_a'a^T K_a') times e^(rh - G_j), plus for a block of
- * the first half those of the second, times e^(G_47 - G_j). Where e^(G_47 - G_j) flushes
+ * Row side of block a (warps 2a, 2a + 1: 16 channels each): sum over key blocks b <= a of
+ * dA_ab Z_b with Z = Z0 (a in the first half) or Z1, times e^(G_r - rh). Column side of
+ * block a: the row blocks a' >= a of its own half, (dA_a'a^T Q_a' + dP_a'a^T K_a') times
+ * e^(rh - G_j), plus for a block of the first half those of the second, times
+ * e^(G_47 - G_j). Where e^(G_47 - G_j) flushes
  * to zero (below e^-87.3), both sides drop the same pairs, each below e^(75 - 87.3).
  * Other gates: per 16-row block a with r_a = G at the row before the block (r_0 = 0) and
  * r_{a+1} = G at its last row, all factors <= 1: Q = q e^(G - r_a), K = k e^(G - r_a),
@@ -828,8 +831,9 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
 #define OS 36       /* fp32 row stride of the slice tiles */
 #define PW 8        /* warps per CTA */
 #define NTP (32 * PW)
-#define RPW 8       /* rows per warp in the lane = channel phases: warp w holds rows 8w .. 8w + 7;
-                       in the products warp w computes row block w / 2, channels 16 (w % 2) .. + 15 */
+#define RPW                                                                                        \
+    8 /* rows per warp in the lane = channel phases: warp w holds rows 8w .. 8w + 7;               \
+         in the products warp w computes row block w / 2, channels 16 (w % 2) .. + 15 */
 
 struct PairSmem {
     bf16 op[4][BT][CWS]; /* Q; K; Z0 (bounded; other gates: raw k); Z1 or Zc */
@@ -886,8 +890,9 @@ __device__ __forceinline__ float gate_bwd(const BwdParams &p, float x, float bia
 }
 /* the gate backward of this lane's N rows (rows m >= nrow give 0 and add nothing) */
 template <int GATE, int N>
-__device__ __forceinline__ void gate_bwd_rows(float lb, const unsigned short (&gr)[N], const float (&dg)[N],
-                                              int nrow, float bias, float ga, float (&dz)[N], float &dAl) {
+__device__ __forceinline__ void gate_bwd_rows(float lb, const unsigned short (&gr)[N],
+                                              const float (&dg)[N], int nrow, float bias, float ga,
+                                              float (&dz)[N], float &dAl) {
 #pragma unroll
     for (int m = 0; m < N; m++) {
         float a = 0.0f;
@@ -920,7 +925,8 @@ __device__ __forceinline__ void pair_diag(PairSmem &s, int o, int lane, const ui
     /* key i outer (its k and G in two registers), this warp's rows r >= i inner */
 #pragma unroll
     for (int i = 0; i < R0 + RPW; i++) {
-        const float ki = i >= R0 ? kv[i - R0] : __bfloat162float(s.op[2][o + i][lane]) * s.nk[o + i];
+        const float ki =
+            i >= R0 ? kv[i - R0] : __bfloat162float(s.op[2][o + i][lane]) * s.nk[o + i];
         const float Gi = i >= R0 ? gv[i - R0] : s.G[o + i][lane];
         float dkc = 0.0f;
 #pragma unroll
@@ -1107,16 +1113,16 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         /* row side: key block b against operand slot zs into aq (dA) and ak (dP); column
          * side: row block a2 of Q (dA^T) and K (dP^T) into acc */
         auto row_block = [&](int b, int zs) {
-            wmma<1, false, false>(aq, &s.dA[0][0], AS, a * 16, b * 16, &s.op[zs][0][0], CWS, cx, b * 16, 1,
-                                  lane);
-            wmma<1, false, false>(ak, &s.dPb[0][0], AS, a * 16, b * 16, &s.op[zs][0][0], CWS, cx, b * 16, 1,
-                                  lane);
+            wmma<1, false, false>(aq, &s.dA[0][0], AS, a * 16, b * 16, &s.op[zs][0][0], CWS, cx,
+                                  b * 16, 1, lane);
+            wmma<1, false, false>(ak, &s.dPb[0][0], AS, a * 16, b * 16, &s.op[zs][0][0], CWS, cx,
+                                  b * 16, 1, lane);
         };
-        auto col_block = [&](float (&acc)[2][4], int a2) {
-            wmma<1, true, false>(acc, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0][0][0], CWS, cx, a2 * 16, 1,
-                                 lane);
-            wmma<1, true, false>(acc, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[1][0][0], CWS, cx, a2 * 16, 1,
-                                 lane);
+        auto col_block = [&](float(&acc)[2][4], int a2) {
+            wmma<1, true, false>(acc, &s.dA[0][0], AS, a * 16, a2 * 16, &s.op[0][0][0], CWS, cx,
+                                 a2 * 16, 1, lane);
+            wmma<1, true, false>(acc, &s.dPb[0][0], AS, a * 16, a2 * 16, &s.op[1][0][0], CWS, cx,
+                                 a2 * 16, 1, lane);
         };
         auto opf = [&](int slot, int r, int x) { return __bfloat162float(s.op[slot][r][x]); };
         if (p.shared_diag) {
@@ -1140,7 +1146,8 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
                     const float G = s.G[r][x], rx = s.rr[ih][x];
                     const float fr = fexp(G - rx);
                     float vc = ac[nt][e] * fexp(rx - G);
-                    float gp = opf(0, r, x) * aq[nt][e] + opf(1, r, x) * ak[nt][e] - opf(zs, r, x) * ac[nt][e];
+                    float gp = opf(0, r, x) * aq[nt][e] + opf(1, r, x) * ak[nt][e] -
+                               opf(zs, r, x) * ac[nt][e];
                     if (a < 2) {
                         vc += ad[nt][e] * fexp(s.rr[3][x] - G);
                         gp -= opf(3, r, x) * ad[nt][e];
@@ -1171,7 +1178,8 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
                     const float fr = fexp(G - s.rr[a][x]);
                     s.out[0][r][x] = aq[nt][e] * fr;
                     s.out[1][r][x] = ak[nt][e] * fr + ac[nt][e] * fexp(s.rr[a + 1][x] - G);
-                    s.out[2][r][x] = opf(0, r, x) * aq[nt][e] + opf(1, r, x) * ak[nt][e] - opf(3, r, x) * ac[nt][e];
+                    s.out[2][r][x] = opf(0, r, x) * aq[nt][e] + opf(1, r, x) * ak[nt][e] -
+                                     opf(3, r, x) * ac[nt][e];
                 }
         }
     }
