@@ -1260,17 +1260,17 @@ static bool tc_umap(CUtensorMap *m, const void *base, uint64_t rows, int BV) {
  * place, extent or the slice width changes; false when the driver gives none */
 static bool tc_maps(const Params &p, uint64_t rows, int BV, TcMaps &out) {
     static TcMaps maps;
-    static const void *at = nullptr, *at_u = nullptr;
+    static const void *at[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
     static uint64_t at_rows = 0;
     static int at_bv = 0;
-    if (at != p.w || at_u != p.u || at_rows != rows || at_bv != BV) {
-        at = nullptr;
+    const void *now[5] = {p.w, p.qg, p.kg, p.Aqk, p.u};
+    if (memcmp(at, now, sizeof now) != 0 || at_rows != rows || at_bv != BV) {
+        at[0] = nullptr;
         if (!(wg_map(&maps.w, p.w, rows, KD) && wg_map(&maps.qg, p.qg, rows, KD) &&
               wg_map(&maps.kg, p.kg, rows, KD) && wg_map(&maps.A, p.Aqk, rows, BT) &&
               tc_umap(&maps.u, p.u, rows, BV)))
             return false;
-        at = p.w;
-        at_u = p.u;
+        memcpy(at, now, sizeof now);
         at_rows = rows;
         at_bv = BV;
     }
