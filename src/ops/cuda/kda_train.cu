@@ -68,34 +68,31 @@ struct BwdParams {
     float *dh0, *dA_log, *ddt_bias;
 };
 
-/* acc[2 NP][4] += A (16 rows at m0, 16 nks columns) * B (16 nks rows, 16 NP columns at n0);
- * A row-major [m][k] (TA false) or A = M^T with M [k][m] (TA true), starting at column /
- * row ka0 of the k dimension; B [k][n] (TB false) or B = M^T with M [n][k] (TB true),
- * starting at kb0. */
-template <int NP, bool TA, bool TB>
-__device__ __forceinline__ void wmma(float (*acc)[4], const bf16 *A, int lda, int m0, int ka0,
-                                     const bf16 *B, int ldb, int n0, int kb0, int nks, int lane) {
-    /* the fragments of step ks + 1 are requested before the products of step ks (the asm
-     * statements keep their order, so the pipelining is written out; two named buffers) */
-    uint32_t fa[2][4], fb[2][NP][4];
+/* the double-buffered fragment pipeline of wmma and wmma_fa: fa(ks) gives the A fragment's
+ * address at K step ks, fb(ks, np) the B pair np's (the fragments of step ks + 1 are
+ * requested before the products of step ks; the asm statements keep their order, so the
+ * pipelining is written out; two named buffers) */
+template <int NP, bool TA, bool TB, typename FA, typename FB>
+__device__ __forceinline__ void wmma_core(float (*acc)[4], FA fa, FB fb, int nks) {
+    uint32_t ra[2][4], rb[2][NP][4];
     auto frags = [&](int ks, int b) {
         if (TA)
-            ldsm4t(fa[b], at_addr(A, lda, m0, ka0 + ks * 16, lane));
+            ldsm4t(ra[b], fa(ks));
         else
-            ldsm4(fa[b], a_addr(A, lda, m0, ka0 + ks * 16, lane));
+            ldsm4(ra[b], fa(ks));
 #pragma unroll
         for (int np = 0; np < NP; np++) {
             if (TB)
-                ldsm4(fb[b][np], b_nk_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane));
+                ldsm4(rb[b][np], fb(ks, np));
             else
-                ldsm4t(fb[b][np], b_kn_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane));
+                ldsm4t(rb[b][np], fb(ks, np));
         }
     };
     auto prods = [&](int b) {
 #pragma unroll
         for (int np = 0; np < NP; np++) {
-            mma16816(acc[2 * np], fa[b], fb[b][np][0], fb[b][np][1]);
-            mma16816(acc[2 * np + 1], fa[b], fb[b][np][2], fb[b][np][3]);
+            mma16816(acc[2 * np], ra[b], rb[b][np][0], rb[b][np][1]);
+            mma16816(acc[2 * np + 1], ra[b], rb[b][np][2], rb[b][np][3]);
         }
     };
     if (nks <= 0)
@@ -112,41 +109,33 @@ __device__ __forceinline__ void wmma(float (*acc)[4], const bf16 *A, int lda, in
         prods(1);
     }
 }
+/* acc[2 NP][4] += A (16 rows at m0, 16 nks columns) * B (16 nks rows, 16 NP columns at n0);
+ * A row-major [m][k] (TA false) or A = M^T with M [k][m] (TA true), starting at column /
+ * row ka0 of the k dimension; B [k][n] (TB false) or B = M^T with M [n][k] (TB true),
+ * starting at kb0. */
+template <int NP, bool TA, bool TB>
+__device__ __forceinline__ void wmma(float (*acc)[4], const bf16 *A, int lda, int m0, int ka0,
+                                     const bf16 *B, int ldb, int n0, int kb0, int nks, int lane) {
+    wmma_core<NP, TA, TB>(
+        acc,
+        [&](int ks) {
+            return TA ? at_addr(A, lda, m0, ka0 + ks * 16, lane)
+                      : a_addr(A, lda, m0, ka0 + ks * 16, lane);
+        },
+        [&](int ks, int np) {
+            return TB ? b_nk_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane)
+                      : b_kn_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane);
+        },
+        nks);
+}
 /* as wmma with B [k][n] (TB false), the A fragments' addresses from fa(ks) (any tile
  * layout: the frag_a / frag_at overloads) */
 template <int NP, bool TA, typename FA>
 __device__ __forceinline__ void wmma_fa(float (*acc)[4], FA fa, const bf16 *B, int ldb, int n0,
                                         int kb0, int nks, int lane) {
-    uint32_t fr[2][4], fb[2][NP][4];
-    auto frags = [&](int ks, int b) {
-        if (TA)
-            ldsm4t(fr[b], fa(ks));
-        else
-            ldsm4(fr[b], fa(ks));
-#pragma unroll
-        for (int np = 0; np < NP; np++)
-            ldsm4t(fb[b][np], b_kn_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane));
-    };
-    auto prods = [&](int b) {
-#pragma unroll
-        for (int np = 0; np < NP; np++) {
-            mma16816(acc[2 * np], fr[b], fb[b][np][0], fb[b][np][1]);
-            mma16816(acc[2 * np + 1], fr[b], fb[b][np][2], fb[b][np][3]);
-        }
-    };
-    if (nks <= 0)
-        return;
-    frags(0, 0);
-    for (int ks = 0; ks < nks; ks += 2) {
-        if (ks + 1 < nks)
-            frags(ks + 1, 1);
-        prods(0);
-        if (ks + 1 >= nks)
-            break;
-        if (ks + 2 < nks)
-            frags(ks + 2, 0);
-        prods(1);
-    }
+    wmma_core<NP, TA, false>(
+        acc, fa,
+        [&](int ks, int np) { return b_kn_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane); }, nks);
 }
 template <int N> __device__ __forceinline__ void zero_acc(float (*acc)[4]) {
 #pragma unroll
