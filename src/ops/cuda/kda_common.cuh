@@ -254,6 +254,17 @@ __device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count)
                  : "memory");
 }
+/* NS stage barriers (one arrival each) set up by thread 0 and made visible to the copy
+ * engine and to every thread of the CTA before the first copy is issued */
+template <int NS> __device__ __forceinline__ void mbar_init_stages(uint64_t *bar, int tid) {
+    if (tid == 0) {
+#pragma unroll
+        for (int k = 0; k < NS; k++)
+            mbar_init(&bar[k], 1);
+    }
+    fence_proxy_async(); /* the barriers, before the async proxy */
+    __syncthreads();
+}
 __device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
                  "r"(bytes)
@@ -438,6 +449,16 @@ int kda_cuda_bv(int nsh);
 
 /* Per-device one-time set-up (the kernels' shared-memory opt-ins): first is set when the
  * current device differs from last, which is then updated. */
+/* LINMOE_KDA_CUDA_TMA=0 (read once): the recurrences load by cp.async instead of the
+ * tensor copy engine (docs/perf-notes.md v12) */
+inline bool kda_cuda_use_tma() {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("LINMOE_KDA_CUDA_TMA");
+        on = !(e && e[0] == '0');
+    }
+    return on != 0;
+}
 inline cudaError_t kda_cuda_first_on_device(int &last, bool &first) {
     int dev = 0;
     const cudaError_t e = cudaGetDevice(&dev);

@@ -666,8 +666,9 @@ static_assert(inter_smem_t<128>() <= 227 * 1024,
 static_assert(inter_smem_t<32>() <= 227 * 1024 && inter_smem_t<64>() <= 227 * 1024 &&
                   inter_smem_t<16>() <= 227 * 1024,
               "the TM recurrence fits an SM's shared memory at every slice width");
-struct TcMaps { /* tensor maps of the workspace for kda_inter_tc (TM) */
-    CUtensorMap w, qg, kg, A, u;
+struct TcMaps { /* tensor maps of the workspace, [cb * 64 + row][128 (Aqk: 64) columns]: of
+                 * kda_inter_tc (TM; u in boxes of its slice width) and kda_inter_wg */
+    CUtensorMap w, qg, kg, u, A;
 };
 /* byte offset of u's (row r, column c) in a TM stage: the box rows are 2 BV bytes,
  * swizzled over that span (32, 64 or 128 bytes: the 16-byte chunk index XOR the row bits
@@ -728,10 +729,11 @@ template <int BV>
 __device__ __forceinline__ __nv_bfloat162 u_pair(const InterStageT<BV> &st, int r, int c) {
     return *reinterpret_cast<const __nv_bfloat162 *>(st.u + u_off<BV>(r, c));
 }
-/* chunk cb's operands into a TM stage (one thread) */
-template <int BV>
-__device__ __forceinline__ void tc_load(const Params &p, const TcMaps &m, InterStageT<BV> &st,
-                                        uint64_t *bar, int64_t cb, int c0) {
+/* chunk cb's operands (u: columns c0 .. c0 + BV - 1) into a TM stage or a kda_inter_wg
+ * stage (BV = 128), one thread */
+template <int BV, typename Stage>
+__device__ __forceinline__ void tc_load(const Params &p, const TcMaps &m, Stage &st, uint64_t *bar,
+                                        int64_t cb, int c0) {
     mbar_expect(bar, 7 * SWT + BT * BV * 2 + KD * sizeof(float));
     const int r0 = (int)(cb * BT);
 #pragma unroll
@@ -771,13 +773,7 @@ __global__ void __launch_bounds__(NT2 * WC)
     const int2 sq = p.seqs[n];
     constexpr int NS = REC_STAGES;
     if constexpr (TM) {
-        if (tid == 0) {
-#pragma unroll
-            for (int k = 0; k < NS; k++)
-                mbar_init(&s.bar[k], 1);
-        }
-        fence_proxy_async(); /* the barriers, before the async proxy */
-        __syncthreads();
+        mbar_init_stages<NS>(s.bar, tid);
         if (tid == 0)
             for (int k = 0; k < NS - 1 && k < sq.y; k++)
                 tc_load<BV>(p, maps, s.st[k], &s.bar[k], (int64_t)(sq.x + k) * HV + hv, c0);
@@ -1001,24 +997,10 @@ struct WgSmem {
 static_assert(WG_SMEM <= 227 * 1024, "the wgmma recurrence fits an SM's shared memory");
 #define NTW 256 /* threads of kda_inter_wg */
 
-struct WgMaps { /* tensor maps of the workspace: [cb * 64 + row][128 (Aqk: 64) columns] */
-    CUtensorMap w, qg, kg, u, A;
-};
-
-/* chunk cb's operands into a stage (one thread) */
-__device__ __forceinline__ void wg_load(const Params &p, const WgMaps &m, WgStage &st,
+/* chunk cb's operands into a stage (one thread): all 128 columns of u */
+__device__ __forceinline__ void wg_load(const Params &p, const TcMaps &m, WgStage &st,
                                         uint64_t *bar, int64_t cb) {
-    mbar_expect(bar, 9 * SWT + KD * sizeof(float));
-    const int r0 = (int)(cb * BT);
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        tma_g2s(st.w + h * SWT, &m.w, 64 * h, r0, bar);
-        tma_g2s(st.qg + h * SWT, &m.qg, 64 * h, r0, bar);
-        tma_g2s(st.kg + h * SWT, &m.kg, 64 * h, r0, bar);
-        tma_g2s(st.u + h * SWT, &m.u, 64 * h, r0, bar);
-    }
-    tma_g2s(st.A, &m.A, 0, r0, bar);
-    bulk_g2s(st.gl, p.gl + cb * KD, KD * sizeof(float), bar);
+    tc_load<128>(p, m, st, bar, cb, 0);
 }
 
 /* the accumulators d (rows 16 w + 8 h .. of the warpgroup's 64, 16 n-tiles) to a CM tile
@@ -1037,7 +1019,7 @@ __device__ __forceinline__ void wg_store_t(unsigned char *tile, const float (&d)
 }
 
 __global__ void __launch_bounds__(NTW, 1)
-    kda_inter_wg(Params p, const __grid_constant__ WgMaps maps) {
+    kda_inter_wg(Params p, const __grid_constant__ TcMaps maps) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     WgSmem &s =
         *reinterpret_cast<WgSmem *>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
@@ -1049,12 +1031,7 @@ __global__ void __launch_bounds__(NTW, 1)
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
     const int g = lane >> 2, t = lane & 3;
 
-    if (tid == 0) {
-        mbar_init(&s.bar[0], 1);
-        mbar_init(&s.bar[1], 1);
-    }
-    fence_proxy_async(); /* the barriers, before the async proxy */
-    __syncthreads();
+    mbar_init_stages<2>(s.bar, tid);
     const int2 sq = p.seqs[n];
     if (p.flags && tid < 32) {
         /* every chunk of this sequence-head written by kda_intra_tc (its CTAs of one
@@ -1598,7 +1575,7 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
     }
     bool wgrec = BVsel == 128 && !sv && use_wg && nchunks > 0;
     /* the tensor maps, encoded again only when the workspace or its extent changes */
-    static WgMaps maps;
+    static TcMaps maps;
     static const void *maps_at = nullptr;
     static uint64_t maps_rows = 0;
     if (wgrec) {
@@ -1619,14 +1596,9 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
         p.flags = nullptr;
     const size_t sm1 = sizeof(IntraSmem);
     /* kda_inter_tc's loads by the tensor copy engine (LINMOE_KDA_CUDA_TMA=0: cp.async) */
-    static int use_tma = -1;
-    if (use_tma < 0) {
-        const char *e = getenv("LINMOE_KDA_CUDA_TMA");
-        use_tma = !(e && e[0] == '0');
-    }
     TcMaps tmaps;
     memset(&tmaps, 0, sizeof tmaps);
-    const bool tm = !wgrec && use_tma && nchunks > 0 &&
+    const bool tm = !wgrec && kda_cuda_use_tma() && nchunks > 0 &&
                     tc_maps(p, (uint64_t)nchunks * HV * BT, BVsel, tmaps);
     /* the shared-memory opt-ins once per device (a driver call each; they add up in a
      * training loop) */

@@ -341,13 +341,7 @@ __global__ void __launch_bounds__(NT2 * WC)
     constexpr int NS = TM ? tm_stages(BV) : REC_STAGES;
     const SeqSpan span(p.chunks, sq); /* the tokens of each chunk, for dO read in place */
     if constexpr (TM) {
-        if (tid == 0) {
-#pragma unroll
-            for (int k = 0; k < NS; k++)
-                mbar_init(&s.bar[k], 1);
-        }
-        fence_proxy_async(); /* the barriers, before the async proxy */
-        __syncthreads();
+        mbar_init_stages<NS>(s.bar, tid);
     }
     /* chunk j (from the end) into stage k */
     auto load = [&](int k, int j, int64_t cb) {
@@ -1737,14 +1731,9 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     const int nsh = N * HV;
     const int BVsel = kda_cuda_bv(nsh);
     /* the dh recurrence's loads by the tensor copy engine (LINMOE_KDA_CUDA_TMA=0: cp.async) */
-    static int use_tma = -1;
-    if (use_tma < 0) {
-        const char *e = getenv("LINMOE_KDA_CUDA_TMA");
-        use_tma = !(e && e[0] == '0');
-    }
     DhMaps dmaps;
     memset(&dmaps, 0, sizeof dmaps);
-    const bool tm = use_tma && nchunks > 0 && dh_maps(p, (uint64_t)nchunks * HV * BT, dmaps);
+    const bool tm = kda_cuda_use_tma() && nchunks > 0 && dh_maps(p, (uint64_t)nchunks * HV * BT, dmaps);
     static int attr_dev = -1; /* the shared-memory opt-ins once per device */
     bool first = false;
     CK(kda_cuda_first_on_device(attr_dev, first));
