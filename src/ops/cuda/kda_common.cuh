@@ -256,11 +256,16 @@ __device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
 }
 /* NS stage barriers (one arrival each) set up by thread 0 and made visible to the copy
  * engine and to every thread of the CTA before the first copy is issued */
-template <int NS> __device__ __forceinline__ void mbar_init_stages(uint64_t *bar, int tid) {
+template <int NS>
+__device__ __forceinline__ void mbar_init_stages(uint64_t *bar, int tid, uint64_t *empty = nullptr,
+                                                 int consumers = 0) {
     if (tid == 0) {
 #pragma unroll
-        for (int k = 0; k < NS; k++)
+        for (int k = 0; k < NS; k++) {
             mbar_init(&bar[k], 1);
+            if (empty)
+                mbar_init(&empty[k], consumers);
+        }
     }
     fence_proxy_async(); /* the barriers, before the async proxy */
     __syncthreads();
@@ -269,6 +274,9 @@ __device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
                  "r"(bytes)
                  : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint64_t *bar, int parity) {
     asm volatile("{\n.reg .pred p;\nWAIT_%=:\n"
@@ -407,6 +415,40 @@ constexpr int REC_STAGES = 2;
  * at (1,32768,16,128)), two where three do not fit. The forward's kda_inter_tc keeps two
  * (three measured 0.643 -> 0.741 ms there) */
 __host__ __device__ constexpr int tm_stages(int BV) { return BV <= 32 ? 3 : 2; }
+
+/* The tensor-copy recurrences (kda_inter_tc, kda_bwd_dh with TM) run NT consumer threads
+ * plus one producer warp, whose first thread issues every chunk's tensor copies: chunk j
+ * into stage j % NS once each consumer warp has released the stage's previous use (an
+ * arrival on empty[j % NS] after its last read of it). The consumers synchronise among
+ * themselves on named barrier 1; the copies no longer sit on a consumer warp's path (about
+ * 100 instructions per step on warp 0, which the other warps then waited for at the step's
+ * barriers: perf notes v13). */
+template <int NS, typename Load>
+__device__ __forceinline__ void rec_producer(int n, uint64_t *empty, Load load) {
+    for (int j = 0; j < n; j++) {
+        if (j >= NS)
+            mbar_wait(&empty[j % NS], ((j / NS) - 1) & 1);
+        load(j % NS, j);
+    }
+}
+/* whether a recurrence with the copy engine's loads (TM) and WC warp groups runs the
+ * producer warp: at WC = 1, where thread 0's copies sat on the only group's path; with two
+ * groups thread 0 keeps them (a producer warp there cost kda_inter_tc's 128-column kernel
+ * 87 registers and a spill) */
+template <bool TM, int WC> __host__ __device__ constexpr bool rec_prod() { return TM && WC == 1; }
+/* the consumers' barrier: all NT threads of the CTA, or (TM) named barrier 1 of NT threads */
+template <bool TM, int NT> __device__ __forceinline__ void rec_sync() {
+    if (TM)
+        bar_sync_n(1, NT);
+    else
+        __syncthreads();
+}
+/* a consumer warp releases stage k (after its last read of it) */
+__device__ __forceinline__ void rec_release(uint64_t *empty, int k, int lane) {
+    __syncwarp();
+    if (lane == 0)
+        mbar_arrive(&empty[k]);
+}
 
 /* Whether a recurrence kernel writes its saved [rows][BV] tiles (h and v' forward, dh and
  * dVn backward) with 16-byte stores from the bf16 shared tile at the end of a step

@@ -658,7 +658,7 @@ template <int BV> struct InterSmemT {
     InterStageT<BV> st[REC_STAGES];
     bf16 S[KD][BV + 8];
     bf16 vn[BT][BV + 8];
-    uint64_t bar[REC_STAGES];
+    uint64_t bar[REC_STAGES], empty[REC_STAGES];
 };
 template <int BV> constexpr size_t inter_smem_t() { return sizeof(InterSmemT<BV>) + 1024; }
 static_assert(inter_smem_t<128>() <= 227 * 1024,
@@ -751,14 +751,15 @@ __device__ __forceinline__ void tc_load(const Params &p, const TcMaps &m, Stage 
 }
 
 template <int BV, int WC, bool TM>
-__global__ void __launch_bounds__(NT2 * WC)
+__global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
     kda_inter_tc(Params p, const __grid_constant__ TcMaps maps) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     using Smem = typename std::conditional<TM, InterSmemT<BV>, InterSmem<BV>>::type;
     Smem &s = *reinterpret_cast<Smem *>(
         TM ? smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023) : smem_raw);
     constexpr int NTV = BV / 8 / WC; /* n-tiles of this warp */
-    constexpr int NT = NT2 * WC;       /* threads */
+    constexpr int NT = NT2 * WC;       /* consumer threads (PROD: a producer warp after them) */
+    constexpr bool PROD = rec_prod<TM, WC>();
     const int c0 = blockIdx.x * BV;
     const int n = blockIdx.y / p.HV, hv = blockIdx.y % p.HV;
     const int K = p.K, V = p.V, HV = p.HV;
@@ -767,17 +768,25 @@ __global__ void __launch_bounds__(NT2 * WC)
     const int cw = wc * (BV / WC); /* this warp's first column in the slice */
     constexpr bool STAGED = rec_staged_stores(BV); /* the saved h and v' tiles */
 
-    float S[2][NTV][4];
-    state_regs_load<NTV>(S, p.h0 ? p.h0 + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0 + cw,
-                         warp, lane);
     const int2 sq = p.seqs[n];
     constexpr int NS = REC_STAGES;
     if constexpr (TM) {
-        mbar_init_stages<NS>(s.bar, tid);
-        if (tid == 0)
+        mbar_init_stages<NS>(s.bar, tid, PROD ? s.empty : nullptr, NT / 32);
+        if (PROD && tid >= NT) { /* the producer warp */
+            if (tid == NT)
+                rec_producer<NS>(sq.y, s.empty, [&](int k, int j) {
+                    tc_load<BV>(p, maps, s.st[k], &s.bar[k], (int64_t)(sq.x + j) * HV + hv, c0);
+                });
+            return;
+        }
+        if (!PROD && tid == 0)
             for (int k = 0; k < NS - 1 && k < sq.y; k++)
                 tc_load<BV>(p, maps, s.st[k], &s.bar[k], (int64_t)(sq.x + k) * HV + hv, c0);
-    } else {
+    }
+    float S[2][NTV][4];
+    state_regs_load<NTV>(S, p.h0 ? p.h0 + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0 + cw,
+                         warp, lane);
+    if constexpr (!TM) {
         /* one commit group per chunk (empty past the end), so the wait count is constant */
 #pragma unroll
         for (int k = 0; k < NS - 1; k++) {
@@ -795,7 +804,7 @@ __global__ void __launch_bounds__(NT2 * WC)
         span.chunk(cc, t0, L);
         auto &st = s.st[cc % NS];
         if constexpr (TM) { /* the stage last read in step cc - 1 (before its end barrier) */
-            if (tid == 0 && cc + NS - 1 < sq.y)
+            if (!PROD && tid == 0 && cc + NS - 1 < sq.y)
                 tc_load<BV>(p, maps, s.st[(cc + NS - 1) % NS], &s.bar[(cc + NS - 1) % NS],
                             (int64_t)(ci + NS - 1) * HV + hv, c0);
         } else {
@@ -824,7 +833,7 @@ __global__ void __launch_bounds__(NT2 * WC)
             mbar_wait(&s.bar[cc % NS], (cc / NS) & 1); /* chunk cc has landed */
         else
             cp_async_wait<NS - 1>(); /* chunk cc's group is complete */
-        __syncthreads();
+        rec_sync<PROD, NT>();
         /* v' = u - w S ; o = qg S  (rows 16 warp ..) */
         float av[NTV][4], ao[NTV][4];
 #pragma unroll
@@ -873,7 +882,7 @@ __global__ void __launch_bounds__(NT2 * WC)
                 *reinterpret_cast<uint32_t *>(vns + (r + 8) * KD) = pack_bf16(v2, v3);
             }
         }
-        __syncthreads();
+        rec_sync<PROD, NT>();
         /* o += Aqk v' (causal: column blocks <= warp) */
         for (int ks = 0; ks <= warp; ks++) {
             uint32_t fa[4];
@@ -964,7 +973,15 @@ __global__ void __launch_bounds__(NT2 * WC)
             store_slice<BV, NT>(p.hs + ((int64_t)ci * HV + hv) * KD * KD + c0, s.S, KD, tid);
         if (STAGED && p.vns) /* v' */
             store_slice<BV, NT>(p.vns + ((int64_t)ci * HV + hv) * BT * KD + c0, s.vn, BT, tid);
-        __syncthreads();
+        /* The next step rewrites s.S before its first barrier and s.vn after it: every read
+         * of s.S precedes this step's second barrier, so only the staged stores (which read
+         * both tiles here) need a barrier before that; with the copy engine's loads each
+         * warp then releases the stage (the cp.async loads of the next step are issued by
+         * every thread, so they wait for all). */
+        if (STAGED || !PROD)
+            rec_sync<PROD, NT>();
+        if constexpr (PROD)
+            rec_release(s.empty, cc % NS, lane);
     }
     if (p.ht)
         state_regs_store<NTV>(S, p.ht + ((int64_t)n * HV + hv) * K * V, K, V, c0 + cw, warp, lane);
@@ -1267,7 +1284,7 @@ static cudaError_t launch_inter_tc(dim3 grid, const Params &p, const TcMaps &m) 
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm)) !=
                      cudaSuccess)
         return e;
-    kda_inter_tc<BV, WC, TM><<<grid, NT2 * WC, sm>>>(p, m);
+    kda_inter_tc<BV, WC, TM><<<grid, NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0), sm>>>(p, m);
     return cudaGetLastError();
 }
 template <int BV, int WC>

@@ -239,7 +239,7 @@ template <int BV> struct DhSmemT {
     DhStageT<BV> st[tm_stages(BV)];
     bf16 dS[KD][BV + 8];
     bf16 dvn[BT][BV + 8], ndvn[BT][BV + 8];
-    uint64_t bar[tm_stages(BV)];
+    uint64_t bar[tm_stages(BV)], empty[tm_stages(BV)];
 };
 template <int BV> constexpr size_t dh_smem_t() { return sizeof(DhSmemT<BV>) + 1024; }
 static_assert(dh_smem_t<128>() <= 227 * 1024 && dh_smem_t<64>() <= 227 * 1024 &&
@@ -296,36 +296,35 @@ __device__ __forceinline__ void dh_load(const BwdParams &p, DhStage<BV> &st, int
     if (tid < KD / 4)
         cp_async16(&st.gl[tid * 4], p.gl + cb * KD + tid * 4);
 }
-/* TM: the tensor copies by thread 0 on the stage's barrier, dO by every thread */
-template <int BV, int NT>
-__device__ __forceinline__ void dh_load(const BwdParams &p, DhStageT<BV> &st, uint64_t *bar,
-                                        const DhMaps &m, int64_t cb, int c0, int tid, int hv,
-                                        int t0, int L) {
-    if (tid == 0) {
-        mbar_expect(bar, 7 * SWT + KD * sizeof(float));
-        const int r0 = (int)(cb * BT);
+/* TM: the tensor copies of chunk cb into a stage, on the stage's barrier (the producer
+ * warp's first thread); dO comes by cp.async from the consumers (dh_load_do) */
+template <int BV>
+__device__ __forceinline__ void dh_tma(const BwdParams &p, DhStageT<BV> &st, uint64_t *bar,
+                                       const DhMaps &m, int64_t cb) {
+    mbar_expect(bar, 7 * SWT + KD * sizeof(float));
+    const int r0 = (int)(cb * BT);
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            tma_g2s(st.w + h * SWT, &m.w, 64 * h, r0, bar);
-            tma_g2s(st.qg + h * SWT, &m.qg, 64 * h, r0, bar);
-            tma_g2s(st.kd + h * SWT, &m.kd, 64 * h, r0, bar);
-        }
-        tma_g2s(st.A, &m.A, 0, r0, bar);
-        bulk_g2s(st.gl, p.gl + cb * KD, KD * sizeof(float), bar);
+    for (int h = 0; h < 2; h++) {
+        tma_g2s(st.w + h * SWT, &m.w, 64 * h, r0, bar);
+        tma_g2s(st.qg + h * SWT, &m.qg, 64 * h, r0, bar);
+        tma_g2s(st.kd + h * SWT, &m.kd, 64 * h, r0, bar);
     }
-    dh_load_do<BV, NT>(p, st, cb, c0, tid, hv, t0, L);
+    tma_g2s(st.A, &m.A, 0, r0, bar);
+    bulk_g2s(st.gl, p.gl + cb * KD, KD * sizeof(float), bar);
 }
 
-/* WC column groups of 4 warps, as in the forward's kda_inter_tc */
+/* WC column groups of 4 warps, as in the forward's kda_inter_tc (and as there a producer
+ * warp with the tensor copies at WC = 1) */
 template <int BV, int WC, bool TM>
-__global__ void __launch_bounds__(NT2 * WC)
+__global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
     kda_bwd_dh(BwdParams p, const __grid_constant__ DhMaps maps) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     using Smem = typename std::conditional<TM, DhSmemT<BV>, DhSmem<BV>>::type;
     Smem &s = *reinterpret_cast<Smem *>(
         TM ? smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023) : smem_raw);
     constexpr int NTV = BV / 8 / WC;
-    constexpr int NT = NT2 * WC;
+    constexpr int NT = NT2 * WC; /* consumer threads (PROD: a producer warp after them) */
+    constexpr bool PROD = rec_prod<TM, WC>();
     const int c0 = blockIdx.x * BV;
     const int n = blockIdx.y / p.HV, hv = blockIdx.y % p.HV;
     const int K = p.K, V = p.V, HV = p.HV;
@@ -334,22 +333,38 @@ __global__ void __launch_bounds__(NT2 * WC)
     const int cw = wc * (BV / WC);
     constexpr bool STAGED = rec_staged_stores(BV); /* the dh and dVn tiles */
 
+    const int2 sq = p.seqs[n];
+    constexpr int NS = TM ? tm_stages(BV) : REC_STAGES;
+    if constexpr (TM) {
+        mbar_init_stages<NS>(s.bar, tid, PROD ? s.empty : nullptr, NT / 32);
+        if (PROD && tid >= NT) { /* the producer warp: chunk j from the end */
+            if (tid == NT)
+                rec_producer<NS>(sq.y, s.empty, [&](int k, int j) {
+                    dh_tma<BV>(p, s.st[k], &s.bar[k], maps,
+                               (int64_t)(sq.x + sq.y - 1 - j) * HV + hv);
+                });
+            return;
+        }
+    }
     float S[2][NTV][4]; /* dS, state rows 32 warp + 16 mt + ... */
     state_regs_load<NTV>(S, p.dht ? p.dht + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0 + cw,
                          warp, lane);
-    const int2 sq = p.seqs[n];
-    constexpr int NS = TM ? tm_stages(BV) : REC_STAGES;
     const SeqSpan span(p.chunks, sq); /* the tokens of each chunk, for dO read in place */
-    if constexpr (TM) {
-        mbar_init_stages<NS>(s.bar, tid);
-    }
-    /* chunk j (from the end) into stage k */
+    /* The step's last barrier is needed only by the staged stores (which read s.dS and s.dvn)
+     * or by loads that every thread issues at the next step's start; without it (TM, 16
+     * columns) the next chunk's dO is issued after the first barrier (when every warp has
+     * left the stage it overwrites) and the wait count is one less. */
+    constexpr bool LATE = PROD && !STAGED;
+    /* chunk j (from the end) into stage k (PROD: its dO only; TM otherwise: the tensor
+     * copies from thread 0 as well) */
     auto load = [&](int k, int j, int64_t cb) {
         int t0, L;
         span.chunk(sq.y - 1 - j, t0, L);
-        if constexpr (TM)
-            dh_load<BV, NT>(p, s.st[k], &s.bar[k], maps, cb, c0, tid, hv, t0, L);
-        else
+        if constexpr (TM) {
+            if (!PROD && tid == 0)
+                dh_tma<BV>(p, s.st[k], &s.bar[k], maps, cb);
+            dh_load_do<BV, NT>(p, s.st[k], cb, c0, tid, hv, t0, L);
+        } else
             dh_load<BV, NT>(p, s.st[k], cb, c0, tid, hv, t0, L);
     };
     /* one commit group per chunk (empty past the end), so the wait count is constant */
@@ -363,9 +378,11 @@ __global__ void __launch_bounds__(NT2 * WC)
         const int ci = sq.x + sq.y - 1 - jj;
         const int64_t cb = (int64_t)ci * HV + hv;
         auto &st = s.st[jj % NS];
-        if (jj + NS - 1 < sq.y)
-            load((jj + NS - 1) % NS, jj + NS - 1, cb - (int64_t)(NS - 1) * HV);
-        cp_async_commit();
+        if (!LATE) {
+            if (jj + NS - 1 < sq.y)
+                load((jj + NS - 1) % NS, jj + NS - 1, cb - (int64_t)(NS - 1) * HV);
+            cp_async_commit();
+        }
         /* dS -> bf16 tile and dh[cb] */
 #pragma unroll
         for (int mt = 0; mt < 2; mt++)
@@ -382,10 +399,15 @@ __global__ void __launch_bounds__(NT2 * WC)
                     *reinterpret_cast<uint32_t *>(dh + (d + 8) * KD) = hi;
                 }
             }
-        cp_async_wait<NS - 1>(); /* chunk jj's group is complete */
+        cp_async_wait<LATE ? NS - 2 : NS - 1>(); /* chunk jj's group is complete */
         if constexpr (TM)
             mbar_wait(&s.bar[jj % NS], (jj / NS) & 1); /* and its tensor copies */
-        __syncthreads();
+        rec_sync<PROD, NT>();
+        if (LATE) {
+            if (jj + NS - 1 < sq.y)
+                load((jj + NS - 1) % NS, jj + NS - 1, cb - (int64_t)(NS - 1) * HV);
+            cp_async_commit();
+        }
         /* dVn = Aqk^T dO + Kd dS (rows 16 warp ..) */
         float av[NTV][4];
         zero_acc<NTV>(av);
@@ -410,7 +432,7 @@ __global__ void __launch_bounds__(NT2 * WC)
                 *reinterpret_cast<uint32_t *>(dv + (r + 8) * KD) = a1;
             }
         }
-        __syncthreads();
+        rec_sync<PROD, NT>();
         /* dS <- gamma dS + Qg^T dO - W^T dVn */
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
@@ -438,7 +460,10 @@ __global__ void __launch_bounds__(NT2 * WC)
             store_slice<BV, NT>(p.dh + cb * KD * KD + c0, s.dS, KD, tid);
             store_slice<BV, NT>(p.dvn + cb * BT * KD + c0, s.dvn, BT, tid);
         }
-        __syncthreads();
+        if (!LATE)
+            rec_sync<PROD, NT>();
+        if constexpr (PROD)
+            rec_release(s.empty, jj % NS, lane);
     }
     if (p.dh0)
         state_regs_store<NTV>(S, p.dh0 + ((int64_t)n * HV + hv) * K * V, K, V, c0 + cw, warp, lane);
@@ -1625,7 +1650,7 @@ static cudaError_t launch_dh_t(dim3 grid, const BwdParams &p, const DhMaps &m) {
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm)) !=
                      cudaSuccess)
         return e;
-    kda_bwd_dh<BV, WC, TM><<<grid, NT2 * WC, sm>>>(p, m);
+    kda_bwd_dh<BV, WC, TM><<<grid, NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0), sm>>>(p, m);
     return cudaGetLastError();
 }
 template <int BV, int WC>
