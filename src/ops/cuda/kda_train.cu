@@ -137,6 +137,30 @@ __device__ __forceinline__ void wmma_fa(float (*acc)[4], FA fa, const bf16 *B, i
         acc, fa,
         [&](int ks, int np) { return b_kn_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane); }, nks);
 }
+/* as wmma_fa over NKS (a compile-time count) K steps with every step's fragments requested
+ * before the first product (the recurrences' critical products at 16 columns) */
+template <int NP, bool TA, int NKS, typename FA>
+__device__ __forceinline__ void wmma_fa_all(float (*acc)[4], FA fa, const bf16 *B, int ldb, int n0,
+                                            int kb0, int lane) {
+    uint32_t ra[NKS][4], rb[NKS][NP][4];
+#pragma unroll
+    for (int ks = 0; ks < NKS; ks++) {
+        if (TA)
+            ldsm4t(ra[ks], fa(ks));
+        else
+            ldsm4(ra[ks], fa(ks));
+#pragma unroll
+        for (int np = 0; np < NP; np++)
+            ldsm4t(rb[ks][np], b_kn_addr(B, ldb, kb0 + ks * 16, n0 + np * 16, lane));
+    }
+#pragma unroll
+    for (int ks = 0; ks < NKS; ks++)
+#pragma unroll
+        for (int np = 0; np < NP; np++) {
+            mma16816(acc[2 * np], ra[ks], rb[ks][np][0], rb[ks][np][1]);
+            mma16816(acc[2 * np + 1], ra[ks], rb[ks][np][2], rb[ks][np][3]);
+        }
+}
 template <int N> __device__ __forceinline__ void zero_acc(float (*acc)[4]) {
 #pragma unroll
     for (int i = 0; i < N; i++)
@@ -414,9 +438,13 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
         wmma_fa<NTV / 2, true>(
             av, [&](int ks) { return frag_at(st.A, warp * 16, warp * 16 + ks * 16, lane); },
             &st.dO[0][0], BV + 8, cw, warp * 16, 4 - warp, lane);
-        wmma_fa<NTV / 2, false>(
-            av, [&](int ks) { return frag_a(st.kd, warp * 16, ks * 16, lane); }, &s.dS[0][0],
-            BV + 8, cw, 0, KD / 16, lane);
+        {
+            auto fkd = [&](int ks) { return frag_a(st.kd, warp * 16, ks * 16, lane); };
+            if (NTV == 2)
+                wmma_fa_all<NTV / 2, false, KD / 16>(av, fkd, &s.dS[0][0], BV + 8, cw, 0, lane);
+            else
+                wmma_fa<NTV / 2, false>(av, fkd, &s.dS[0][0], BV + 8, cw, 0, KD / 16, lane);
+        }
 #pragma unroll
         for (int nt = 0; nt < NTV; nt++) {
             const int r = warp * 16 + g, c = cw + nt * 8 + 2 * t;
