@@ -258,11 +258,11 @@ __device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
  * engine and to every thread of the CTA before the first copy is issued */
 template <int NS>
 __device__ __forceinline__ void mbar_init_stages(uint64_t *bar, int tid, uint64_t *empty = nullptr,
-                                                 int consumers = 0) {
+                                                 int consumers = 0, int arrivals = 1) {
     if (tid == 0) {
 #pragma unroll
         for (int k = 0; k < NS; k++) {
-            mbar_init(&bar[k], 1);
+            mbar_init(&bar[k], arrivals);
             if (empty)
                 mbar_init(&empty[k], consumers);
         }
@@ -273,6 +273,12 @@ __device__ __forceinline__ void mbar_init_stages(uint64_t *bar, int tid, uint64_
 __device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
                  "r"(bytes)
+                 : "memory");
+}
+/* an arrival on bar when this thread's earlier cp.async copies have landed (counted in the
+ * barrier's arrivals: noinc) */
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t *bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar))
                  : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {

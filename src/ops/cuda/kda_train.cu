@@ -359,50 +359,58 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
 
     const int2 sq = p.seqs[n];
     constexpr int NS = TM ? tm_stages(BV) : REC_STAGES;
+    const SeqSpan span(p.chunks, sq); /* the tokens of each chunk, for dO read in place */
     if constexpr (TM) {
-        mbar_init_stages<NS>(s.bar, tid, PROD ? s.empty : nullptr, NT / 32);
+        /* PROD: the stage barrier counts thread 0's arrival with the tensor copies' bytes and
+         * one arrival per producer lane when its dO copies have landed */
+        mbar_init_stages<NS>(s.bar, tid, PROD ? s.empty : nullptr, NT / 32, PROD ? 33 : 1);
         if (PROD && tid >= NT) { /* the producer warp: chunk j from the end */
-            if (tid == NT)
-                rec_producer<NS>(sq.y, s.empty, [&](int k, int j) {
-                    dh_tma<BV>(p, s.st[k], &s.bar[k], maps,
-                               (int64_t)(sq.x + sq.y - 1 - j) * HV + hv);
-                });
+            const int pl = tid - NT;
+            for (int j = 0; j < sq.y; j++) {
+                const int k = j % NS;
+                const int64_t cbj = (int64_t)(sq.x + sq.y - 1 - j) * HV + hv;
+                if (j >= NS)
+                    mbar_wait(&s.empty[k], ((j / NS) - 1) & 1);
+                if (pl == 0)
+                    dh_tma<BV>(p, s.st[k], &s.bar[k], maps, cbj);
+                int t0, L;
+                span.chunk(sq.y - 1 - j, t0, L);
+                dh_load_do<BV, 32>(p, s.st[k], cbj, c0, pl, hv, t0, L);
+                cp_async_mbar_arrive(&s.bar[k]);
+            }
+            cp_async_wait<0>();
             return;
         }
     }
     float S[2][NTV][4]; /* dS, state rows 32 warp + 16 mt + ... */
     state_regs_load<NTV>(S, p.dht ? p.dht + ((int64_t)n * HV + hv) * K * V : nullptr, K, V, c0 + cw,
                          warp, lane);
-    const SeqSpan span(p.chunks, sq); /* the tokens of each chunk, for dO read in place */
-    /* The step's last barrier is needed only by the staged stores (which read s.dS and s.dvn)
-     * or by loads that every thread issues at the next step's start; without it (TM, 16
-     * columns) the next chunk's dO is issued after the first barrier (when every warp has
-     * left the stage it overwrites) and the wait count is one less. */
-    constexpr bool LATE = PROD && !STAGED;
-    /* chunk j (from the end) into stage k (PROD: its dO only; TM otherwise: the tensor
-     * copies from thread 0 as well) */
+    /* chunk j (from the end) into stage k (TM: the tensor copies from thread 0, dO from
+     * every thread; without PROD only) */
     auto load = [&](int k, int j, int64_t cb) {
         int t0, L;
         span.chunk(sq.y - 1 - j, t0, L);
         if constexpr (TM) {
-            if (!PROD && tid == 0)
+            if (tid == 0)
                 dh_tma<BV>(p, s.st[k], &s.bar[k], maps, cb);
             dh_load_do<BV, NT>(p, s.st[k], cb, c0, tid, hv, t0, L);
         } else
             dh_load<BV, NT>(p, s.st[k], cb, c0, tid, hv, t0, L);
     };
     /* one commit group per chunk (empty past the end), so the wait count is constant */
+    if (!PROD) {
 #pragma unroll
-    for (int k = 0; k < NS - 1; k++) {
-        if (k < sq.y)
-            load(k, k, (int64_t)(sq.x + sq.y - 1 - k) * HV + hv);
-        cp_async_commit();
+        for (int k = 0; k < NS - 1; k++) {
+            if (k < sq.y)
+                load(k, k, (int64_t)(sq.x + sq.y - 1 - k) * HV + hv);
+            cp_async_commit();
+        }
     }
     for (int jj = 0; jj < sq.y; jj++) {
         const int ci = sq.x + sq.y - 1 - jj;
         const int64_t cb = (int64_t)ci * HV + hv;
         auto &st = s.st[jj % NS];
-        if (!LATE) {
+        if (!PROD) {
             if (jj + NS - 1 < sq.y)
                 load((jj + NS - 1) % NS, jj + NS - 1, cb - (int64_t)(NS - 1) * HV);
             cp_async_commit();
@@ -423,15 +431,11 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
                     *reinterpret_cast<uint32_t *>(dh + (d + 8) * KD) = hi;
                 }
             }
-        cp_async_wait<LATE ? NS - 2 : NS - 1>(); /* chunk jj's group is complete */
+        if (!PROD)
+            cp_async_wait<NS - 1>(); /* chunk jj's group is complete */
         if constexpr (TM)
-            mbar_wait(&s.bar[jj % NS], (jj / NS) & 1); /* and its tensor copies */
+            mbar_wait(&s.bar[jj % NS], (jj / NS) & 1); /* and its tensor copies (PROD: all) */
         rec_sync<PROD, NT>();
-        if (LATE) {
-            if (jj + NS - 1 < sq.y)
-                load((jj + NS - 1) % NS, jj + NS - 1, cb - (int64_t)(NS - 1) * HV);
-            cp_async_commit();
-        }
         /* dVn = Aqk^T dO + Kd dS (rows 16 warp ..) */
         float av[NTV][4];
         zero_acc<NTV>(av);
@@ -488,7 +492,10 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
             store_slice<BV, NT>(p.dh + cb * KD * KD + c0, s.dS, KD, tid);
             store_slice<BV, NT>(p.dvn + cb * BT * KD + c0, s.dvn, BT, tid);
         }
-        if (!LATE)
+        /* the next step rewrites s.dS before its first barrier and s.dvn after it; every
+         * read of s.dS precedes this step's second barrier, so only the staged stores (and
+         * the loads that every thread issues at the next step's start) need this one */
+        if (STAGED || !PROD)
             rec_sync<PROD, NT>();
         if constexpr (PROD)
             rec_release(s.empty, jj % NS, lane);
