@@ -439,8 +439,9 @@ __device__ __forceinline__ void rec_producer(int n, uint64_t *empty, Load load) 
 }
 /* whether a recurrence with the copy engine's loads (TM) and WC warp groups runs the
  * producer warp: at WC = 1, where thread 0's copies sat on the only group's path; with two
- * groups thread 0 keeps them (a producer warp there cost kda_inter_tc's 128-column kernel
- * 87 registers and a spill) */
+ * groups thread 0 keeps them. A ninth warp puts three warps on one SM sub-partition, which
+ * caps every thread at 168 registers (kda_inter_tc's 128-column kernel and kda_inter_wg
+ * then spill); a producer warp group with setmaxnreg would avoid that (not tried). */
 template <bool TM, int WC> __host__ __device__ constexpr bool rec_prod() { return TM && WC == 1; }
 /* the consumers' barrier: all NT threads of the CTA, or (TM) named barrier 1 of NT threads */
 template <bool TM, int NT> __device__ __forceinline__ void rec_sync() {

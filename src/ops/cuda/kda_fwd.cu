@@ -758,7 +758,7 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
     Smem &s = *reinterpret_cast<Smem *>(
         TM ? smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023) : smem_raw);
     constexpr int NTV = BV / 8 / WC; /* n-tiles of this warp */
-    constexpr int NT = NT2 * WC;       /* consumer threads (PROD: a producer warp after them) */
+    constexpr int NT = NT2 * WC;     /* consumer threads (PROD: a producer warp after them) */
     constexpr bool PROD = rec_prod<TM, WC>();
     const int c0 = blockIdx.x * BV;
     const int n = blockIdx.y / p.HV, hv = blockIdx.y % p.HV;
