@@ -540,6 +540,23 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
 
 /* ------------------------------------------------ swizzled tiles, tensor maps */
 #define SWT (BT * 64 * 2) /* bytes of one 64 x 64 swizzled box */
+/* The tensor copies that every recurrence stage takes for a chunk at workspace row r0 (one
+ * thread, completing on bar): three [64][128] operands x, y, z (two 64 x 64 boxes each, the
+ * 128-byte swizzle; w, qg, kg forward, w, qg, kd backward), Aqk (one box) and gl (a bulk copy
+ * of 128 floats); the caller posts the bytes (mbar_expect) and adds its own copies. */
+__device__ __forceinline__ void tma_chunk(unsigned char *x, unsigned char *y, unsigned char *z,
+                                          unsigned char *A, float *gl, const void *mx,
+                                          const void *my, const void *mz, const void *mA,
+                                          const float *gl_src, int r0, uint64_t *bar) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        tma_g2s(x + h * SWT, mx, 64 * h, r0, bar);
+        tma_g2s(y + h * SWT, my, 64 * h, r0, bar);
+        tma_g2s(z + h * SWT, mz, 64 * h, r0, bar);
+    }
+    tma_g2s(A, mA, 0, r0, bar);
+    bulk_g2s(gl, gl_src, KD * sizeof(float), bar);
+}
 /* (row r, column c < 128) of a two-box swizzled tile */
 __device__ __forceinline__ int sw128x2(int r, int c) { return (c >> 6) * SWT + sw128(r, c & 63); }
 

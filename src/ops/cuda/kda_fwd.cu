@@ -736,18 +736,12 @@ __device__ __forceinline__ void tc_load(const Params &p, const TcMaps &m, Stage 
                                         int64_t cb, int c0) {
     mbar_expect(bar, 7 * SWT + BT * BV * 2 + KD * sizeof(float));
     const int r0 = (int)(cb * BT);
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        tma_g2s(st.w + h * SWT, &m.w, 64 * h, r0, bar);
-        tma_g2s(st.qg + h * SWT, &m.qg, 64 * h, r0, bar);
-        tma_g2s(st.kg + h * SWT, &m.kg, 64 * h, r0, bar);
-        if (BV == 128)
-            tma_g2s(st.u + h * SWT, &m.u, c0 + 64 * h, r0, bar);
-    }
-    if (BV < 128)
+    tma_chunk(st.w, st.qg, st.kg, st.A, st.gl, &m.w, &m.qg, &m.kg, &m.A, p.gl + cb * KD, r0, bar);
+    if constexpr (BV == 128) {
         tma_g2s(st.u, &m.u, c0, r0, bar);
-    tma_g2s(st.A, &m.A, 0, r0, bar);
-    bulk_g2s(st.gl, p.gl + cb * KD, KD * sizeof(float), bar);
+        tma_g2s(st.u + SWT, &m.u, c0 + 64, r0, bar);
+    } else
+        tma_g2s(st.u, &m.u, c0, r0, bar);
 }
 
 template <int BV, int WC, bool TM>

@@ -326,15 +326,8 @@ template <int BV>
 __device__ __forceinline__ void dh_tma(const BwdParams &p, DhStageT<BV> &st, uint64_t *bar,
                                        const DhMaps &m, int64_t cb) {
     mbar_expect(bar, 7 * SWT + KD * sizeof(float));
-    const int r0 = (int)(cb * BT);
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        tma_g2s(st.w + h * SWT, &m.w, 64 * h, r0, bar);
-        tma_g2s(st.qg + h * SWT, &m.qg, 64 * h, r0, bar);
-        tma_g2s(st.kd + h * SWT, &m.kd, 64 * h, r0, bar);
-    }
-    tma_g2s(st.A, &m.A, 0, r0, bar);
-    bulk_g2s(st.gl, p.gl + cb * KD, KD * sizeof(float), bar);
+    tma_chunk(st.w, st.qg, st.kd, st.A, st.gl, &m.w, &m.qg, &m.kd, &m.A, p.gl + cb * KD,
+              (int)(cb * BT), bar);
 }
 
 /* WC column groups of 4 warps, as in the forward's kda_inter_tc (and as there a producer
