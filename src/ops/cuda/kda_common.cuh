@@ -423,9 +423,11 @@ constexpr int REC_STAGES = 2;
 __host__ __device__ constexpr int tm_stages(int BV) { return BV <= 32 ? 3 : 2; }
 
 /* The tensor-copy recurrences (kda_inter_tc, kda_bwd_dh with TM) run NT consumer threads
- * plus one producer warp, whose first thread issues every chunk's tensor copies: chunk j
- * into stage j % NS once each consumer warp has released the stage's previous use (an
- * arrival on empty[j % NS] after its last read of it). The consumers synchronise among
+ * plus one producer warp, which loads every chunk: chunk j into stage j % NS once each
+ * consumer warp has released the stage's previous use (an arrival on empty[j % NS] after its
+ * last read of it). The caller's threads run the loop: kda_inter_tc's first producer thread
+ * (the tensor copies), kda_bwd_dh's whole producer warp (lane 0 the tensor copies, every lane
+ * its share of dO by cp.async). The consumers synchronise among
  * themselves on named barrier 1; the copies no longer sit on a consumer warp's path (about
  * 100 instructions per step on warp 0, which the other warps then waited for at the step's
  * barriers: perf notes v13). */
@@ -515,6 +517,23 @@ inline cudaError_t kda_cuda_first_on_device(int &last, bool &first) {
     if (first)
         last = dev;
     return e;
+}
+/* Launches kernel k on the default stream (grid x threads, sm bytes of dynamic shared
+ * memory) after opting it in to sm bytes once per device (attr_dev: the caller's record for
+ * this kernel, -1 at first); returns the first CUDA error */
+template <typename... P, typename... A>
+inline cudaError_t kda_cuda_launch_smem(void (*k)(P...), int &attr_dev, dim3 grid, int threads,
+                                        size_t sm, const A &...args) {
+    bool first = false;
+    cudaError_t e = kda_cuda_first_on_device(attr_dev, first);
+    if (e != cudaSuccess)
+        return e;
+    if (first &&
+        (e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm)) !=
+            cudaSuccess)
+        return e;
+    k<<<grid, threads, sm>>>(args...);
+    return cudaGetLastError();
 }
 
 /* Copies the chunk tables (n entries) to dst, inside the device buffer [buf, buf + cap)
@@ -625,6 +644,42 @@ static inline bool wg_map(CUtensorMap *m, const void *base, uint64_t rows, uint6
               es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
               CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+/* The tensor maps that both recurrences' stages take (tma_chunk): w, qg, a third [rows][128]
+ * operand x (kg forward, kd backward) and Aqk [rows][64], for a workspace of `rows` rows;
+ * false when the driver gives none */
+static inline bool rec_maps(CUtensorMap *w, CUtensorMap *qg, CUtensorMap *x, CUtensorMap *A,
+                            const void *pw, const void *pqg, const void *px, const void *pA,
+                            uint64_t rows) {
+    return wg_map(w, pw, rows, KD) && wg_map(qg, pqg, rows, KD) && wg_map(x, px, rows, KD) &&
+           wg_map(A, pA, rows, BT);
+}
+/* What a host-side tensor-map cache was encoded for (up to five operand addresses, the rows
+ * and a slice width); the maps are encoded again when any of it changes, since saved buffers
+ * of another call may share one address but not the others */
+struct MapKey {
+    const void *a[5];
+    uint64_t rows;
+    int width;
+    bool operator==(const MapKey &o) const {
+        for (int i = 0; i < 5; i++)
+            if (a[i] != o.a[i])
+                return false;
+        return rows == o.rows && width == o.width;
+    }
+};
+/* out = the maps cached for key now, encoded again by enc() (false: the driver gave none)
+ * when the cache at was for another key */
+template <typename Maps, typename Enc>
+static inline bool cached_maps(Maps &maps, MapKey &at, const MapKey &now, Enc enc, Maps &out) {
+    if (!(at == now)) {
+        at = MapKey{};
+        if (!enc())
+            return false;
+        at = now;
+    }
+    out = maps;
+    return true;
 }
 
 #endif

@@ -1248,38 +1248,22 @@ static bool tc_umap(CUtensorMap *m, const void *base, uint64_t rows, int BV) {
  * place, extent or the slice width changes; false when the driver gives none */
 static bool tc_maps(const Params &p, uint64_t rows, int BV, TcMaps &out) {
     static TcMaps maps;
-    static const void *at[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
-    static uint64_t at_rows = 0;
-    static int at_bv = 0;
-    const void *now[5] = {p.w, p.qg, p.kg, p.Aqk, p.u};
-    if (memcmp(at, now, sizeof now) != 0 || at_rows != rows || at_bv != BV) {
-        at[0] = nullptr;
-        if (!(wg_map(&maps.w, p.w, rows, KD) && wg_map(&maps.qg, p.qg, rows, KD) &&
-              wg_map(&maps.kg, p.kg, rows, KD) && wg_map(&maps.A, p.Aqk, rows, BT) &&
-              tc_umap(&maps.u, p.u, rows, BV)))
-            return false;
-        memcpy(at, now, sizeof now);
-        at_rows = rows;
-        at_bv = BV;
-    }
-    out = maps;
-    return true;
+    static MapKey at = {};
+    return cached_maps(
+        maps, at, MapKey{{p.w, p.qg, p.kg, p.Aqk, p.u}, rows, BV},
+        [&] {
+            return rec_maps(&maps.w, &maps.qg, &maps.kg, &maps.A, p.w, p.qg, p.kg, p.Aqk, rows) &&
+                   tc_umap(&maps.u, p.u, rows, BV);
+        },
+        out);
 }
 /* kda_inter_tc<BV, WC, TM> with its shared memory (the opt-in once per device and kernel) */
 template <int BV, int WC, bool TM>
 static cudaError_t launch_inter_tc(dim3 grid, const Params &p, const TcMaps &m) {
-    const size_t sm = TM ? inter_smem_t<BV>() : sizeof(InterSmem<BV>);
     static int attr_dev = -1;
-    bool first = false;
-    cudaError_t e = kda_cuda_first_on_device(attr_dev, first);
-    if (e != cudaSuccess)
-        return e;
-    if (first && (e = cudaFuncSetAttribute(kda_inter_tc<BV, WC, TM>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm)) !=
-                     cudaSuccess)
-        return e;
-    kda_inter_tc<BV, WC, TM><<<grid, NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0), sm>>>(p, m);
-    return cudaGetLastError();
+    return kda_cuda_launch_smem(kda_inter_tc<BV, WC, TM>, attr_dev, grid,
+                                NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0),
+                                TM ? inter_smem_t<BV>() : sizeof(InterSmem<BV>), p, m);
 }
 template <int BV, int WC>
 static cudaError_t launch_inter(dim3 grid, const Params &p, bool tm, const TcMaps &m) {

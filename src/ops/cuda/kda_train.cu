@@ -357,20 +357,17 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
         /* PROD: the stage barrier counts thread 0's arrival with the tensor copies' bytes and
          * one arrival per producer lane when its dO copies have landed */
         mbar_init_stages<NS>(s.bar, tid, PROD ? s.empty : nullptr, NT / 32, PROD ? 33 : 1);
-        if (PROD && tid >= NT) { /* the producer warp: chunk j from the end */
+        if (PROD && tid >= NT) { /* the producer warp, every lane: chunk j from the end */
             const int pl = tid - NT;
-            for (int j = 0; j < sq.y; j++) {
-                const int k = j % NS;
+            rec_producer<NS>(sq.y, s.empty, [&](int k, int j) {
                 const int64_t cbj = (int64_t)(sq.x + sq.y - 1 - j) * HV + hv;
-                if (j >= NS)
-                    mbar_wait(&s.empty[k], ((j / NS) - 1) & 1);
                 if (pl == 0)
                     dh_tma<BV>(p, s.st[k], &s.bar[k], maps, cbj);
                 int t0, L;
                 span.chunk(sq.y - 1 - j, t0, L);
                 dh_load_do<BV, 32>(p, s.st[k], cbj, c0, pl, hv, t0, L);
                 cp_async_mbar_arrive(&s.bar[k]);
-            }
+            });
             cp_async_wait<0>();
             return;
         }
@@ -1649,37 +1646,19 @@ extern "C" lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cu
  * their place or extent changes; false when the driver gives none */
 static bool dh_maps(const BwdParams &p, uint64_t rows, DhMaps &out) {
     static DhMaps maps;
-    static const void *at_w = nullptr, *at_kd = nullptr, *at_qg = nullptr, *at_A = nullptr;
-    static uint64_t at_rows = 0;
-    if (at_w != p.w || at_kd != p.kd || at_qg != p.qg || at_A != p.Aqk || at_rows != rows) {
-        at_w = nullptr;
-        if (!(wg_map(&maps.w, p.w, rows, KD) && wg_map(&maps.qg, p.qg, rows, KD) &&
-              wg_map(&maps.kd, p.kd, rows, KD) && wg_map(&maps.A, p.Aqk, rows, BT)))
-            return false;
-        at_w = p.w;
-        at_kd = p.kd;
-        at_qg = p.qg;
-        at_A = p.Aqk;
-        at_rows = rows;
-    }
-    out = maps;
-    return true;
+    static MapKey at = {};
+    return cached_maps(
+        maps, at, MapKey{{p.w, p.qg, p.kd, p.Aqk, nullptr}, rows, 0},
+        [&] { return rec_maps(&maps.w, &maps.qg, &maps.kd, &maps.A, p.w, p.qg, p.kd, p.Aqk, rows); },
+        out);
 }
 /* kda_bwd_dh<BV, WC, TM> with its shared memory (the opt-in once per device and kernel) */
 template <int BV, int WC, bool TM>
 static cudaError_t launch_dh_t(dim3 grid, const BwdParams &p, const DhMaps &m) {
-    const size_t sm = TM ? dh_smem_t<BV>() : sizeof(DhSmem<BV>);
     static int attr_dev = -1;
-    bool first = false;
-    cudaError_t e = kda_cuda_first_on_device(attr_dev, first);
-    if (e != cudaSuccess)
-        return e;
-    if (first && (e = cudaFuncSetAttribute(kda_bwd_dh<BV, WC, TM>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm)) !=
-                     cudaSuccess)
-        return e;
-    kda_bwd_dh<BV, WC, TM><<<grid, NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0), sm>>>(p, m);
-    return cudaGetLastError();
+    return kda_cuda_launch_smem(kda_bwd_dh<BV, WC, TM>, attr_dev, grid,
+                                NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0),
+                                TM ? dh_smem_t<BV>() : sizeof(DhSmem<BV>), p, m);
 }
 template <int BV, int WC>
 static cudaError_t launch_dh(dim3 grid, const BwdParams &p, bool tm, const DhMaps &m) {
