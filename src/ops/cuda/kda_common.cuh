@@ -39,6 +39,7 @@ struct Params {
     float *Xs, *nqs, *nks, *bs;
     bf16 *Ps;
     bf16 *hs, *vns;
+    bf16 *Kgs; /* [cb][64][128] nk k e^G, for the backward's UT kernel */
     const int2 *chunks;   /* [nchunks] (t0, L) in token rows of the flattened [B*T] */
     const int2 *seqs;     /* [N] (first chunk, number of chunks) */
     int nchunks, N;
@@ -490,6 +491,9 @@ struct KdaSaveBufs {
     float *nqs, *nks, *bs; /* [cb][64] q row factor (l2 norm * scale), k row factor, beta */
     bf16 *hs;    /* [cb][128][128] state at the chunk start (bf16) */
     bf16 *vns;   /* [cb][64][128]  v' = u - w S (bf16) */
+    bf16 *Kg;    /* [cb][64][128]  Kg = nk k e^G (bf16; zero past L and K), for the UT
+                  * kernel (saving it costs the intra kernel 16 KB of stores per block;
+                  * recomputing it in the backward cost a 0.19 ms kernel, docs/perf-notes.md v14) */
 };
 
 /* V slice width of the recurrence kernels (forward kda_inter_tc, backward kda_bwd_dh) for

@@ -366,10 +366,20 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
                 for (int x = 0; x < 8; x++) {
                     oq[x] = fq[x] * nq * ea[x];
                     ok[x] = xk[x] * nk * ex2f(Gl[x] - gr[x]);
-                    ob[x] = fk[x] * bk * ea[x];
+                    ob[x] = fk[x] * ea[x]; /* k e^G */
                 }
                 st8h(p.qg + (cb * BT + i) * KD + d0, oq);
                 st8h(p.kg + (cb * BT + i) * KD + d0, ok);
+                if (p.Kgs) { /* training: Kg = nk k e^G for the backward */
+                    float og[8];
+#pragma unroll
+                    for (int x = 0; x < 8; x++)
+                        og[x] = ob[x] * nk;
+                    st8h(p.Kgs + (cb * BT + i) * KD + d0, og);
+                }
+#pragma unroll
+                for (int x = 0; x < 8; x++)
+                    ob[x] *= bk;
                 st8h(&s.q[i][d0], ob); /* rounds 2 and 3 read no row of q this one wrote */
                 if (rd == 1) { /* round 3 reads k of rows 0..31 only */
                     float fv[8];
@@ -559,11 +569,16 @@ __global__ void __launch_bounds__(NT1, 2) kda_intra_tc(Params p) {
                 const float eg = ex2f(G[x]);
                 fq[x] = xq[x] * nq * eg;
                 fk[x] = kq * ex2f(Gl[x] - G[x]);
-                fb[x] = be * kq * eg;
+                fb[x] = kq * eg; /* Kg */
                 fv[x] = be * __bfloat162float(vb[x]);
             }
             st8h(p.qg + (cb * BT + i) * KD + d0, fq);
             st8h(p.kg + (cb * BT + i) * KD + d0, fk);
+            if (p.Kgs) /* training: Kg = nk k e^G for the backward */
+                st8h(p.Kgs + (cb * BT + i) * KD + d0, fb);
+#pragma unroll
+            for (int x = 0; x < 8; x++)
+                fb[x] *= be;
             st8h(&s.q[i][d0], fb); /* this thread alone reads q[i][d0..] */
             st8h(&s.k[i][d0], fv);
         }
@@ -877,16 +892,51 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
             }
         }
         rec_sync<PROD, NT>();
-        /* o += Aqk v' (causal: column blocks <= warp) */
-        for (int ks = 0; ks <= warp; ks++) {
-            uint32_t fa[4];
-            ldsm4(fa, frag_a(st.A, warp * 16, ks * 16, lane));
+        /* S <- diag(gl) S + kg^T v' (warp w: state rows 32w..32w+31) and o += Aqk v' (causal:
+         * column blocks <= warp) in one pass over the chunk's 16-row blocks, which shares
+         * the v' fragments; o is stored after both products are issued, so that its chain
+         * overlaps the state's instead of preceding it */
 #pragma unroll
-            for (int np = 0; np < NTV / 2; np++) {
-                uint32_t fb[4];
-                ldsm4t(fb, b_kn_addr(&s.vn[0][0], BV + 8, ks * 16, cw + np * 16, lane));
-                mma16816(ao[2 * np], fa, fb[0], fb[1]);
-                mma16816(ao[2 * np + 1], fa, fb[2], fb[3]);
+        for (int mt = 0; mt < 2; mt++) {
+            const int d = warp * 32 + mt * 16 + g;
+            const float e0 = st.gl[d], e1 = st.gl[d + 8];
+#pragma unroll
+            for (int nt = 0; nt < NTV; nt++) {
+                S[mt][nt][0] *= e0;
+                S[mt][nt][1] *= e0;
+                S[mt][nt][2] *= e1;
+                S[mt][nt][3] *= e1;
+            }
+        }
+        {
+            uint32_t fa[2][2][4], fb[2][NTV / 2][4], fA[2][4];
+            auto frags = [&](int ks, int b) {
+                ldsm4t(fa[b][0], frag_at(st.kg, warp * 32, ks * 16, lane));
+                ldsm4t(fa[b][1], frag_at(st.kg, warp * 32 + 16, ks * 16, lane));
+#pragma unroll
+                for (int np = 0; np < NTV / 2; np++)
+                    ldsm4t(fb[b][np], b_kn_addr(&s.vn[0][0], BV + 8, ks * 16, cw + np * 16, lane));
+                if (ks <= warp)
+                    ldsm4(fA[b], frag_a(st.A, warp * 16, ks * 16, lane));
+            };
+            frags(0, 0);
+#pragma unroll
+            for (int ks = 0; ks < BT / 16; ks++) {
+                const int b = ks & 1;
+                if (ks + 1 < BT / 16)
+                    frags(ks + 1, b ^ 1);
+#pragma unroll
+                for (int np = 0; np < NTV / 2; np++) {
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++) {
+                        mma16816(S[mt][2 * np], fa[b][mt], fb[b][np][0], fb[b][np][1]);
+                        mma16816(S[mt][2 * np + 1], fa[b][mt], fb[b][np][2], fb[b][np][3]);
+                    }
+                    if (ks <= warp) {
+                        mma16816(ao[2 * np], fA[b], fb[b][np][0], fb[b][np][1]);
+                        mma16816(ao[2 * np + 1], fA[b], fb[b][np][2], fb[b][np][3]);
+                    }
+                }
             }
         }
         if (vfull) {
@@ -921,43 +971,6 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
                         }
                     }
                 }
-            }
-        }
-        /* S <- diag(gl) S + kg^T v' (warp w: state rows 32w..32w+31) */
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-            const int d = warp * 32 + mt * 16 + g;
-            const float e0 = st.gl[d], e1 = st.gl[d + 8];
-#pragma unroll
-            for (int nt = 0; nt < NTV; nt++) {
-                S[mt][nt][0] *= e0;
-                S[mt][nt][1] *= e0;
-                S[mt][nt][2] *= e1;
-                S[mt][nt][3] *= e1;
-            }
-        }
-        {
-            uint32_t fa[2][2][4], fb[2][NTV / 2][4];
-            auto frags = [&](int ks, int b) {
-                ldsm4t(fa[b][0], frag_at(st.kg, warp * 32, ks * 16, lane));
-                ldsm4t(fa[b][1], frag_at(st.kg, warp * 32 + 16, ks * 16, lane));
-#pragma unroll
-                for (int np = 0; np < NTV / 2; np++)
-                    ldsm4t(fb[b][np], b_kn_addr(&s.vn[0][0], BV + 8, ks * 16, cw + np * 16, lane));
-            };
-            frags(0, 0);
-#pragma unroll
-            for (int ks = 0; ks < BT / 16; ks++) {
-                const int b = ks & 1;
-                if (ks + 1 < BT / 16)
-                    frags(ks + 1, b ^ 1);
-#pragma unroll
-                for (int np = 0; np < NTV / 2; np++)
-#pragma unroll
-                    for (int mt = 0; mt < 2; mt++) {
-                        mma16816(S[mt][2 * np], fa[b][mt], fb[b][np][0], fb[b][np][1]);
-                        mma16816(S[mt][2 * np + 1], fa[b][mt], fb[b][np][2], fb[b][np][3]);
-                    }
             }
         }
         /* training forward: the saved tiles, after this step's products (s.S and s.vn are
@@ -1472,6 +1485,7 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
         p.seqs = sv->seqs;
         p.Xs = sv->Xs;
         p.Ps = sv->Ps;
+        p.Kgs = sv->Kg;
         p.nqs = sv->nqs;
         p.nks = sv->nks;
         p.bs = sv->bs;

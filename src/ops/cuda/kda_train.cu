@@ -6,13 +6,14 @@
  * Training forward: the forward kernels of kda_fwd.cu with their workspace kept, plus
  * per block cb = (chunk, value head): X = (I + beta P)^-1 (fp32), P (bf16, blocks above
  * the diagonal unwritten), the row factors of q and k and beta, the state at the chunk
- * start S0 (bf16) and v' = u - w S0 (bf16). G is not saved: the backward recomputes it
- * from the raw gate (gate_cumsum_rows, as the intra kernel computes it).
+ * start S0 (bf16), v' = u - w S0 (bf16) and Kg = nk k e^G (bf16, for b3). G is not
+ * saved: the pair kernel recomputes it from the raw gate (gate_cumsum_rows, as the intra
+ * kernel computes it).
  *
  * Backward (notation of docs/kda-math.md "Backward of one chunk"):
- *   b0  Kg = nk k e^G (bf16) for b3, on a second stream beside b1; and, only when V is not
- *       a multiple of 8 (otherwise b1 and b2 read dO in place), dO gathered into the
- *       padded [cb][64][128] layout (zeros outside [L, V]) before b1.
+ *   b0  only when V is not a multiple of 8 (otherwise b1 and b2 read dO in place): dO
+ *       gathered into the padded [cb][64][128] layout (zeros outside [L, V]) before b1.
+ *       (Kg = nk k e^G for b3 is saved by the training forward's intra kernel.)
  *   b1  one CTA per (sequence, value head, V slice), chunks in reverse, the state
  *       gradient dS (the gradient w.r.t. the state after the chunk) in fp32 registers:
  *         dh[cb] = dS  (bf16, for the chunk-parallel kernels)
@@ -43,6 +44,37 @@ namespace {
 
 #define NTB 256 /* threads of the chunk-parallel backward kernels */
 
+/* The backward's per-element partial gradients between kernels (dQg, dKd from the state
+ * kernel, dKg from the UT kernel, dq and dk of a value head from the pair kernel): bf16
+ * storage, fp32 arithmetic (DESIGN.md), 2 of their 4 bytes per element and pass; building
+ * with -DLINMOE_KDA_CUDA_F32_PARTIALS keeps them in fp32 (docs/perf-notes.md v14 has both
+ * builds' errors and times). */
+#ifdef LINMOE_KDA_CUDA_F32_PARTIALS
+typedef float part_t;
+__device__ __forceinline__ void st_part2(float *d, float a, float b) {
+    *reinterpret_cast<float2 *>(d) = make_float2(a, b);
+}
+__device__ __forceinline__ float ld_part(const float *s) { return __ldg(s); }
+__device__ __forceinline__ void st_part(float *d, float a) { *d = a; }
+__device__ __forceinline__ float4 ld_part4(const float *s) {
+    return __ldg(reinterpret_cast<const float4 *>(s));
+}
+#else
+typedef bf16 part_t;
+__device__ __forceinline__ void st_part2(bf16 *d, float a, float b) {
+    *reinterpret_cast<uint32_t *>(d) = pack_bf16(a, b);
+}
+__device__ __forceinline__ float ld_part(const bf16 *s) {
+    return __uint_as_float((uint32_t)__ldg(reinterpret_cast<const unsigned short *>(s)) << 16);
+}
+__device__ __forceinline__ void st_part(bf16 *d, float a) { *d = __float2bfloat16(a); }
+__device__ __forceinline__ float4 ld_part4(const bf16 *s) {
+    const uint2 x = __ldg(reinterpret_cast<const uint2 *>(s));
+    return make_float4(__uint_as_float(x.x << 16), __uint_as_float(x.x & 0xffff0000u),
+                       __uint_as_float(x.y << 16), __uint_as_float(x.y & 0xffff0000u));
+}
+#endif
+
 struct BwdParams {
     int N, nchunks, T, H, HV, K, V, gdn, gate, l2, sig, shared_diag, grp;
     int do_direct; /* V % 8 == 0: the dh and state kernels read do_ itself (no padded copy) */
@@ -60,9 +92,10 @@ struct BwdParams {
     const float *dht;
     /* scratch */
     bf16 *dO, *dh, *dvn, *dW;
-    bf16 *Kgs; /* [cb][64][128] nk k e^G (bf16), from the gather kernel */
+    const bf16 *Kgs; /* [cb][64][128] nk k e^G (bf16), saved by the training forward */
     bf16 *dAqk, *dP; /* bf16: the pair products take them as bf16 operands */
-    float *dQg, *dKd, *dgam, *dKg, *dbp, *dqs, *dks, *dgs;
+    part_t *dQg, *dKd, *dKg, *dqs, *dks; /* see part_t */
+    float *dgam, *dbp, *dgs;
     /* outputs */
     bf16 *dq, *dk, *dv, *dg, *dbeta;
     float *dh0, *dA_log, *ddt_bias;
@@ -172,55 +205,15 @@ __device__ __forceinline__ void split_bf16(float x, bf16 &hi, bf16 &lo) {
     lo = __float2bfloat16(x - __bfloat162float(hi));
 }
 
-/* ------------------------------------------------------ b0: recompute Kg, gather dO */
-/* Kg = nk k e^G (bf16) for the UT kernel, and (p.do_direct false only) dO into the padded
- * [cb][64][128] layout; G of the chunk recomputed from the raw gate as the forward's intra
- * kernel computes it (log2 units, cumulative over rows in two 32-row
- * halves, zero past L and K). Recomputing costs 32 KB of reads per (chunk, head) against
- * 48 KB of G and Kg saves in the training forward. */
+/* ------------------------------------------------------------- b0: gather dO */
+/* dO into the padded [cb][64][128] layout (zeros outside [L, V]); launched only when the dh
+ * and state kernels cannot read dO in place (p.do_direct false). */
 __global__ void __launch_bounds__(NTB) kda_bwd_gather_do(BwdParams p) {
-    __shared__ float gtot[KD];
     const int ci = blockIdx.x, hv = blockIdx.y;
     const int2 ch = p.chunks[ci];
     const int64_t cb = (int64_t)ci * p.HV + hv;
     bf16 *dst = p.dO + cb * BT * KD;
-    const int V = p.V, HV = p.HV, K = p.K;
-    {
-        const int d = threadIdx.x & (KD - 1), seg = threadIdx.x >> 7; /* NTB = 2 KD */
-        const bool dok = d < K;
-        const int nrow = dok ? min(max(ch.y - seg * 32, 0), 32) : 0; /* valid rows of this half */
-        const int64_t off = nrow ? (p.gdn ? (int64_t)(ch.x + seg * 32) * HV + hv
-                                          : ((int64_t)(ch.x + seg * 32) * HV + hv) * K + d)
-                                 : 0;
-        const int str = p.gdn ? HV : HV * K;
-        const unsigned short *g16 = reinterpret_cast<const unsigned short *>(p.g) + off;
-        unsigned short gr[32], kr[32];
-        const int64_t offk = nrow ? ((int64_t)(ch.x + seg * 32) * p.H + hv / p.grp) * K + d : 0;
-        const unsigned short *k16 = reinterpret_cast<const unsigned short *>(p.k) + offk;
-#pragma unroll
-        for (int x = 0; x < 32; x++) {
-            gr[x] = __ldg(g16 + (x < nrow ? x : 0) * str);
-            kr[x] = __ldg(k16 + (x < nrow ? x : 0) * p.H * K);
-        }
-        const float gb = p.dt_bias ? (p.gdn ? p.dt_bias[hv] : (dok ? p.dt_bias[hv * K + d] : 0.0f)) : 0.0f;
-        const float ga = p.A_log ? fexp(p.A_log[hv]) : 1.0f;
-        float gv[32];
-        gate_cumsum_rows<32>(p.gate, gr, nrow, gb, ga, p.lb, gv);
-        if (seg == 0)
-            gtot[d] = gv[31];
-        __syncthreads();
-        const float base = seg ? gtot[d] : 0.0f;
-        bf16 *Kg = p.Kgs + cb * BT * KD + seg * 32 * KD + d;
-        const float *nks = p.nks + cb * BT + seg * 32;
-#pragma unroll
-        for (int x = 0; x < 32; x++) {
-            const float Gx = gv[x] + base; /* log2 units */
-            Kg[x * KD] = __float2bfloat16(__uint_as_float((uint32_t)kr[x] << 16) * (x < nrow ? nks[x] : 0.0f) *
-                                          ex2f(Gx));
-        }
-    }
-    if (p.do_direct) /* the dh and state kernels read dO where it is */
-        return;
+    const int V = p.V, HV = p.HV;
     if ((V & 7) == 0) {
         for (int e = threadIdx.x; e < BT * KD / 8; e += NTB) {
             const int r = e >> 4, c = (e & 15) * 8;
@@ -425,13 +418,21 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
             cp_async_wait<NS - 1>(); /* chunk jj's group is complete */
         if constexpr (TM)
             mbar_wait(&s.bar[jj % NS], (jj / NS) & 1); /* and its tensor copies (PROD: all) */
-        rec_sync<PROD, NT>();
-        /* dVn = Aqk^T dO + Kd dS (rows 16 warp ..) */
+        /* dVn = Aqk^T dO + Kd dS (rows 16 warp ..). The stage's products (Aqk^T dO here,
+         * Qg^T dO below) need no barrier when the producer warp loaded all of it (its
+         * mbarrier covers dO too): they run before the barriers, off the dS chain. */
         float av[NTV][4];
         zero_acc<NTV>(av);
-        wmma_fa<NTV / 2, true>(
-            av, [&](int ks) { return frag_at(st.A, warp * 16, warp * 16 + ks * 16, lane); },
-            &st.dO[0][0], BV + 8, cw, warp * 16, 4 - warp, lane);
+        auto aqk_do = [&]() {
+            wmma_fa<NTV / 2, true>(
+                av, [&](int ks) { return frag_at(st.A, warp * 16, warp * 16 + ks * 16, lane); },
+                &st.dO[0][0], BV + 8, cw, warp * 16, 4 - warp, lane);
+        };
+        if constexpr (PROD)
+            aqk_do();
+        rec_sync<PROD, NT>();
+        if constexpr (!PROD)
+            aqk_do();
         {
             auto fkd = [&](int ks) { return frag_a(st.kd, warp * 16, ks * 16, lane); };
             if (NTV == 2)
@@ -454,25 +455,34 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
                 *reinterpret_cast<uint32_t *>(dv + (r + 8) * KD) = a1;
             }
         }
-        rec_sync<PROD, NT>();
         /* dS <- gamma dS + Qg^T dO - W^T dVn */
+        auto decay_qg_do = [&]() {
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-            const int d = warp * 32 + mt * 16 + g;
-            const float e0 = st.gl[d], e1 = st.gl[d + 8];
+            for (int mt = 0; mt < 2; mt++) {
+                const int d = warp * 32 + mt * 16 + g;
+                const float e0 = st.gl[d], e1 = st.gl[d + 8];
 #pragma unroll
-            for (int nt = 0; nt < NTV; nt++) {
-                S[mt][nt][0] *= e0;
-                S[mt][nt][1] *= e0;
-                S[mt][nt][2] *= e1;
-                S[mt][nt][3] *= e1;
+                for (int nt = 0; nt < NTV; nt++) {
+                    S[mt][nt][0] *= e0;
+                    S[mt][nt][1] *= e0;
+                    S[mt][nt][2] *= e1;
+                    S[mt][nt][3] *= e1;
+                }
             }
-        }
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+                wmma_fa<NTV / 2, true>(
+                    S[mt],
+                    [&](int ks) { return frag_at(st.qg, warp * 32 + mt * 16, ks * 16, lane); },
+                    &st.dO[0][0], BV + 8, cw, 0, BT / 16, lane);
+        };
+        if constexpr (PROD)
+            decay_qg_do();
+        rec_sync<PROD, NT>();
+        if constexpr (!PROD)
+            decay_qg_do();
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
-            wmma_fa<NTV / 2, true>(
-                S[mt], [&](int ks) { return frag_at(st.qg, warp * 32 + mt * 16, ks * 16, lane); },
-                &st.dO[0][0], BV + 8, cw, 0, BT / 16, lane);
             wmma_fa<NTV / 2, true>(
                 S[mt], [&](int ks) { return frag_at(st.w, warp * 32 + mt * 16, ks * 16, lane); },
                 &s.ndvn[0][0], BV + 8, cw, 0, BT / 16, lane);
@@ -588,9 +598,9 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_state(BwdParams p) {
                     const float v0 = acc[nt][2 * hh], v1 = acc[nt][2 * hh + 1];
                     const int64_t o = (cb * BT + r) * KD + c;
                     if (mat == 0)
-                        *reinterpret_cast<float2 *>(p.dQg + o) = make_float2(v0, v1);
+                        st_part2(p.dQg + o, v0, v1);
                     else if (mat == 1)
-                        *reinterpret_cast<float2 *>(p.dKd + o) = make_float2(v0, v1);
+                        st_part2(p.dKd + o, v0, v1);
                     else
                         *reinterpret_cast<uint32_t *>(p.dW + o) = pack_bf16(-v0, -v1);
                 }
@@ -613,8 +623,8 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_state(BwdParams p) {
 
 /* -------------------------------------------------------- b3: the UT transform */
 /* 107 KB, 2 CTAs per SM: beta enters dTm in its epilogue (by column) instead of through
- * beta-scaled copies of v and Kg, G is used in registers only (Kg = nk k e^G is built
- * while loading), and T = dTm Tm^T (hi, lo) reuses dvn's space once dv, dKg are out. */
+ * beta-scaled copies of v and Kg (Kg = nk k e^G as the training forward saved it), and
+ * T = dTm Tm^T (hi, lo) reuses dvn's space once dv, dKg are out. */
 struct UtSmem {
     union {
         bf16 dvn[BT][RS];
@@ -706,7 +716,7 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
                 split_bf16(xr[m].w, s.Xh[i][j + 3], s.Xl[i][j + 3]);
             }
         };
-        /* Kg = nk k e^G (bf16), from the gather kernel */
+        /* Kg = nk k e^G (bf16), saved by the training forward */
         const bf16 *Kg = p.Kgs + cb * BT * KD;
         for (int e = tid; e < BT * KD / 8; e += NTB) {
             const int r = e >> 4, c = (e & 15) * 8;
@@ -770,8 +780,7 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
                         const __nv_bfloat162 x =
                             *reinterpret_cast<const __nv_bfloat162 *>(&s.kg[r][c]);
                         db[hh] += __low2float(x) * v0 + __high2float(x) * v1;
-                        *reinterpret_cast<float2 *>(p.dKg + (cb * BT + r) * KD + c) =
-                            make_float2(b * v0, b * v1);
+                        st_part2(p.dKg + (cb * BT + r) * KD + c, b * v0, b * v1);
                     }
                 }
             add_row_sums(s.dbeta, db, a, lane);
@@ -1077,12 +1086,12 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     {
         /* this lane's element of row rb: the rows at constant offsets m KD from it */
         const int64_t o2 = cb * BT * KD + c0 + rb * KD + lane;
-        const float *dQg = p.dQg + o2, *dKd = p.dKd + o2, *dKg = p.dKg + o2;
+        const part_t *dQg = p.dQg + o2, *dKd = p.dKd + o2, *dKg = p.dKg + o2;
 #pragma unroll
         for (int m = 0; m < RPW; m++) {
-            xq_[m] = __ldg(dQg + m * KD);
-            xd_[m] = __ldg(dKd + m * KD);
-            xg_[m] = __ldg(dKg + m * KD);
+            xq_[m] = ld_part(dQg + m * KD);
+            xd_[m] = ld_part(dKd + m * KD);
+            xg_[m] = ld_part(dKg + m * KD);
         }
         if (warp == PW - 1 && dok)
             gam_l = p.dgam[cb * KD + d] * p.gl[cb * KD + d];
@@ -1238,7 +1247,7 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     {
         const float Gl = s.G[BT - 1][lane];
         float gsum = 0.0f;
-        float *pdq = p.dqs + offHV, *pdk = p.dks + offHV; /* row rb + m, advanced per row */
+        part_t *pdq = p.dqs + offHV, *pdk = p.dks + offHV; /* row rb + m, advanced per row */
 #pragma unroll
         for (int m = 0; m < RPW; m++) {
             const int r = rb + m;
@@ -1252,8 +1261,8 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             s.out[0][r][lane] = pg + xq * qv * eg + xg * kv * eg - kdd;
             gsum += kdd;
             if (m < nrow) {
-                *pdq = dq;
-                *pdk = dk;
+                st_part(pdq, dq);
+                st_part(pdk, dk);
             }
             pdq += strHV;
             pdk += strHV;
@@ -1433,8 +1442,8 @@ __global__ void kda_bwd_qk(BwdParams p, int64_t rows) {
                 dq[rr][i] = dk[rr][i] = 0.0f;
             for (int x = 0; x < p.grp; x++) {
                 const int64_t o = ok[rr] ? (tr * p.HV + hh * p.grp + x) * K + d0 : 0;
-                const float4 a = __ldg(reinterpret_cast<const float4 *>(p.dqs + o));
-                const float4 b = __ldg(reinterpret_cast<const float4 *>(p.dks + o));
+                const float4 a = ld_part4(p.dqs + o);
+                const float4 b = ld_part4(p.dks + o);
                 dq[rr][0] += a.x; dq[rr][1] += a.y; dq[rr][2] += a.z; dq[rr][3] += a.w;
                 dk[rr][0] += b.x; dk[rr][1] += b.y; dk[rr][2] += b.z; dk[rr][3] += b.w;
             }
@@ -1474,8 +1483,8 @@ __global__ void kda_bwd_qk(BwdParams p, int64_t rows) {
                 xk[i] = __bfloat162float(p.k[wi * K + d]);
                 for (int x = 0; x < p.grp; x++) {
                     const int64_t o = (tr * p.HV + hh * p.grp + x) * K + d;
-                    dq[i] += p.dqs[o];
-                    dk[i] += p.dks[o];
+                    dq[i] += ld_part(p.dqs + o);
+                    dk[i] += ld_part(p.dks + o);
                 }
             }
         }
@@ -1524,6 +1533,7 @@ size_t carve_saved(char *base, size_t nblk, int nchunks, int N, KdaSaveBufs *sv)
     sv->bs = c.take<float>(nblk * BT);
     sv->hs = c.take<bf16>(nblk * KD * KD);
     sv->vns = c.take<bf16>(nblk * BT * KD);
+    sv->Kg = c.take<bf16>(nblk * BT * KD);
     int2 *ch = c.take<int2>((size_t)nchunks + N);
     sv->chunks = ch;
     sv->seqs = ch ? ch + nchunks : nullptr;
@@ -1713,6 +1723,7 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     p.bs = sv.bs;
     p.hs = sv.hs;
     p.vns = sv.vns;
+    p.Kgs = sv.Kg;
     p.do_ = (const bf16 *)gr->do_;
     /* 16-byte rows of dO (V % 8 == 0, 16-byte aligned): read in place by the dh and state
      * kernels; otherwise the gather kernel copies it into the padded layout */
@@ -1732,19 +1743,18 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     for (int pass = 0; pass < 2; pass++) {
         Carve cv{pass ? (char *)g_bws.buf : nullptr, 0};
         p.dO = p.do_direct ? nullptr : cv.take<bf16>(nblk * BT * KD); /* the padded copy */
-        p.Kgs = cv.take<bf16>(nblk * BT * KD);
         p.dh = cv.take<bf16>(nblk * KD * KD);
         p.dvn = cv.take<bf16>(nblk * BT * KD);
         p.dW = cv.take<bf16>(nblk * BT * KD);
         p.dAqk = cv.take<bf16>(nblk * BT * BT);
-        p.dQg = cv.take<float>(nblk * BT * KD);
-        p.dKd = cv.take<float>(nblk * BT * KD);
+        p.dQg = cv.take<part_t>(nblk * BT * KD);
+        p.dKd = cv.take<part_t>(nblk * BT * KD);
         p.dgam = cv.take<float>(nblk * KD);
-        p.dKg = cv.take<float>(nblk * BT * KD);
+        p.dKg = cv.take<part_t>(nblk * BT * KD);
         p.dP = cv.take<bf16>(nblk * BT * BT);
         p.dbp = cv.take<float>(nblk * BT);
-        p.dqs = cv.take<float>((size_t)rows * HV * K);
-        p.dks = cv.take<float>((size_t)rows * HV * K);
+        p.dqs = cv.take<part_t>((size_t)rows * HV * K);
+        p.dks = cv.take<part_t>((size_t)rows * HV * K);
         p.dgs = p.gdn ? cv.take<float>((size_t)rows * HV) : nullptr;
         if (!pass) {
             bytes = cv.off;
@@ -1787,27 +1797,7 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     if (prof)
         CK(cudaEventRecord(ev[0]));
     const dim3 gb(nchunks, HV);
-    /* With dO read in place the dh recurrence does not wait for the gather kernel (its Kg is
-     * for the UT kernel): the gather then runs beside dh on a second stream, in the issue
-     * slots the latency-bound recurrence leaves, and the default stream waits for it before
-     * the UT kernel. Not under LINMOE_KDA_CUDA_PROFILE, whose per-kernel times need the
-     * kernels one after another. */
-    const bool side = p.do_direct && !prof && nchunks > 0;
-    static struct {
-        cudaStream_t st;
-        cudaEvent_t fork, join;
-    } sides[16];
-    int dev = 0;
-    CK(cudaGetDevice(&dev));
-    if (side && dev < 16 && !sides[dev].st) {
-        CK(cudaStreamCreateWithFlags(&sides[dev].st, cudaStreamNonBlocking));
-        CK(cudaEventCreateWithFlags(&sides[dev].fork, cudaEventDisableTiming));
-        CK(cudaEventCreateWithFlags(&sides[dev].join, cudaEventDisableTiming));
-    }
-    const bool use_side = side && dev < 16;
-    if (use_side)
-        CK(cudaEventRecord(sides[dev].fork, 0)); /* everything before the backward */
-    else if (nchunks > 0) {
+    if (!p.do_direct && nchunks > 0) {
         kda_bwd_gather_do<<<gb, NTB>>>(p);
         CK(cudaGetLastError());
     }
@@ -1822,12 +1812,6 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
         CK((launch_dh<32, 2>(g1, p, tm, dmaps)));
     else
         CK((launch_dh<16, 1>(g1, p, tm, dmaps)));
-    if (use_side) { /* dh first on the default stream, so that it takes its SMs first */
-        CK(cudaStreamWaitEvent(sides[dev].st, sides[dev].fork, 0));
-        kda_bwd_gather_do<<<gb, NTB, 0, sides[dev].st>>>(p);
-        CK(cudaGetLastError());
-        CK(cudaEventRecord(sides[dev].join, sides[dev].st));
-    }
     if (prof)
         CK(cudaEventRecord(ev[2]));
     if (nchunks > 0) {
@@ -1835,8 +1819,6 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
         CK(cudaGetLastError());
         if (prof)
             CK(cudaEventRecord(ev[3]));
-        if (use_side)
-            CK(cudaStreamWaitEvent(0, sides[dev].join, 0)); /* Kg */
         kda_bwd_ut<<<gb, NTB, sizeof(UtSmem)>>>(p);
         CK(cudaGetLastError());
         if (prof)
