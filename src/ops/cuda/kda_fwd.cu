@@ -844,12 +844,19 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
             cp_async_wait<NS - 1>(); /* chunk cc's group is complete */
         rec_sync<PROD, NT>();
         /* v' = u - w S ; o = qg S  (rows 16 warp ..) */
-        float av[NTV][4], ao[NTV][4];
+        /* w S in SPL independent partial sums at 16 columns (two chains of 8 dependent mma
+         * otherwise: the step's critical path) */
+        constexpr int SPL = NTV == 2 ? 2 : 1;
+        float av[SPL][NTV][4], ao[NTV][4];
 #pragma unroll
         for (int nt = 0; nt < NTV; nt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++)
-                av[nt][e] = ao[nt][e] = 0.0f;
+            for (int e = 0; e < 4; e++) {
+                ao[nt][e] = 0.0f;
+#pragma unroll
+                for (int sp = 0; sp < SPL; sp++)
+                    av[sp][nt][e] = 0.0f;
+            }
         {
             /* fragments of step ks + 1 are requested before the products of step ks (the
              * asm statements keep their order, so the pipelining is written out) */
@@ -869,8 +876,8 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
                     frags(ks + 1, b ^ 1);
 #pragma unroll
                 for (int np = 0; np < NTV / 2; np++) {
-                    mma16816(av[2 * np], fw[b], fb[b][np][0], fb[b][np][1]);
-                    mma16816(av[2 * np + 1], fw[b], fb[b][np][2], fb[b][np][3]);
+                    mma16816(av[ks % SPL][2 * np], fw[b], fb[b][np][0], fb[b][np][1]);
+                    mma16816(av[ks % SPL][2 * np + 1], fw[b], fb[b][np][2], fb[b][np][3]);
                     mma16816(ao[2 * np], fq[b], fb[b][np][0], fb[b][np][1]);
                     mma16816(ao[2 * np + 1], fq[b], fb[b][np][2], fb[b][np][3]);
                 }
@@ -881,8 +888,13 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
             const int r = warp * 16 + g, c = cw + nt * 8 + 2 * t;
             const __nv_bfloat162 u0 = u_pair<BV>(st, r, c);
             const __nv_bfloat162 u1 = u_pair<BV>(st, r + 8, c);
-            const float v0 = __low2float(u0) - av[nt][0], v1 = __high2float(u0) - av[nt][1];
-            const float v2 = __low2float(u1) - av[nt][2], v3 = __high2float(u1) - av[nt][3];
+#pragma unroll
+            for (int sp = 1; sp < SPL; sp++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    av[0][nt][e] += av[sp][nt][e];
+            const float v0 = __low2float(u0) - av[0][nt][0], v1 = __high2float(u0) - av[0][nt][1];
+            const float v2 = __low2float(u1) - av[0][nt][2], v3 = __high2float(u1) - av[0][nt][3];
             *reinterpret_cast<uint32_t *>(&s.vn[r][c]) = pack_bf16(v0, v1);
             *reinterpret_cast<uint32_t *>(&s.vn[r + 8][c]) = pack_bf16(v2, v3);
             if (!STAGED && p.vns) {
