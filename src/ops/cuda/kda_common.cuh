@@ -380,6 +380,21 @@ __device__ __forceinline__ void wgmma_rs128(float (&d)[64], const uint32_t (&a)[
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
 }
 
+/* A double-buffered fragment pipeline over N (compile-time) K steps: frags(ks, b) requests
+ * step ks's fragments into buffer b, body(ks, b) issues its products; step ks + 1's
+ * fragments are requested before step ks's products (the asm statements keep their order,
+ * so the pipelining is written out) */
+template <int N, typename F, typename B>
+__device__ __forceinline__ void frag_pipe(F frags, B body) {
+    frags(0, 0);
+#pragma unroll
+    for (int ks = 0; ks < N; ks++) {
+        if (ks + 1 < N)
+            frags(ks + 1, (ks & 1) ^ 1);
+        body(ks, ks & 1);
+    }
+}
+
 /* The recurrence kernels' state slice in mma accumulator registers: warp w holds state
  * rows 32w + 16mt + (g, g + 8) and columns c0 + 8nt + 2t + (0, 1) (g = lane / 4,
  * t = lane % 4) of the [K][V] fp32 matrix at src / dst (NULL src: zeros). */
@@ -396,6 +411,22 @@ __device__ __forceinline__ void state_regs_load(float (&S)[2][NTV][4], const flo
                 const int c = c0 + nt * 8 + 2 * (lane & 3) + (e & 1);
                 S[mt][nt][e] = (src && d < K && c < V) ? src[(int64_t)d * V + c] : 0.0f;
             }
+}
+/* S <- diag(gl) S for the slice above: row d scaled by gl[d] (the chunk's decay) */
+template <int NTV>
+__device__ __forceinline__ void state_decay(float (&S)[2][NTV][4], const float *gl, int warp, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+        const int d = warp * 32 + mt * 16 + (lane >> 2);
+        const float e0 = gl[d], e1 = gl[d + 8];
+#pragma unroll
+        for (int nt = 0; nt < NTV; nt++) {
+            S[mt][nt][0] *= e0;
+            S[mt][nt][1] *= e0;
+            S[mt][nt][2] *= e1;
+            S[mt][nt][3] *= e1;
+        }
+    }
 }
 template <int NTV>
 __device__ __forceinline__ void state_regs_store(const float (&S)[2][NTV][4], float *dst, int K,

@@ -868,12 +868,7 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
                 for (int np = 0; np < NTV / 2; np++)
                     ldsm4t(fb[b][np], b_kn_addr(&s.S[0][0], BV + 8, ks * 16, cw + np * 16, lane));
             };
-            frags(0, 0);
-#pragma unroll
-            for (int ks = 0; ks < KD / 16; ks++) {
-                const int b = ks & 1;
-                if (ks + 1 < KD / 16)
-                    frags(ks + 1, b ^ 1);
+            frag_pipe<KD / 16>(frags, [&](int ks, int b) {
 #pragma unroll
                 for (int np = 0; np < NTV / 2; np++) {
                     mma16816(av[ks % SPL][2 * np], fw[b], fb[b][np][0], fb[b][np][1]);
@@ -881,7 +876,7 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
                     mma16816(ao[2 * np], fq[b], fb[b][np][0], fb[b][np][1]);
                     mma16816(ao[2 * np + 1], fq[b], fb[b][np][2], fb[b][np][3]);
                 }
-            }
+            });
         }
 #pragma unroll
         for (int nt = 0; nt < NTV; nt++) {
@@ -908,18 +903,7 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
          * column blocks <= warp) in one pass over the chunk's 16-row blocks, which shares
          * the v' fragments; o is stored after both products are issued, so that its chain
          * overlaps the state's instead of preceding it */
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-            const int d = warp * 32 + mt * 16 + g;
-            const float e0 = st.gl[d], e1 = st.gl[d + 8];
-#pragma unroll
-            for (int nt = 0; nt < NTV; nt++) {
-                S[mt][nt][0] *= e0;
-                S[mt][nt][1] *= e0;
-                S[mt][nt][2] *= e1;
-                S[mt][nt][3] *= e1;
-            }
-        }
+        state_decay<NTV>(S, st.gl, warp, lane);
         {
             uint32_t fa[2][2][4], fb[2][NTV / 2][4], fA[2][4];
             auto frags = [&](int ks, int b) {
@@ -931,12 +915,7 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
                 if (ks <= warp)
                     ldsm4(fA[b], frag_a(st.A, warp * 16, ks * 16, lane));
             };
-            frags(0, 0);
-#pragma unroll
-            for (int ks = 0; ks < BT / 16; ks++) {
-                const int b = ks & 1;
-                if (ks + 1 < BT / 16)
-                    frags(ks + 1, b ^ 1);
+            frag_pipe<BT / 16>(frags, [&](int ks, int b) {
 #pragma unroll
                 for (int np = 0; np < NTV / 2; np++) {
 #pragma unroll
@@ -949,7 +928,7 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
                         mma16816(ao[2 * np + 1], fA[b], fb[b][np][2], fb[b][np][3]);
                     }
                 }
-            }
+            });
         }
         if (vfull) {
 #pragma unroll

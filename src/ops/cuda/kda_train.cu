@@ -457,18 +457,7 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
         }
         /* dS <- gamma dS + Qg^T dO - W^T dVn */
         auto decay_qg_do = [&]() {
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
-                const int d = warp * 32 + mt * 16 + g;
-                const float e0 = st.gl[d], e1 = st.gl[d + 8];
-#pragma unroll
-                for (int nt = 0; nt < NTV; nt++) {
-                    S[mt][nt][0] *= e0;
-                    S[mt][nt][1] *= e0;
-                    S[mt][nt][2] *= e1;
-                    S[mt][nt][3] *= e1;
-                }
-            }
+            state_decay<NTV>(S, st.gl, warp, lane);
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
                 wmma_fa<NTV / 2, true>(
