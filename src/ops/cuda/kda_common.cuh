@@ -414,7 +414,8 @@ __device__ __forceinline__ void state_regs_load(float (&S)[2][NTV][4], const flo
 }
 /* S <- diag(gl) S for the slice above: row d scaled by gl[d] (the chunk's decay) */
 template <int NTV>
-__device__ __forceinline__ void state_decay(float (&S)[2][NTV][4], const float *gl, int warp, int lane) {
+__device__ __forceinline__ void state_decay(float (&S)[2][NTV][4], const float *gl, int warp,
+                                            int lane) {
 #pragma unroll
     for (int mt = 0; mt < 2; mt++) {
         const int d = warp * 32 + mt * 16 + (lane >> 2);
