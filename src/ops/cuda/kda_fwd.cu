@@ -858,8 +858,6 @@ __global__ void __launch_bounds__(NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0))
                     av[sp][nt][e] = 0.0f;
             }
         {
-            /* fragments of step ks + 1 are requested before the products of step ks (the
-             * asm statements keep their order, so the pipelining is written out) */
             uint32_t fw[2][4], fq[2][4], fb[2][NTV / 2][4];
             auto frags = [&](int ks, int b) {
                 ldsm4(fw[b], frag_a(st.w, warp * 16, ks * 16, lane));

@@ -11,8 +11,9 @@
  * kernel computes it).
  *
  * Backward (notation of docs/kda-math.md "Backward of one chunk"):
- *   b0  only when V is not a multiple of 8 (otherwise b1 and b2 read dO in place): dO
- *       gathered into the padded [cb][64][128] layout (zeros outside [L, V]) before b1.
+ *   b0  only when V is not a multiple of 8 or do_ not 16-byte aligned (otherwise b1 and
+ *       b2 read dO in place): dO gathered into the padded [cb][64][128] layout (zeros
+ *       outside [L, V]) before b1.
  *       (Kg = nk k e^G for b3 is saved by the training forward's intra kernel.)
  *   b1  one CTA per (sequence, value head, V slice), chunks in reverse, the state
  *       gradient dS (the gradient w.r.t. the state after the chunk) in fp32 registers:
