@@ -22,9 +22,12 @@
  * the host (HV and HV*K values) and uploaded.
  *
  * Timing: CUDA events around `calls` back-to-back calls (enough calls for ~50 ms, 10
- * ms with --quick; the entry points are asynchronous on the default stream, so the calls
- * queue back to back), the time of one call is elapsed / calls; median of 10 repeats (3
- * with --quick) after warm-up. Outputs are checked for NaN / Inf after each row.
+ * ms with --quick; the entry points are asynchronous on the context's stream, so the
+ * calls queue back to back), the time of one call is elapsed / calls; median of 10
+ * repeats (3 with --quick) after warm-up. Outputs are checked for NaN / Inf after each
+ * row. Everything runs on one context (lm_cuda_ctx on cuda:0, its own stream); the
+ * LINMOE_KDA_CUDA_BV / WGMMA / PDL / TMA / PROFILE environment variables set its kda.*
+ * options (the library itself reads no environment).
  *
  * Counts (pinned; every shape here has K = V = 128 and 64-token chunks):
  *   FLOP per token-head: forward 137e3 (docs/perf-notes.md "KDA forward on the GPU":
@@ -48,6 +51,7 @@
 #include <string.h>
 
 #include "bench.h"
+#include "linmoe/backend.h"
 #include "linmoe/core.h"
 #include "linmoe/cuda_bench.h"
 #include "linmoe/kda_cuda.h"
@@ -99,13 +103,14 @@ typedef struct {
     int64_t n[N_BUFS]; /* elements */
 } kc_bufs;
 
-static void bufs_free(kc_bufs *b) {
-    lm_cuda_free(b->base);
+static void bufs_free(lm_cuda_ctx *ctx, kc_bufs *b) {
+    lm_cuda_ctx_free_mem(ctx, b->base);
     memset(b, 0, sizeof(*b));
 }
 
 /* Allocate and fill every buffer of shape s (K = V = D, H = HV). */
-static lm_status bufs_init(kc_bufs *b, const kc_shape *s, uint64_t seed, lm_error *err) {
+static lm_status bufs_init(lm_cuda_ctx *ctx, kc_bufs *b, const kc_shape *s, uint64_t seed,
+                           lm_error *err) {
     memset(b, 0, sizeof(*b));
     const int64_t B = s->B, T = s->T, H = s->H, D = s->D;
     const int64_t big = B * T * H * D, bt = B * T * H, st = B * H * D * D;
@@ -119,7 +124,7 @@ static lm_status bufs_init(kc_bufs *b, const kc_shape *s, uint64_t seed, lm_erro
         total += ((size_t)n[i] * esz + 255) & ~(size_t)255;
         b->n[i] = n[i];
     }
-    lm_status rc = lm_cuda_alloc(&b->base, total, err);
+    lm_status rc = lm_cuda_ctx_alloc(ctx, &b->base, total, err);
     if (rc != LM_OK)
         return rc;
     for (int i = 0; i < N_BUFS; i++)
@@ -129,12 +134,12 @@ static lm_status bufs_init(kc_bufs *b, const kc_shape *s, uint64_t seed, lm_erro
     static const int normal_bf16[] = {BUF_Q, BUF_K, BUF_V, BUF_G, BUF_BETA, BUF_DO};
     for (int j = 0; j < (int)(sizeof(normal_bf16) / sizeof(normal_bf16[0])); j++) {
         const int i = normal_bf16[j];
-        if ((rc = lm_cuda_fill_normal_bf16(b->p[i], n[i], seed * 64 + (uint64_t)i, 0.0f, 1.0f,
+        if ((rc = lm_cuda_fill_normal_bf16(ctx, b->p[i], n[i], seed * 64 + (uint64_t)i, 0.0f, 1.0f,
                                            err)) != LM_OK)
             goto fail;
     }
-    if ((rc = lm_cuda_fill_normal_f32((float *)b->p[BUF_DHT], n[BUF_DHT], seed * 64 + BUF_DHT, 0.0f,
-                                      1.0f, err)) != LM_OK)
+    if ((rc = lm_cuda_fill_normal_f32(ctx, (float *)b->p[BUF_DHT], n[BUF_DHT], seed * 64 + BUF_DHT,
+                                      0.0f, 1.0f, err)) != LM_OK)
         goto fail;
     /* A_log, dt_bias: few values, made here as in bench/bench_kda.c */
     float *h = (float *)malloc(sizeof(float) * (size_t)(H + H * D));
@@ -152,21 +157,22 @@ static lm_status bufs_init(kc_bufs *b, const kc_shape *s, uint64_t seed, lm_erro
             dt = 1e-4;
         h[H + i] = (float)(dt + log(-expm1(-dt))); /* softplus^-1(dt) */
     }
-    rc = lm_cuda_upload(b->p[BUF_ALOG], h, sizeof(float) * (size_t)H, err);
+    rc = lm_cuda_ctx_upload(ctx, b->p[BUF_ALOG], h, sizeof(float) * (size_t)H, err);
     if (rc == LM_OK)
-        rc = lm_cuda_upload(b->p[BUF_DTB], h + H, sizeof(float) * (size_t)(H * D), err);
+        rc = lm_cuda_ctx_upload(ctx, b->p[BUF_DTB], h + H, sizeof(float) * (size_t)(H * D), err);
     free(h);
     if (rc != LM_OK)
         goto fail;
     return LM_OK;
 fail:
-    bufs_free(b);
+    bufs_free(ctx, b);
     return rc;
 }
 
 /* ---------------------------------------------------------------- one case */
 
 typedef struct {
+    lm_cuda_ctx *ctx;
     int mode;
     lm_kda_config c;
     lm_kda_cuda_inputs in;
@@ -174,8 +180,10 @@ typedef struct {
     lm_kda_cuda_grads gr;
 } kc_case;
 
-static void case_init(kc_case *kc, const kc_bufs *b, const kc_shape *s, int gate, int mode) {
+static void case_init(kc_case *kc, lm_cuda_ctx *ctx, const kc_bufs *b, const kc_shape *s, int gate,
+                      int mode) {
     memset(kc, 0, sizeof(*kc));
+    kc->ctx = ctx;
     kc->mode = mode;
     lm_kda_config_default(&kc->c, s->B, s->T, s->H, s->H, s->D, s->D);
     kc->c.kind = LM_KDA;
@@ -213,24 +221,25 @@ static void case_init(kc_case *kc, const kc_bufs *b, const kc_shape *s, int gate
 }
 
 static lm_status case_call(kc_case *kc, lm_error *err) {
+    lm_cuda_ctx *ctx = kc->ctx;
     lm_kda_cuda_saved *saved = NULL;
     lm_status st;
     switch (kc->mode) {
     case MODE_FWD:
-        return lm_kda_cuda_chunk_forward(&kc->c, &kc->in, &kc->out, err);
+        return lm_kda_cuda_chunk_forward(ctx, &kc->c, &kc->in, &kc->out, err);
     case MODE_DECODE:
-        return lm_kda_cuda_decode_step(&kc->c, &kc->in, kc->out.final_state, kc->out.o, err);
+        return lm_kda_cuda_decode_step(ctx, &kc->c, &kc->in, kc->out.final_state, kc->out.o, err);
     case MODE_TRAINFWD:
-        st = lm_kda_cuda_forward_train(&kc->c, &kc->in, &kc->out, &saved, err);
+        st = lm_kda_cuda_forward_train(ctx, &kc->c, &kc->in, &kc->out, &saved, err);
         break;
     default:
-        st = lm_kda_cuda_forward_train(&kc->c, &kc->in, &kc->out, &saved, err);
+        st = lm_kda_cuda_forward_train(ctx, &kc->c, &kc->in, &kc->out, &saved, err);
         if (st == LM_OK)
-            st = lm_kda_cuda_backward(saved, &kc->gr, err);
+            st = lm_kda_cuda_backward(ctx, saved, &kc->gr, err);
         break;
     }
     if (saved)
-        lm_kda_cuda_saved_free(saved);
+        lm_kda_cuda_saved_free(ctx, saved);
     return st;
 }
 
@@ -296,9 +305,10 @@ static lm_status count_bad(const kc_case *kc, const kc_bufs *b, int64_t *bad, lm
     for (int j = 0; j < n; j++) {
         const int i = list[j];
         int64_t c = 0;
-        lm_status st = (i == BUF_HT)
-                           ? lm_cuda_count_nonfinite_f32((const float *)b->p[i], b->n[i], &c, err)
-                           : lm_cuda_count_nonfinite_bf16(b->p[i], b->n[i], &c, err);
+        lm_status st =
+            (i == BUF_HT)
+                ? lm_cuda_count_nonfinite_f32(kc->ctx, (const float *)b->p[i], b->n[i], &c, err)
+                : lm_cuda_count_nonfinite_bf16(kc->ctx, b->p[i], b->n[i], &c, err);
         if (st != LM_OK)
             return st;
         *bad += c;
@@ -403,6 +413,26 @@ static int run_row(kc_run *R, kc_case *kc, const kc_bufs *b, const char *name, i
 
 /* ---------------------------------------------------------------- main */
 
+/* LINMOE_KDA_CUDA_* from the environment onto ctx's options (what the library read from
+ * the environment before it had contexts; docs/perf-notes.md uses them) */
+static lm_status options_from_env(lm_cuda_ctx *ctx, lm_error *err) {
+    static const char *const env[5] = {"LINMOE_KDA_CUDA_BV", "LINMOE_KDA_CUDA_WGMMA",
+                                       "LINMOE_KDA_CUDA_PDL", "LINMOE_KDA_CUDA_TMA",
+                                       "LINMOE_KDA_CUDA_PROFILE"};
+    static const char *const key[5] = {"kda.bv", "kda.wgmma", "kda.pdl", "kda.tma", "kda.profile"};
+    for (int i = 0; i < 5; i++) {
+        const char *e = getenv(env[i]);
+        if (!e)
+            continue;
+        /* BV: 16 / 32 / 64 / 128 (anything else: chosen); PROFILE: set = on; others "0" = off */
+        int v = i == 0 ? atoi(e) : i == 4 ? 1 : e[0] != '0';
+        if (i == 0 && v != 16 && v != 32 && v != 64 && v != 128)
+            v = 0;
+        LM_TRY(lm_cuda_ctx_set_option(ctx, key[i], v, err));
+    }
+    return LM_OK;
+}
+
 int lm_bench_kda_cuda(const lm_bench_opts *opts) {
     const char *me = "linmoe bench kda --device cuda";
     if (lm_cuda_device_count() < 1) {
@@ -437,9 +467,12 @@ int lm_bench_kda_cuda(const lm_bench_opts *opts) {
 
     int rc = 0;
     lm_cuda_limits lim;
-    if (lm_cuda_measure_limits(R.repeat, &lim, &err) != LM_OK ||
-        lm_cuda_timer_new(&R.tm, &err) != LM_OK) {
+    lm_cuda_ctx *ctx = NULL;
+    if (lm_cuda_ctx_new(&ctx, 0, &err) != LM_OK || options_from_env(ctx, &err) != LM_OK ||
+        lm_cuda_measure_limits(ctx, R.repeat, &lim, &err) != LM_OK ||
+        lm_cuda_timer_new(ctx, &R.tm, &err) != LM_OK) {
         fprintf(stderr, "%s: %s\n", me, err.msg);
+        lm_cuda_ctx_free(ctx);
         lm_bench_json_free(&js);
         return 1;
     }
@@ -477,7 +510,7 @@ int lm_bench_kda_cuda(const lm_bench_opts *opts) {
     for (int si = 0; si < N_SHAPES; si++) {
         const kc_shape *s = &k_shapes[si];
         kc_bufs b;
-        if (bufs_init(&b, s, 1000 + (uint64_t)si, &err) != LM_OK) {
+        if (bufs_init(ctx, &b, s, 1000 + (uint64_t)si, &err) != LM_OK) {
             fprintf(stderr, "%s: inputs for [%d,%d,%d,%d]: %s\n", me, s->B, s->T, s->H, s->D,
                     err.msg);
             rc = 1;
@@ -491,7 +524,7 @@ int lm_bench_kda_cuda(const lm_bench_opts *opts) {
         for (int gi = 0; gi < N_GATES; gi++) {
             for (int m = 0; m < N_MODES; m++) {
                 kc_case kc;
-                case_init(&kc, &b, s, gi, m);
+                case_init(&kc, ctx, &b, s, gi, m);
                 char name[96];
                 snprintf(name, sizeof(name), "kda_cuda_%s_%s", k_mode_names[m], k_gate_names[gi]);
                 const double flop =
@@ -501,23 +534,23 @@ int lm_bench_kda_cuda(const lm_bench_opts *opts) {
                 rc |= run_row(&R, &kc, &b, name, 4, shape, tokens, flop, bytes, &ms[si][gi][m]);
             }
         }
-        bufs_free(&b);
+        bufs_free(ctx, &b);
     }
 
     /* decode step */
     {
         const kc_shape *s = &k_decode;
         kc_bufs b;
-        if (bufs_init(&b, s, 2000, &err) != LM_OK) {
+        if (bufs_init(ctx, &b, s, 2000, &err) != LM_OK) {
             fprintf(stderr, "%s: decode inputs: %s\n", me, err.msg);
             rc = 1;
         } else {
             double dms;
             kc_case kc;
-            case_init(&kc, &b, s, GATE_BOUNDED, MODE_DECODE);
+            case_init(&kc, ctx, &b, s, GATE_BOUNDED, MODE_DECODE);
             /* a state of the size a prefill leaves behind, not zeros */
-            lm_status st =
-                lm_cuda_fill_normal_f32((float *)b.p[BUF_HT], b.n[BUF_HT], 2001, 0.0f, 0.1f, &err);
+            lm_status st = lm_cuda_fill_normal_f32(ctx, (float *)b.p[BUF_HT], b.n[BUF_HT], 2001,
+                                                   0.0f, 0.1f, &err);
             if (st != LM_OK) {
                 fprintf(stderr, "%s: decode state: %s\n", me, err.msg);
                 rc = 1;
@@ -529,7 +562,7 @@ int lm_bench_kda_cuda(const lm_bench_opts *opts) {
                 rc |= run_row(&R, &kc, &b, "kda_cuda_decode_bounded", 4, shape, (double)s->B, flop,
                               bytes, &dms);
             }
-            bufs_free(&b);
+            bufs_free(ctx, &b);
         }
     }
 
@@ -584,6 +617,7 @@ int lm_bench_kda_cuda(const lm_bench_opts *opts) {
     }
     lm_bench_json_free(&js);
     lm_cuda_timer_free(R.tm);
-    lm_kda_cuda_release();
+    lm_kda_cuda_release(ctx);
+    lm_cuda_ctx_free(ctx);
     return rc;
 }

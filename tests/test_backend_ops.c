@@ -12,9 +12,9 @@
 #include "bo.h"
 #include "linmoe/kda_cuda.h"
 
-#define FAMILIES(X)                                                                                \
-    X(embedding) X(norm) X(swiglu) X(short_conv) X(gemm) X(attention) X(moe) X(attnres)            \
-        X(cross_entropy) X(adamw)
+#define FAMILIES(X) \
+    X(embedding) X(norm) X(swiglu) X(short_conv) X(gemm) X(attention) X(router) X(moe) \
+        X(attnres) X(cross_entropy) X(adamw)
 
 #define DECL(n) int bo_family_##n(bo_ctx *c) __attribute__((weak));
 FAMILIES(DECL)
@@ -45,7 +45,8 @@ int main(int argc, char **argv) {
     };
     printf("| %-14s | %-5s | %-34s | %-10s | %9s | %6s | %s |\n", "op", "dtype", "shape", "tensor",
            "rel RMS", "tol", "result");
-    printf("|----------------|-------|------------------------------------|------------|-----------|--------|------|\n");
+    printf("|----------------|-------|------------------------------------|------------|-----------"
+           "|--------|------|\n");
     int missing = 0;
     for (size_t i = 0; i < sizeof fams / sizeof fams[0]; i++) {
         if (only && strcmp(only, fams[i].name) != 0)
@@ -59,6 +60,7 @@ int main(int argc, char **argv) {
         fams[i].fn(&c);
     }
     lm_cuda_ctx_free(c.cuda);
-    printf("test_backend_ops: %d rows, %d failed, %d families not built\n", c.rows, c.failed, missing);
+    printf("test_backend_ops: %d rows, %d failed, %d families not built\n", c.rows, c.failed,
+           missing);
     return (c.failed || missing) ? 1 : 0;
 }

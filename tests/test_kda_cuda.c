@@ -14,13 +14,20 @@
  * in-kernel l2norm and sigmoid on and off; scale 1, 0.1 and K^-0.5; with and
  * without an initial state. Inputs are random per case (seeded).
  *
- * Without a CUDA device (or a build without CUDA) every case is skipped, so CI (no
- * GPU) passes; scripts/gpu/test.sh runs this on the GPU machine.
+ * Everything runs on one context (lm_cuda_ctx on cuda:0, its own stream); the
+ * LINMOE_KDA_CUDA_BV / WGMMA / PDL / TMA / PROFILE environment variables set its kda.*
+ * options (forced slice widths, the mma.sync recurrence, plain launches, cp.async loads,
+ * per-kernel times), so the grid can be rerun on every path. test_options runs one shape
+ * on each path through the options themselves.
+ *
+ * Without a CUDA device (or a build without CUDA) the program prints "no CUDA device:
+ * skipped" and exits 77 (CTest: skipped), so CI (no GPU) passes; scripts/gpu/test.sh runs
+ * this on the GPU machine.
  */
 #include <math.h>
+#include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
-#include <setjmp.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +36,7 @@
 #include <cmocka.h>
 
 #include "kda_ref.h"
+#include "linmoe/backend.h"
 #include "linmoe/core.h"
 #include "linmoe/kda.h"
 #include "linmoe/kda_cuda.h"
@@ -98,6 +106,29 @@ static const ccase CASES[] = {
 };
 /* clang-format on */
 
+/* the context every test runs on (made in main) */
+static lm_cuda_ctx *g_ctx;
+
+/* LINMOE_KDA_CUDA_* from the environment onto ctx's options (the library reads none) */
+static int options_from_env(lm_cuda_ctx *ctx, lm_error *err) {
+    static const char *const env[5] = {"LINMOE_KDA_CUDA_BV", "LINMOE_KDA_CUDA_WGMMA",
+                                       "LINMOE_KDA_CUDA_PDL", "LINMOE_KDA_CUDA_TMA",
+                                       "LINMOE_KDA_CUDA_PROFILE"};
+    static const char *const key[5] = {"kda.bv", "kda.wgmma", "kda.pdl", "kda.tma", "kda.profile"};
+    for (int i = 0; i < 5; i++) {
+        const char *e = getenv(env[i]);
+        if (!e)
+            continue;
+        /* BV: 16 / 32 / 64 / 128 (anything else: chosen); PROFILE: set = on; others "0" = off */
+        int v = i == 0 ? atoi(e) : i == 4 ? 1 : e[0] != '0';
+        if (i == 0 && v != 16 && v != 32 && v != 64 && v != 128)
+            v = 0;
+        if (lm_cuda_ctx_set_option(ctx, key[i], v, err) != LM_OK)
+            return -1;
+    }
+    return 0;
+}
+
 static double rel_rms(const double *a, const double *ref, int64_t n) {
     double num = 0, den = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -122,17 +153,19 @@ static void fill_bf16(uint16_t *h, double *x, int64_t n) {
 static void *dev_upload(const void *src, size_t bytes) {
     lm_error err = {0};
     void *d = NULL;
-    assert_int_equal(lm_cuda_alloc(&d, bytes, &err), LM_OK);
-    assert_int_equal(lm_cuda_upload(d, src, bytes, &err), LM_OK);
+    assert_int_equal(lm_cuda_ctx_alloc(g_ctx, &d, bytes, &err), LM_OK);
+    assert_int_equal(lm_cuda_ctx_upload(g_ctx, d, src, bytes, &err), LM_OK);
     return d;
 }
+
+static void dev_free(const void *d) { lm_cuda_ctx_free_mem(g_ctx, (void *)d); }
 
 /* device bf16 [n] -> fp64 */
 static double *down_bf16(const void *d, int64_t n) {
     lm_error err = {0};
     uint16_t *h = malloc(2 * (size_t)n);
     double *x = malloc(sizeof(double) * (size_t)n);
-    assert_int_equal(lm_cuda_download(h, d, 2 * (size_t)n, &err), LM_OK);
+    assert_int_equal(lm_cuda_ctx_download(g_ctx, h, d, 2 * (size_t)n, &err), LM_OK);
     for (int64_t i = 0; i < n; i++)
         x[i] = (double)lm_bf16_to_f32(h[i]);
     free(h);
@@ -144,7 +177,7 @@ static double *down_f32(const void *d, int64_t n) {
     lm_error err = {0};
     float *h = malloc(sizeof(float) * (size_t)n);
     double *x = malloc(sizeof(double) * (size_t)n);
-    assert_int_equal(lm_cuda_download(h, d, sizeof(float) * (size_t)n, &err), LM_OK);
+    assert_int_equal(lm_cuda_ctx_download(g_ctx, h, d, sizeof(float) * (size_t)n, &err), LM_OK);
     for (int64_t i = 0; i < n; i++)
         x[i] = (double)h[i];
     free(h);
@@ -170,39 +203,52 @@ static void check_grad(const char *name, const char *what, const void *d, int bf
     assert_true(e <= tol);
 }
 
-static void run_case(void **state) {
-    const ccase *cc = *state;
-    if (lm_cuda_device_count() < 1) {
-        print_message("no CUDA device: skipped\n");
-        skip();
-    }
+/* One case's inputs (fp64 values of the bf16 / fp32 numbers the GPU reads, and those
+ * numbers) and the fp64 reference's outputs and gradients. */
+typedef struct {
+    const ccase *cc;
+    lm_kda_config c;
+    int64_t nq, nv, ng, nb, ns;
+    int GK;
+    double *q, *k, *v, *g, *b, *h0, *A, *bias; /* rounded inputs (fp64) */
+    uint16_t *hq, *hk, *hv, *hg, *hb, *hdo;    /* bf16 bits */
+    float *fA, *fbias, *fh0, *fdht;
+    double *do_, *dht;
+    double *o_ref, *ht_ref, *rdq, *rdk, *rdv, *rdg, *rdb, *rdh0, *rdA, *rdbias;
+} case_data;
+
+static void case_make(case_data *x, const ccase *cc) {
+    memset(x, 0, sizeof *x);
+    x->cc = cc;
     lm_rng rng;
     lm_rng_init(&rng, cc->seed);
-    lm_kda_config c;
+    lm_kda_config *c = &x->c;
     const int D = cc->D;
-    lm_kda_config_default(&c, cc->B, cc->T, cc->H, cc->HV, D, D);
-    c.kind = cc->kind;
-    c.gate = cc->gate;
-    c.has_lower_bound = cc->lb != 0;
-    c.lower_bound = cc->lb;
-    c.use_qk_l2norm_in_kernel = cc->l2;
-    c.use_beta_sigmoid_in_kernel = cc->sig;
+    lm_kda_config_default(c, cc->B, cc->T, cc->H, cc->HV, D, D);
+    c->kind = cc->kind;
+    c->gate = cc->gate;
+    c->has_lower_bound = cc->lb != 0;
+    c->lower_bound = cc->lb;
+    c->use_qk_l2norm_in_kernel = cc->l2;
+    c->use_beta_sigmoid_in_kernel = cc->sig;
     if (cc->scale != 0)
-        c.scale = cc->scale;
-    c.cu_seqlens = cc->cu;
-    c.n_cu_seqlens = cc->ncu;
-    c.N = cc->cu ? cc->ncu - 1 : cc->B;
-    const int BT = cc->B * cc->T, H = cc->H, HV = cc->HV, N = c.N;
-    const int GK = cc->kind == LM_GDN ? 1 : D;
-    const int64_t nq = (int64_t)BT * H * D, nv = (int64_t)BT * HV * D, ng = (int64_t)BT * HV * GK,
-                  nb = (int64_t)BT * HV, ns = (int64_t)N * HV * D * D;
-    double *q = malloc(sizeof(double) * nq), *k = malloc(sizeof(double) * nq);
-    double *v = malloc(sizeof(double) * nv), *g = malloc(sizeof(double) * ng);
-    double *b = malloc(sizeof(double) * nb), *h0 = cc->has_h0 ? malloc(sizeof(double) * ns) : NULL;
-    double *A = cc->has_A ? malloc(sizeof(double) * HV) : NULL;
-    double *bias = cc->has_bias ? malloc(sizeof(double) * HV * GK) : NULL;
-    uint16_t *hq = malloc(2 * nq), *hk = malloc(2 * nq), *hv_ = malloc(2 * nv), *hg = malloc(2 * ng),
-             *hb = malloc(2 * nb);
+        c->scale = cc->scale;
+    c->cu_seqlens = cc->cu;
+    c->n_cu_seqlens = cc->ncu;
+    c->N = cc->cu ? cc->ncu - 1 : cc->B;
+    const int BT = cc->B * cc->T, H = cc->H, HV = cc->HV, N = c->N;
+    const int GK = x->GK = cc->kind == LM_GDN ? 1 : D;
+    const int64_t nq = x->nq = (int64_t)BT * H * D, nv = x->nv = (int64_t)BT * HV * D,
+                  ng = x->ng = (int64_t)BT * HV * GK, nb = x->nb = (int64_t)BT * HV,
+                  ns = x->ns = (int64_t)N * HV * D * D;
+    double *q = x->q = malloc(sizeof(double) * nq), *k = x->k = malloc(sizeof(double) * nq);
+    double *v = x->v = malloc(sizeof(double) * nv), *g = x->g = malloc(sizeof(double) * ng);
+    double *b = x->b = malloc(sizeof(double) * nb);
+    double *h0 = x->h0 = cc->has_h0 ? malloc(sizeof(double) * ns) : NULL;
+    double *A = x->A = cc->has_A ? malloc(sizeof(double) * HV) : NULL;
+    double *bias = x->bias = cc->has_bias ? malloc(sizeof(double) * HV * GK) : NULL;
+    x->hq = malloc(2 * nq), x->hk = malloc(2 * nq), x->hv = malloc(2 * nv), x->hg = malloc(2 * ng);
+    x->hb = malloc(2 * nb);
     for (int64_t i = 0; i < nq; i++) {
         q[i] = lm_rng_normal(&rng);
         k[i] = lm_rng_normal(&rng);
@@ -222,36 +268,36 @@ static void run_case(void **state) {
     for (int64_t i = 0; i < nv; i++)
         v[i] = lm_rng_normal(&rng);
     for (int64_t i = 0; i < ng; i++) {
-        const double x = lm_rng_normal(&rng);
-        g[i] = cc->gate == LM_GATE_NONE ? -log1p(exp(-x)) : x; /* logsigmoid for raw g */
+        const double y = lm_rng_normal(&rng);
+        g[i] = cc->gate == LM_GATE_NONE ? -log1p(exp(-y)) : y; /* logsigmoid for raw g */
     }
     for (int64_t i = 0; i < nb; i++)
         b[i] = cc->sig ? lm_rng_normal(&rng) : lm_rng_uniform(&rng);
-    float *fA = NULL, *fbias = NULL, *fh0 = NULL;
     if (A) {
-        fA = malloc(sizeof(float) * HV);
+        x->fA = malloc(sizeof(float) * HV);
         for (int i = 0; i < HV; i++)
-            A[i] = fA[i] = (float)(cc->gate == LM_GATE_SOFTPLUS ? log(1 + 15 * lm_rng_uniform(&rng))
-                                                                 : 0.3 * lm_rng_normal(&rng));
+            A[i] = x->fA[i] =
+                (float)(cc->gate == LM_GATE_SOFTPLUS ? log(1 + 15 * lm_rng_uniform(&rng))
+                                                     : 0.3 * lm_rng_normal(&rng));
     }
     if (bias) {
-        fbias = malloc(sizeof(float) * HV * GK);
+        x->fbias = malloc(sizeof(float) * HV * GK);
         for (int i = 0; i < HV * GK; i++)
-            bias[i] = fbias[i] = (float)(0.5 * lm_rng_normal(&rng));
+            bias[i] = x->fbias[i] = (float)(0.5 * lm_rng_normal(&rng));
     }
     if (h0) {
-        fh0 = malloc(sizeof(float) * ns);
+        x->fh0 = malloc(sizeof(float) * ns);
         for (int64_t i = 0; i < ns; i++)
-            h0[i] = fh0[i] = (float)(0.2 * lm_rng_normal(&rng));
+            h0[i] = x->fh0[i] = (float)(0.2 * lm_rng_normal(&rng));
     }
-    fill_bf16(hq, q, nq);
-    fill_bf16(hk, k, nq);
-    fill_bf16(hv_, v, nv);
-    fill_bf16(hg, g, ng);
-    fill_bf16(hb, b, nb);
+    fill_bf16(x->hq, q, nq);
+    fill_bf16(x->hk, k, nq);
+    fill_bf16(x->hv, v, nv);
+    fill_bf16(x->hg, g, ng);
+    fill_bf16(x->hb, b, nb);
 
     /* fp64 reference */
-    double *o_ref = malloc(sizeof(double) * nv), *ht_ref = malloc(sizeof(double) * ns);
+    x->o_ref = malloc(sizeof(double) * nv), x->ht_ref = malloc(sizeof(double) * ns);
     kda_ref_io io = {0};
     io.q = q;
     io.k = k;
@@ -261,44 +307,60 @@ static void run_case(void **state) {
     io.A_log = A;
     io.dt_bias = bias;
     io.h0 = h0;
-    io.o = o_ref;
-    io.ht = ht_ref;
+    io.o = x->o_ref;
+    io.ht = x->ht_ref;
     /* upstream gradients for the backward check: do ~ N(0,1) rounded to bf16 (the GPU
      * reads bf16), dht ~ N(0,1) fp32 */
-    uint16_t *hdo = malloc(2 * nv);
-    double *do_ = malloc(sizeof(double) * nv), *dht = malloc(sizeof(double) * ns);
-    float *fdht = malloc(sizeof(float) * ns);
+    x->hdo = malloc(2 * nv);
+    x->do_ = malloc(sizeof(double) * nv), x->dht = malloc(sizeof(double) * ns);
+    x->fdht = malloc(sizeof(float) * ns);
     for (int64_t i = 0; i < nv; i++)
-        do_[i] = lm_rng_normal(&rng);
-    fill_bf16(hdo, do_, nv);
+        x->do_[i] = lm_rng_normal(&rng);
+    fill_bf16(x->hdo, x->do_, nv);
     for (int64_t i = 0; i < ns; i++)
-        dht[i] = fdht[i] = (float)lm_rng_normal(&rng);
-    double *rdq = malloc(sizeof(double) * nq), *rdk = malloc(sizeof(double) * nq);
-    double *rdv = malloc(sizeof(double) * nv), *rdg = malloc(sizeof(double) * ng);
-    double *rdb = malloc(sizeof(double) * nb), *rdh0 = malloc(sizeof(double) * ns);
-    double *rdA = malloc(sizeof(double) * HV), *rdbias = malloc(sizeof(double) * HV * GK);
-    io.do_ = do_;
-    io.dht = dht;
-    io.dq = rdq;
-    io.dk = rdk;
-    io.dv = rdv;
-    io.dg = rdg;
-    io.dbeta = rdb;
-    io.dh0 = h0 ? rdh0 : NULL;
-    io.dA_log = A ? rdA : NULL;
-    io.ddt_bias = bias ? rdbias : NULL;
-    kda_ref_run(&c, &io);
+        x->dht[i] = x->fdht[i] = (float)lm_rng_normal(&rng);
+    x->rdq = malloc(sizeof(double) * nq), x->rdk = malloc(sizeof(double) * nq);
+    x->rdv = malloc(sizeof(double) * nv), x->rdg = malloc(sizeof(double) * ng);
+    x->rdb = malloc(sizeof(double) * nb), x->rdh0 = malloc(sizeof(double) * ns);
+    x->rdA = malloc(sizeof(double) * HV), x->rdbias = malloc(sizeof(double) * HV * GK);
+    io.do_ = x->do_;
+    io.dht = x->dht;
+    io.dq = x->rdq;
+    io.dk = x->rdk;
+    io.dv = x->rdv;
+    io.dg = x->rdg;
+    io.dbeta = x->rdb;
+    io.dh0 = h0 ? x->rdh0 : NULL;
+    io.dA_log = A ? x->rdA : NULL;
+    io.ddt_bias = bias ? x->rdbias : NULL;
+    kda_ref_run(c, &io);
+}
 
-    /* GPU */
+static void case_free(case_data *x) {
+    free(x->q), free(x->k), free(x->v), free(x->g), free(x->b), free(x->h0), free(x->A);
+    free(x->bias), free(x->hq), free(x->hk), free(x->hv), free(x->hg), free(x->hb), free(x->hdo);
+    free(x->fA), free(x->fbias), free(x->fh0), free(x->fdht), free(x->do_), free(x->dht);
+    free(x->o_ref), free(x->ht_ref), free(x->rdq), free(x->rdk), free(x->rdv), free(x->rdg);
+    free(x->rdb), free(x->rdh0), free(x->rdA), free(x->rdbias);
+    memset(x, 0, sizeof *x);
+}
+
+/* The case on the GPU (g_ctx with its current options): the inference forward, the
+ * training forward and the backward against the reference. `name` labels the lines. */
+static void case_check(const case_data *x, const char *name) {
+    const ccase *cc = x->cc;
+    lm_kda_config c = x->c;
+    const int HV = cc->HV, GK = x->GK;
+    const int64_t nq = x->nq, nv = x->nv, ng = x->ng, nb = x->nb, ns = x->ns;
     lm_kda_cuda_inputs in = {0};
-    in.q = dev_upload(hq, 2 * nq);
-    in.k = dev_upload(hk, 2 * nq);
-    in.v = dev_upload(hv_, 2 * nv);
-    in.g = dev_upload(hg, 2 * ng);
-    in.beta = dev_upload(hb, 2 * nb);
-    in.A_log = fA ? dev_upload(fA, sizeof(float) * HV) : NULL;
-    in.dt_bias = fbias ? dev_upload(fbias, sizeof(float) * HV * GK) : NULL;
-    in.initial_state = fh0 ? dev_upload(fh0, sizeof(float) * ns) : NULL;
+    in.q = dev_upload(x->hq, 2 * nq);
+    in.k = dev_upload(x->hk, 2 * nq);
+    in.v = dev_upload(x->hv, 2 * nv);
+    in.g = dev_upload(x->hg, 2 * ng);
+    in.beta = dev_upload(x->hb, 2 * nb);
+    in.A_log = x->fA ? dev_upload(x->fA, sizeof(float) * HV) : NULL;
+    in.dt_bias = x->fbias ? dev_upload(x->fbias, sizeof(float) * HV * GK) : NULL;
+    in.initial_state = x->fh0 ? dev_upload(x->fh0, sizeof(float) * ns) : NULL;
     lm_kda_cuda_outputs out = {0};
     lm_error err = {0};
     /* poison the outputs: every element must be written */
@@ -310,19 +372,20 @@ static void run_case(void **state) {
         fht[i] = NAN;
     out.o = dev_upload(ho, 2 * nv);
     out.final_state = dev_upload(fht, sizeof(float) * ns);
-    lm_status st = lm_kda_cuda_chunk_forward(&c, &in, &out, &err);
+    lm_status st = lm_kda_cuda_chunk_forward(g_ctx, &c, &in, &out, &err);
     if (st != LM_OK)
         print_error("%s\n", err.msg);
     assert_int_equal(st, LM_OK);
-    assert_int_equal(lm_cuda_download(ho, out.o, 2 * nv, &err), LM_OK);
-    assert_int_equal(lm_cuda_download(fht, out.final_state, sizeof(float) * ns, &err), LM_OK);
+    assert_int_equal(lm_cuda_ctx_download(g_ctx, ho, out.o, 2 * nv, &err), LM_OK);
+    assert_int_equal(lm_cuda_ctx_download(g_ctx, fht, out.final_state, sizeof(float) * ns, &err),
+                     LM_OK);
     double *o = malloc(sizeof(double) * nv), *ht = malloc(sizeof(double) * ns);
     for (int64_t i = 0; i < nv; i++)
         o[i] = (double)lm_bf16_to_f32(ho[i]);
     for (int64_t i = 0; i < ns; i++)
         ht[i] = (double)fht[i];
-    const double eo = rel_rms(o, o_ref, nv), eh = rel_rms(ht, ht_ref, ns);
-    print_message("%-36s o %.2e  final_state %.2e\n", cc->name, eo, eh);
+    const double eo = rel_rms(o, x->o_ref, nv), eh = rel_rms(ht, x->ht_ref, ns);
+    print_message("%-36s o %.2e  final_state %.2e\n", name, eo, eh);
     assert_true(eo <= TOL);
     assert_true(eh <= TOL);
 
@@ -330,77 +393,120 @@ static void run_case(void **state) {
      * gradients; skipped while this build reports the backward as not built */
     lm_kda_cuda_saved *saved = NULL;
     lm_kda_cuda_outputs out2 = {dev_poison(nv, 2), dev_poison(ns, sizeof(float))};
-    st = lm_kda_cuda_forward_train(&c, &in, &out2, &saved, &err);
+    st = lm_kda_cuda_forward_train(g_ctx, &c, &in, &out2, &saved, &err);
     if (st == LM_ERR_UNSUPPORTED) {
-        print_message("%-36s backward: %s (gradients not checked)\n", cc->name, err.msg);
+        print_message("%-36s backward: %s (gradients not checked)\n", name, err.msg);
     } else {
         if (st != LM_OK)
             print_error("%s\n", err.msg);
         assert_int_equal(st, LM_OK);
         double *o2 = down_bf16(out2.o, nv), *ht2 = down_f32(out2.final_state, ns);
-        assert_true(rel_rms(o2, o_ref, nv) <= TOL);
-        assert_true(rel_rms(ht2, ht_ref, ns) <= TOL);
+        assert_true(rel_rms(o2, x->o_ref, nv) <= TOL);
+        assert_true(rel_rms(ht2, x->ht_ref, ns) <= TOL);
         free(o2), free(ht2);
         lm_kda_cuda_grads gr = {0};
-        gr.do_ = dev_upload(hdo, 2 * nv);
-        gr.dht = dev_upload(fdht, sizeof(float) * ns);
+        gr.do_ = dev_upload(x->hdo, 2 * nv);
+        gr.dht = dev_upload(x->fdht, sizeof(float) * ns);
         gr.dq = dev_poison(nq, 2);
         gr.dk = dev_poison(nq, 2);
         gr.dv = dev_poison(nv, 2);
         gr.dg = dev_poison(ng, 2);
         gr.dbeta = dev_poison(nb, 2);
-        gr.dh0 = h0 ? dev_poison(ns, sizeof(float)) : NULL;
-        gr.dA_log = A ? dev_poison(HV, sizeof(float)) : NULL;
-        gr.ddt_bias = bias ? dev_poison(HV * GK, sizeof(float)) : NULL;
-        st = lm_kda_cuda_backward(saved, &gr, &err);
+        gr.dh0 = x->h0 ? dev_poison(ns, sizeof(float)) : NULL;
+        gr.dA_log = x->A ? dev_poison(HV, sizeof(float)) : NULL;
+        gr.ddt_bias = x->bias ? dev_poison(HV * GK, sizeof(float)) : NULL;
+        st = lm_kda_cuda_backward(g_ctx, saved, &gr, &err);
         if (st != LM_OK)
             print_error("%s\n", err.msg);
         assert_int_equal(st, LM_OK);
-        check_grad(cc->name, "dq", gr.dq, 1, rdq, nq, TOL_DQKV);
-        check_grad(cc->name, "dk", gr.dk, 1, rdk, nq, TOL_DQKV);
-        check_grad(cc->name, "dv", gr.dv, 1, rdv, nv, TOL_DQKV);
-        check_grad(cc->name, "dg", gr.dg, 1, rdg, ng, TOL_DGB);
-        check_grad(cc->name, "dbeta", gr.dbeta, 1, rdb, nb, TOL_DGB);
-        if (h0)
-            check_grad(cc->name, "dh0", gr.dh0, 0, rdh0, ns, TOL_DH0);
-        if (bias)
-            check_grad(cc->name, "ddt_bias", gr.ddt_bias, 0, rdbias, HV * GK, TOL_DGB);
-        if (A) /* fla only warns on dA_log (reference/kda.md §5.1): printed, not asserted */
+        check_grad(name, "dq", gr.dq, 1, x->rdq, nq, TOL_DQKV);
+        check_grad(name, "dk", gr.dk, 1, x->rdk, nq, TOL_DQKV);
+        check_grad(name, "dv", gr.dv, 1, x->rdv, nv, TOL_DQKV);
+        check_grad(name, "dg", gr.dg, 1, x->rdg, ng, TOL_DGB);
+        check_grad(name, "dbeta", gr.dbeta, 1, x->rdb, nb, TOL_DGB);
+        if (x->h0)
+            check_grad(name, "dh0", gr.dh0, 0, x->rdh0, ns, TOL_DH0);
+        if (x->bias)
+            check_grad(name, "ddt_bias", gr.ddt_bias, 0, x->rdbias, HV * GK, TOL_DGB);
+        if (x->A) /* fla only warns on dA_log (reference/kda.md §5.1): printed, not asserted */
         {
-            double *x = down_f32(gr.dA_log, HV);
-            print_message("%-36s dA_log   %.2e (printed only)\n", cc->name, rel_rms(x, rdA, HV));
-            free(x);
+            double *y = down_f32(gr.dA_log, HV);
+            print_message("%-36s dA_log   %.2e (printed only)\n", name, rel_rms(y, x->rdA, HV));
+            free(y);
         }
-        lm_cuda_free((void *)gr.do_);
-        lm_cuda_free((void *)gr.dht);
-        lm_cuda_free(gr.dq);
-        lm_cuda_free(gr.dk);
-        lm_cuda_free(gr.dv);
-        lm_cuda_free(gr.dg);
-        lm_cuda_free(gr.dbeta);
-        lm_cuda_free(gr.dh0);
-        lm_cuda_free(gr.dA_log);
-        lm_cuda_free(gr.ddt_bias);
+        dev_free(gr.do_);
+        dev_free(gr.dht);
+        dev_free(gr.dq);
+        dev_free(gr.dk);
+        dev_free(gr.dv);
+        dev_free(gr.dg);
+        dev_free(gr.dbeta);
+        dev_free(gr.dh0);
+        dev_free(gr.dA_log);
+        dev_free(gr.ddt_bias);
     }
-    lm_kda_cuda_saved_free(saved);
-    lm_cuda_free(out2.o);
-    lm_cuda_free(out2.final_state);
-    free(hdo), free(do_), free(dht), free(fdht);
-    free(rdq), free(rdk), free(rdv), free(rdg), free(rdb), free(rdh0), free(rdA), free(rdbias);
+    lm_kda_cuda_saved_free(g_ctx, saved);
+    dev_free(out2.o);
+    dev_free(out2.final_state);
+    dev_free(in.q);
+    dev_free(in.k);
+    dev_free(in.v);
+    dev_free(in.g);
+    dev_free(in.beta);
+    dev_free(in.A_log);
+    dev_free(in.dt_bias);
+    dev_free(in.initial_state);
+    dev_free(out.o);
+    dev_free(out.final_state);
+    free(ho), free(fht), free(o), free(ht);
+}
 
-    lm_cuda_free((void *)in.q);
-    lm_cuda_free((void *)in.k);
-    lm_cuda_free((void *)in.v);
-    lm_cuda_free((void *)in.g);
-    lm_cuda_free((void *)in.beta);
-    lm_cuda_free((void *)in.A_log);
-    lm_cuda_free((void *)in.dt_bias);
-    lm_cuda_free((void *)in.initial_state);
-    lm_cuda_free(out.o);
-    lm_cuda_free(out.final_state);
-    free(q), free(k), free(v), free(g), free(b), free(h0), free(A), free(bias);
-    free(hq), free(hk), free(hv_), free(hg), free(hb), free(fA), free(fbias), free(fh0);
-    free(o_ref), free(ht_ref), free(ho), free(fht), free(o), free(ht);
+static void run_case(void **state) {
+    const ccase *cc = *state;
+    case_data x;
+    case_make(&x, cc);
+    case_check(&x, cc->name);
+    case_free(&x);
+}
+
+/* The paths the context's options select, on one case with 128 sequence-heads (the
+ * inference recurrence is kda_inter_wg by default): plain launch (kda.pdl = 0), the
+ * mma.sync recurrence with tensor copies or cp.async (kda.wgmma = 0, kda.tma = 0), and
+ * every forced slice width of the forward and backward recurrences (kda.bv). Each against
+ * the fp64 reference, computed once; the options are restored after each. */
+static void test_options(void **state) {
+    (void)state;
+    static const struct {
+        const char *label;
+        int pdl, wgmma, tma, bv;
+    } V[] = {
+        {"pdl=0", 0, 1, 1, 0},        {"wgmma=0", 1, 0, 1, 0},        {"wgmma=0 tma=0", 1, 0, 0, 0},
+        {"bv=16", 1, 1, 1, 16},       {"bv=32", 1, 1, 1, 32},         {"bv=64", 1, 1, 1, 64},
+        {"bv=16 tma=0", 1, 1, 0, 16}, {"bv=128 tma=0", 1, 0, 0, 128},
+    };
+    const ccase *cc = NULL;
+    for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++)
+        if (strcmp(CASES[i].name, "kda T300 D128 bounded B2 H64") == 0)
+            cc = &CASES[i];
+    assert_non_null(cc);
+    const char *keys[4] = {"kda.pdl", "kda.wgmma", "kda.tma", "kda.bv"};
+    int before[4];
+    for (int j = 0; j < 4; j++)
+        before[j] = lm_cuda_ctx_get_option(g_ctx, keys[j]);
+    case_data x;
+    case_make(&x, cc);
+    for (size_t i = 0; i < sizeof V / sizeof V[0]; i++) {
+        lm_error err = {0};
+        const int val[4] = {V[i].pdl, V[i].wgmma, V[i].tma, V[i].bv};
+        for (int j = 0; j < 4; j++)
+            assert_int_equal(lm_cuda_ctx_set_option(g_ctx, keys[j], val[j], &err), LM_OK);
+        char name[96];
+        snprintf(name, sizeof name, "B2 H64 %s", V[i].label);
+        case_check(&x, name);
+        for (int j = 0; j < 4; j++)
+            assert_int_equal(lm_cuda_ctx_set_option(g_ctx, keys[j], before[j], &err), LM_OK);
+    }
+    case_free(&x);
 }
 
 /* Forward calls with two layouts of the shared workspace, A B A B A: a B call writes its
@@ -410,10 +516,6 @@ static void run_case(void **state) {
  * its flags and tensor maps. */
 static void test_alternating_layouts(void **state) {
     (void)state;
-    if (lm_cuda_device_count() < 1) {
-        print_message("no CUDA device: skipped\n");
-        skip();
-    }
     enum { H = 128, D = 128, TA = 256, TB = 1024 };
     const int64_t n = (int64_t)TB * H * D, nb = (int64_t)TB * H;
     lm_rng rng;
@@ -432,7 +534,7 @@ static void test_alternating_layouts(void **state) {
     in.q = dev[0], in.k = dev[1], in.v = dev[2], in.g = dev[3], in.beta = dev[4];
     void *o = NULL;
     lm_error aerr = {0};
-    assert_int_equal(lm_cuda_alloc(&o, 2 * n, &aerr), LM_OK);
+    assert_int_equal(lm_cuda_ctx_alloc(g_ctx, &o, 2 * n, &aerr), LM_OK);
     uint16_t *ref[2] = {malloc(2 * n), malloc(2 * n)};
     const int Ts[5] = {TA, TB, TA, TB, TA};
     for (int call = 0; call < 5; call++) {
@@ -451,12 +553,12 @@ static void test_alternating_layouts(void **state) {
         /* poisoned before every call: A's rows are a prefix of B's (causal), so a call
          * that wrote nothing would otherwise pass on the previous call's output */
         memset(hbuf, 0xff, 2 * no);
-        assert_int_equal(lm_cuda_upload(o, hbuf, 2 * no, &err), LM_OK);
-        const lm_status st = lm_kda_cuda_chunk_forward(&c, &in, &out, &err);
+        assert_int_equal(lm_cuda_ctx_upload(g_ctx, o, hbuf, 2 * no, &err), LM_OK);
+        const lm_status st = lm_kda_cuda_chunk_forward(g_ctx, &c, &in, &out, &err);
         if (st != LM_OK)
             print_error("%s\n", err.msg);
         assert_int_equal(st, LM_OK);
-        assert_int_equal(lm_cuda_download(hbuf, o, 2 * no, &err), LM_OK);
+        assert_int_equal(lm_cuda_ctx_download(g_ctx, hbuf, o, 2 * no, &err), LM_OK);
         if (call < 2)
             memcpy(ref[li], hbuf, 2 * no);
         else {
@@ -469,12 +571,12 @@ static void test_alternating_layouts(void **state) {
         }
     }
     for (int t = 0; t < 5; t++)
-        lm_cuda_free((void *)dev[t]);
-    lm_cuda_free(o);
+        dev_free(dev[t]);
+    dev_free(o);
     free(x), free(hbuf), free(ref[0]), free(ref[1]);
 }
 
-/* Bad configurations are refused before any device work (no device needed). */
+/* Bad configurations and a missing context are refused before any device work. */
 static void test_invalid(void **state) {
     (void)state;
     lm_kda_config c;
@@ -482,34 +584,52 @@ static void test_invalid(void **state) {
     lm_kda_cuda_inputs in = {0};
     lm_kda_cuda_outputs out = {0};
     lm_error err = {0};
-    lm_status st = lm_kda_cuda_chunk_forward(&c, &in, &out, &err);
-#ifdef LM_HAVE_CUDA
+    lm_status st = lm_kda_cuda_chunk_forward(g_ctx, &c, &in, &out, &err);
     assert_int_equal(st, LM_ERR_INVALID); /* checked before any device work */
     assert_non_null(strstr(err.msg, "required"));
     /* HV not a multiple of H */
     uint16_t dummy = 0;
     in.q = in.k = in.v = in.g = in.beta = &dummy;
     out.o = &dummy;
-    assert_int_equal(lm_kda_cuda_chunk_forward(&c, &in, &out, &err), LM_ERR_INVALID);
+    assert_int_equal(lm_kda_cuda_chunk_forward(g_ctx, &c, &in, &out, &err), LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "HV=3"));
     c.HV = 2;
     c.K = 256;
-    assert_int_equal(lm_kda_cuda_chunk_forward(&c, &in, &out, &err), LM_ERR_UNSUPPORTED);
+    assert_int_equal(lm_kda_cuda_chunk_forward(g_ctx, &c, &in, &out, &err), LM_ERR_UNSUPPORTED);
     assert_non_null(strstr(err.msg, "K = 256"));
-#else
-    assert_int_equal(st, LM_ERR_UNSUPPORTED);
-    assert_non_null(strstr(err.msg, "without CUDA"));
-#endif
+    /* no context */
+    c.K = 64;
+    assert_int_equal(lm_kda_cuda_chunk_forward(NULL, &c, &in, &out, &err), LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "context"));
+    lm_kda_cuda_saved *saved = (lm_kda_cuda_saved *)&dummy;
+    assert_int_equal(lm_kda_cuda_forward_train(NULL, &c, &in, &out, &saved, &err), LM_ERR_INVALID);
+    assert_null(saved);
+    lm_kda_cuda_grads gr = {0};
+    assert_int_equal(lm_kda_cuda_backward(g_ctx, NULL, &gr, &err), LM_ERR_INVALID);
+    lm_kda_cuda_saved_free(g_ctx, NULL); /* a no-op */
 }
 
 int main(void) {
+    if (lm_cuda_device_count() < 1) {
+        printf("no CUDA device: skipped\n");
+        return 77;
+    }
+    lm_error err = {0};
+    if (lm_cuda_ctx_new(&g_ctx, 0, &err) != LM_OK || options_from_env(g_ctx, &err) != 0) {
+        fprintf(stderr, "test_kda_cuda: %s\n", err.msg);
+        lm_cuda_ctx_free(g_ctx);
+        return 1;
+    }
     enum { NC = sizeof CASES / sizeof CASES[0] };
-    struct CMUnitTest tests[NC + 2];
+    struct CMUnitTest tests[NC + 3];
     for (int i = 0; i < NC; i++) {
         tests[i] = (struct CMUnitTest)cmocka_unit_test_prestate(run_case, (void *)&CASES[i]);
         tests[i].name = CASES[i].name;
     }
     tests[NC] = (struct CMUnitTest)cmocka_unit_test(test_alternating_layouts);
-    tests[NC + 1] = (struct CMUnitTest)cmocka_unit_test(test_invalid);
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    tests[NC + 1] = (struct CMUnitTest)cmocka_unit_test(test_options);
+    tests[NC + 2] = (struct CMUnitTest)cmocka_unit_test(test_invalid);
+    const int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    lm_cuda_ctx_free(g_ctx);
+    return rc;
 }

@@ -17,8 +17,10 @@
  *
  * On a GPU the benchmark case also prints the step time at B = 64, H = HV = 32,
  * K = V = 128 for every launch shape and the device-to-device copy bandwidth measured
- * in the same binary (printed, never asserted). Without a CUDA device (or a build
- * without CUDA) the GPU cases are skipped, so CI (no GPU) passes.
+ * in the same binary (printed, never asserted). Everything runs on one context
+ * (lm_cuda_ctx on cuda:0, its own stream). Without a CUDA device (or a build without
+ * CUDA) the program prints "no CUDA device: skipped" and exits 77 (CTest: skipped), so CI
+ * (no GPU) passes.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -31,6 +33,7 @@
 
 #include <cmocka.h>
 
+#include "linmoe/backend.h"
 #include "linmoe/core.h"
 #include "linmoe/kda.h"
 #include "linmoe/kda_cuda.h"
@@ -98,17 +101,22 @@ static void to_bf16(uint16_t *h, float *x, int64_t n) {
     }
 }
 
+/* the context every test runs on (made in main) */
+static lm_cuda_ctx *g_ctx;
+
+static void dev_free(const void *d) { lm_cuda_ctx_free_mem(g_ctx, (void *)d); }
+
 static void *dev_alloc(size_t bytes) {
     lm_error err = {0};
     void *d = NULL;
-    assert_int_equal(lm_cuda_alloc(&d, bytes, &err), LM_OK);
+    assert_int_equal(lm_cuda_ctx_alloc(g_ctx, &d, bytes, &err), LM_OK);
     return d;
 }
 
 static void *dev_upload(const void *src, size_t bytes) {
     lm_error err = {0};
     void *d = dev_alloc(bytes);
-    assert_int_equal(lm_cuda_upload(d, src, bytes, &err), LM_OK);
+    assert_int_equal(lm_cuda_ctx_upload(g_ctx, d, src, bytes, &err), LM_OK);
     return d;
 }
 
@@ -234,10 +242,6 @@ static void slice_token(uint16_t *dst, const uint16_t *src, int B, int T, int t,
 
 static void run_case(void **state) {
     const dcase *cc = *state;
-    if (lm_cuda_device_count() < 1) {
-        print_message("no CUDA device: skipped\n");
-        skip();
-    }
     const int T = cc->steps, B = cc->B, H = cc->H, HV = cc->HV, K = cc->K, V = cc->V;
     inputs x;
     inputs_make(&x, cc, T, 0);
@@ -260,7 +264,7 @@ static void run_case(void **state) {
     float *dstate = dstate_buf + cc->misalign;
     void *d_o = dev_alloc(2 * B * tv);
     lm_error err = {0};
-    assert_int_equal(lm_cuda_upload(dstate, x.h0, sizeof(float) * ns, &err), LM_OK);
+    assert_int_equal(lm_cuda_ctx_upload(g_ctx, dstate, x.h0, sizeof(float) * ns, &err), LM_OK);
 
     uint16_t *tmp = malloc(2 * (size_t)B * (tq > tv ? (tq > tg ? tq : tg) : (tv > tg ? tv : tg)));
     uint16_t *ho = malloc(2 * (size_t)B * tv);
@@ -269,44 +273,44 @@ static void run_case(void **state) {
     config_make(&c, cc, B, 1);
     for (int t = 0; t < T; t++) {
         slice_token(tmp, x.hq, B, T, t, tq);
-        assert_int_equal(lm_cuda_upload((void *)in.q, tmp, 2 * B * tq, &err), LM_OK);
+        assert_int_equal(lm_cuda_ctx_upload(g_ctx, (void *)in.q, tmp, 2 * B * tq, &err), LM_OK);
         slice_token(tmp, x.hk, B, T, t, tq);
-        assert_int_equal(lm_cuda_upload((void *)in.k, tmp, 2 * B * tq, &err), LM_OK);
+        assert_int_equal(lm_cuda_ctx_upload(g_ctx, (void *)in.k, tmp, 2 * B * tq, &err), LM_OK);
         slice_token(tmp, x.hv, B, T, t, tv);
-        assert_int_equal(lm_cuda_upload((void *)in.v, tmp, 2 * B * tv, &err), LM_OK);
+        assert_int_equal(lm_cuda_ctx_upload(g_ctx, (void *)in.v, tmp, 2 * B * tv, &err), LM_OK);
         slice_token(tmp, x.hg, B, T, t, tg);
-        assert_int_equal(lm_cuda_upload((void *)in.g, tmp, 2 * B * tg, &err), LM_OK);
+        assert_int_equal(lm_cuda_ctx_upload(g_ctx, (void *)in.g, tmp, 2 * B * tg, &err), LM_OK);
         slice_token(tmp, x.hb, B, T, t, HV);
-        assert_int_equal(lm_cuda_upload((void *)in.beta, tmp, 2 * B * HV, &err), LM_OK);
+        assert_int_equal(lm_cuda_ctx_upload(g_ctx, (void *)in.beta, tmp, 2 * B * HV, &err), LM_OK);
         /* poison o: every element must be written */
         for (int64_t i = 0; i < B * tv; i++)
             ho[i] = 0x7fc1; /* NaN */
-        assert_int_equal(lm_cuda_upload(d_o, ho, 2 * B * tv, &err), LM_OK);
-        lm_status st = lm_kda_cuda_decode_step(&c, &in, dstate, d_o, &err);
+        assert_int_equal(lm_cuda_ctx_upload(g_ctx, d_o, ho, 2 * B * tv, &err), LM_OK);
+        lm_status st = lm_kda_cuda_decode_step(g_ctx, &c, &in, dstate, d_o, &err);
         if (st != LM_OK)
             print_error("%s\n", err.msg);
         assert_int_equal(st, LM_OK);
         assert_int_equal(c.N, B);
-        assert_int_equal(lm_cuda_download(ho, d_o, 2 * B * tv, &err), LM_OK);
+        assert_int_equal(lm_cuda_ctx_download(g_ctx, ho, d_o, 2 * B * tv, &err), LM_OK);
         for (int b = 0; b < B; b++)
             for (int64_t i = 0; i < tv; i++)
                 o[((int64_t)b * T + t) * tv + i] = lm_bf16_to_f32(ho[b * tv + i]);
     }
-    assert_int_equal(lm_cuda_download(ht, dstate, sizeof(float) * ns, &err), LM_OK);
+    assert_int_equal(lm_cuda_ctx_download(g_ctx, ht, dstate, sizeof(float) * ns, &err), LM_OK);
     const double eo = rel_rms(o, o_ref, nv), eh = rel_rms(ht, ht_ref, ns);
     print_message("%-36s %d steps  o %.2e  state %.2e\n", cc->name, T, eo, eh);
     assert_true(eo <= TOL_O);
     assert_true(eh <= TOL_STATE);
 
-    lm_cuda_free((void *)in.q);
-    lm_cuda_free((void *)in.k);
-    lm_cuda_free((void *)in.v);
-    lm_cuda_free((void *)in.g);
-    lm_cuda_free((void *)in.beta);
-    lm_cuda_free((void *)in.A_log);
-    lm_cuda_free((void *)in.dt_bias);
-    lm_cuda_free(dstate_buf);
-    lm_cuda_free(d_o);
+    dev_free(in.q);
+    dev_free(in.k);
+    dev_free(in.v);
+    dev_free(in.g);
+    dev_free(in.beta);
+    dev_free(in.A_log);
+    dev_free(in.dt_bias);
+    dev_free(dstate_buf);
+    dev_free(d_o);
     free(tmp), free(ho), free(o), free(ht), free(o_ref), free(ht_ref);
     inputs_free(&x);
 }
@@ -315,10 +319,6 @@ static void run_case(void **state) {
  * inputs against the CPU recurrence over 3 copies of the token; o of the last step. */
 static void test_variants(void **state) {
     (void)state;
-    if (lm_cuda_device_count() < 1) {
-        print_message("no CUDA device: skipped\n");
-        skip();
-    }
     static const dcase shapes[] = {
         {"variants kda softplus K128 V128", KDA, GSP, 1, 1, 0, 1, 1, 2, 2, 4, 128, 128, 0, 3, 0,
          41},
@@ -361,18 +361,20 @@ static void test_variants(void **state) {
         config_make(&c, cc, B, 1);
         lm_error err = {0};
         for (int var = 0; var < LM_KDA_CUDA_DECODE_NVARIANT; var++) {
-            assert_int_equal(lm_cuda_upload(dstate, x.h0, sizeof(float) * ns, &err), LM_OK);
+            assert_int_equal(lm_cuda_ctx_upload(g_ctx, dstate, x.h0, sizeof(float) * ns, &err),
+                             LM_OK);
             for (int64_t i = 0; i < B * tv; i++)
                 ho[i] = 0x7fc1;
-            assert_int_equal(lm_cuda_upload(d_o, ho, 2 * B * tv, &err), LM_OK);
+            assert_int_equal(lm_cuda_ctx_upload(g_ctx, d_o, ho, 2 * B * tv, &err), LM_OK);
             double ms = 0;
             lm_status st =
-                lm_kda_cuda_decode_bench(&c, &in, dstate, d_o, var, 1, 2, &ms, NULL, &err);
+                lm_kda_cuda_decode_bench(g_ctx, &c, &in, dstate, d_o, var, 1, 2, &ms, NULL, &err);
             if (st != LM_OK)
                 print_error("%s\n", err.msg);
             assert_int_equal(st, LM_OK);
-            assert_int_equal(lm_cuda_download(ho, d_o, 2 * B * tv, &err), LM_OK);
-            assert_int_equal(lm_cuda_download(ht, dstate, sizeof(float) * ns, &err), LM_OK);
+            assert_int_equal(lm_cuda_ctx_download(g_ctx, ho, d_o, 2 * B * tv, &err), LM_OK);
+            assert_int_equal(lm_cuda_ctx_download(g_ctx, ht, dstate, sizeof(float) * ns, &err),
+                             LM_OK);
             for (int64_t i = 0; i < B * tv; i++)
                 o[i] = lm_bf16_to_f32(ho[i]);
             const double eo = rel_rms(o, o_last, B * tv), eh = rel_rms(ht, ht_ref, ns);
@@ -380,15 +382,15 @@ static void test_variants(void **state) {
             assert_true(eo <= TOL_O);
             assert_true(eh <= TOL_STATE);
         }
-        lm_cuda_free((void *)in.q);
-        lm_cuda_free((void *)in.k);
-        lm_cuda_free((void *)in.v);
-        lm_cuda_free((void *)in.g);
-        lm_cuda_free((void *)in.beta);
-        lm_cuda_free((void *)in.A_log);
-        lm_cuda_free((void *)in.dt_bias);
-        lm_cuda_free(dstate);
-        lm_cuda_free(d_o);
+        dev_free(in.q);
+        dev_free(in.k);
+        dev_free(in.v);
+        dev_free(in.g);
+        dev_free(in.beta);
+        dev_free(in.A_log);
+        dev_free(in.dt_bias);
+        dev_free(dstate);
+        dev_free(d_o);
         free(o_ref), free(ht_ref), free(o_last), free(tmp), free(ho), free(o), free(ht);
         inputs_free(&x);
     }
@@ -400,10 +402,6 @@ static void test_variants(void **state) {
  * the outputs and the state stay finite. */
 static void test_bench(void **state) {
     (void)state;
-    if (lm_cuda_device_count() < 1) {
-        print_message("no CUDA device: skipped\n");
-        skip();
-    }
     const dcase cc = {"bench", KDA, GSP, 1, 1, 0, 1, 1, 64, 32, 32, 128, 128, 0, 1, 0, 77};
     const int B = cc.B, H = cc.H, HV = cc.HV, K = cc.K, V = cc.V;
     inputs x;
@@ -429,7 +427,7 @@ static void test_bench(void **state) {
         for (int var = 0; var < LM_KDA_CUDA_DECODE_NVARIANT; var++) {
             double ms = 0;
             const int first = pass == 0 && var == 0;
-            lm_status st = lm_kda_cuda_decode_bench(&c, &in, dstate, d_o, var, 10, 200, &ms,
+            lm_status st = lm_kda_cuda_decode_bench(g_ctx, &c, &in, dstate, d_o, var, 10, 200, &ms,
                                                     first ? &copy_gbs : NULL, &err);
             if (st != LM_OK)
                 print_error("%s\n", err.msg);
@@ -452,37 +450,37 @@ static void test_bench(void **state) {
         print_message("  B=%d:", cb.B);
         for (int var = 0; var < LM_KDA_CUDA_DECODE_NVARIANT; var++) {
             double ms = 0;
-            assert_int_equal(
-                lm_kda_cuda_decode_bench(&cb, &in, dstate, d_o, var, 10, 200, &ms, NULL, &err),
-                LM_OK);
+            assert_int_equal(lm_kda_cuda_decode_bench(g_ctx, &cb, &in, dstate, d_o, var, 10, 200,
+                                                      &ms, NULL, &err),
+                             LM_OK);
             print_message("  %d: %.2f us %.2f", var, ms * 1e3, bb / (ms * 1e-3) / 1e9 / copy_gbs);
         }
         print_message("  (us/step, fraction of copy)\n");
     }
     uint16_t *ho = malloc(2 * (size_t)nv);
     float *ht = malloc(sizeof(float) * ns);
-    assert_int_equal(lm_cuda_download(ho, d_o, 2 * (size_t)nv, &err), LM_OK);
-    assert_int_equal(lm_cuda_download(ht, dstate, sizeof(float) * ns, &err), LM_OK);
+    assert_int_equal(lm_cuda_ctx_download(g_ctx, ho, d_o, 2 * (size_t)nv, &err), LM_OK);
+    assert_int_equal(lm_cuda_ctx_download(g_ctx, ht, dstate, sizeof(float) * ns, &err), LM_OK);
     int64_t bad = 0;
     for (int64_t i = 0; i < nv; i++)
         bad += !isfinite(lm_bf16_to_f32(ho[i]));
     for (int64_t i = 0; i < ns; i++)
         bad += !isfinite(ht[i]);
     assert_int_equal(bad, 0);
-    lm_cuda_free((void *)in.q);
-    lm_cuda_free((void *)in.k);
-    lm_cuda_free((void *)in.v);
-    lm_cuda_free((void *)in.g);
-    lm_cuda_free((void *)in.beta);
-    lm_cuda_free((void *)in.A_log);
-    lm_cuda_free((void *)in.dt_bias);
-    lm_cuda_free(dstate);
-    lm_cuda_free(d_o);
+    dev_free(in.q);
+    dev_free(in.k);
+    dev_free(in.v);
+    dev_free(in.g);
+    dev_free(in.beta);
+    dev_free(in.A_log);
+    dev_free(in.dt_bias);
+    dev_free(dstate);
+    dev_free(d_o);
     free(ho), free(ht);
     inputs_free(&x);
 }
 
-/* Bad configurations are refused before any device work (no device needed). */
+/* Bad configurations and a missing context are refused before any device work. */
 static void test_invalid(void **state) {
     (void)state;
     lm_kda_config c;
@@ -492,50 +490,63 @@ static void test_invalid(void **state) {
     float fdummy[4] = {0};
     lm_error err = {0};
     in.q = in.k = in.v = in.g = in.beta = dummy;
-    lm_status st = lm_kda_cuda_decode_step(&c, &in, fdummy, dummy, &err);
-#ifdef LM_HAVE_CUDA
+    lm_status st = lm_kda_cuda_decode_step(g_ctx, &c, &in, fdummy, dummy, &err);
     assert_int_equal(st, LM_ERR_INVALID); /* T = 2 */
     assert_non_null(strstr(err.msg, "T = 2"));
     c.T = 1;
     c.HV = 3; /* not a multiple of H */
-    assert_int_equal(lm_kda_cuda_decode_step(&c, &in, fdummy, dummy, &err), LM_ERR_INVALID);
+    assert_int_equal(lm_kda_cuda_decode_step(g_ctx, &c, &in, fdummy, dummy, &err), LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "HV=3"));
     c.HV = 2;
     static const int64_t cu[] = {0, 1, 2};
     c.cu_seqlens = cu;
     c.n_cu_seqlens = 3;
-    assert_int_equal(lm_kda_cuda_decode_step(&c, &in, fdummy, dummy, &err), LM_ERR_INVALID);
+    assert_int_equal(lm_kda_cuda_decode_step(g_ctx, &c, &in, fdummy, dummy, &err), LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "cu_seqlens"));
     c.cu_seqlens = NULL;
     c.n_cu_seqlens = 0;
     c.gate = LM_GATE_BOUNDED; /* without lower_bound */
-    assert_int_equal(lm_kda_cuda_decode_step(&c, &in, fdummy, dummy, &err), LM_ERR_INVALID);
+    assert_int_equal(lm_kda_cuda_decode_step(g_ctx, &c, &in, fdummy, dummy, &err), LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "lower_bound"));
     c.gate = LM_GATE_NONE;
-    assert_int_equal(lm_kda_cuda_decode_step(&c, &in, NULL, dummy, &err), LM_ERR_INVALID);
+    assert_int_equal(lm_kda_cuda_decode_step(g_ctx, &c, &in, NULL, dummy, &err), LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "state"));
     c.K = 512;
-    assert_int_equal(lm_kda_cuda_decode_step(&c, &in, fdummy, dummy, &err), LM_ERR_UNSUPPORTED);
+    assert_int_equal(lm_kda_cuda_decode_step(g_ctx, &c, &in, fdummy, dummy, &err),
+                     LM_ERR_UNSUPPORTED);
     assert_non_null(strstr(err.msg, "K = 512"));
     c.K = 64;
     double ms = 0;
-    assert_int_equal(lm_kda_cuda_decode_bench(&c, &in, fdummy, dummy, LM_KDA_CUDA_DECODE_NVARIANT,
-                                              0, 1, &ms, NULL, &err),
+    assert_int_equal(lm_kda_cuda_decode_bench(g_ctx, &c, &in, fdummy, dummy,
+                                              LM_KDA_CUDA_DECODE_NVARIANT, 0, 1, &ms, NULL, &err),
                      LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "variant"));
     char buf[256] = {0};
-    assert_int_equal(lm_kda_cuda_decode_flat(2, 2, 3, 64, 64, LM_KDA, LM_GATE_NONE, 0.0f, 0.0f, 1,
-                                             0, dummy, dummy, dummy, dummy, dummy, NULL, NULL,
-                                             fdummy, dummy, buf, (int)sizeof buf),
+    assert_int_equal(lm_kda_cuda_decode_flat(g_ctx, 2, 2, 3, 64, 64, LM_KDA, LM_GATE_NONE, 0.0f,
+                                             0.0f, 1, 0, dummy, dummy, dummy, dummy, dummy, NULL,
+                                             NULL, fdummy, dummy, buf, (int)sizeof buf),
                      LM_ERR_INVALID);
     assert_non_null(strstr(buf, "HV=3"));
-#else
-    assert_int_equal(st, LM_ERR_UNSUPPORTED);
-    assert_non_null(strstr(err.msg, "without CUDA"));
-#endif
+    /* no context */
+    c.T = 1;
+    assert_int_equal(lm_kda_cuda_decode_step(NULL, &c, &in, fdummy, dummy, &err), LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "context"));
+    assert_int_equal(lm_kda_cuda_decode_flat(NULL, 2, 2, 2, 64, 64, LM_KDA, LM_GATE_NONE, 0.0f,
+                                             0.0f, 1, 0, dummy, dummy, dummy, dummy, dummy, NULL,
+                                             NULL, fdummy, dummy, buf, (int)sizeof buf),
+                     LM_ERR_INVALID);
 }
 
 int main(void) {
+    if (lm_cuda_device_count() < 1) {
+        printf("no CUDA device: skipped\n");
+        return 77;
+    }
+    lm_error err = {0};
+    if (lm_cuda_ctx_new(&g_ctx, 0, &err) != LM_OK) {
+        fprintf(stderr, "test_kda_decode_cuda: %s\n", err.msg);
+        return 1;
+    }
     enum { NC = sizeof CASES / sizeof CASES[0] };
     struct CMUnitTest tests[NC + 3];
     for (int i = 0; i < NC; i++) {
@@ -545,5 +556,7 @@ int main(void) {
     tests[NC] = (struct CMUnitTest)cmocka_unit_test(test_variants);
     tests[NC + 1] = (struct CMUnitTest)cmocka_unit_test(test_invalid);
     tests[NC + 2] = (struct CMUnitTest)cmocka_unit_test(test_bench);
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    const int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    lm_cuda_ctx_free(g_ctx);
+    return rc;
 }

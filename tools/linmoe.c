@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "bench.h"
+#include "bench_ops.h"
 #include "cli.h"
 #include "linmoe/core.h"
 
@@ -127,8 +128,8 @@ static void usage_op(FILE *f) {
 
 static void usage_bench(FILE *f) {
     fprintf(f,
-            "usage: %s bench kda|moe|attnres|model [--json FILE] [--threads N] [--quick]\n"
-            "          [--device cpu|cuda] [--config FILE] [--no-peer]\n"
+            "usage: %s bench kda|moe|attnres|model|ops [--json FILE] [--threads N] [--quick]\n"
+            "          [--device cpu|cuda] [--config FILE] [--no-peer] [--ops LIST]\n"
             "\n"
             "Measures the limit in the same run on the same threads, then the target:\n"
             "kda: the KDA recurrent forward, chunked forward and chunked forward+backward for\n"
@@ -151,6 +152,12 @@ static void usage_bench(FILE *f) {
             "  PyTorch reference step (scripts/reference/bench_step.py, first of python3 and\n"
             "  /usr/bin/python3 with torch) on the same threads as the peer: ratio_to_peer =\n"
             "  its step time / linmoe's (> 1: linmoe faster), null when it is unavailable.\n"
+            "ops --device cuda: every CUDA op of the model (embedding, norms, swiglu,\n"
+            "  short_conv, gemm, attention, router, moe, attnres, cross_entropy, adamw; --ops\n"
+            "  a comma-separated subset) forward and forward+backward at the GPU configs'\n"
+            "  shapes (hidden 1024 / 2048, 32768 tokens), each against its floor: FLOPs at the\n"
+            "  bf16 matmul rate and bytes at the copy bandwidth, both measured in the same run.\n"
+            "  scripts/gpu/bench_ops.sh runs it beside the PyTorch / fla peers in one process.\n"
             "Prints a table (median of the repeats after one warmup).\n"
             "\n"
             "options:\n"
@@ -307,20 +314,20 @@ static int cmd_bench(int argc, char **argv) {
         usage_bench(stderr);
         return LM_EXIT_USAGE;
     }
-    static const char *const targets[] = {"kda", "moe", "attnres", "model"};
+    static const char *const targets[] = {"kda", "moe", "attnres", "model", "ops"};
     int (*const runners[])(const lm_bench_opts *) = {lm_bench_kda, lm_bench_moe, lm_bench_attnres,
-                                                     lm_bench_model};
+                                                     lm_bench_model, NULL};
     const char *target = argv[1];
     int ti = -1;
     for (int k = 0; k < (int)(sizeof(targets) / sizeof(targets[0])); k++)
         if (strcmp(target, targets[k]) == 0) ti = k;
     if (ti < 0) {
-        fprintf(stderr, "%s bench: unknown target '%s' (available: kda, moe, attnres, model)\n",
+        fprintf(stderr, "%s bench: unknown target '%s' (available: kda, moe, attnres, model, ops)\n",
                 g_prog, target);
         return LM_EXIT_USAGE;
     }
     lm_bench_opts o = {0, 0, NULL, NULL, 0};
-    const char *device = "cpu", *threads = NULL;
+    const char *device = "cpu", *threads = NULL, *ops = NULL;
     for (int i = 2; i < argc; i++) {
         int r;
         if (strcmp(argv[i], "--quick") == 0) {
@@ -334,7 +341,8 @@ static int cmd_bench(int argc, char **argv) {
         if ((r = flag_value(argc, argv, &i, "--json", &o.json_path)) != 0 ||
             (r = flag_value(argc, argv, &i, "--config", &o.config_path)) != 0 ||
             (r = flag_value(argc, argv, &i, "--threads", &threads)) != 0 ||
-            (r = flag_value(argc, argv, &i, "--device", &device)) != 0) {
+            (r = flag_value(argc, argv, &i, "--device", &device)) != 0 ||
+            (r = flag_value(argc, argv, &i, "--ops", &ops)) != 0) {
             if (r < 0) return LM_EXIT_USAGE;
             continue;
         }
@@ -344,6 +352,26 @@ static int cmd_bench(int argc, char **argv) {
         fprintf(stderr, "%s bench %s: %s applies only to `%s bench model`\n", g_prog, target,
                 o.config_path ? "--config" : "--no-peer", g_prog);
         return LM_EXIT_USAGE;
+    }
+    if (ops && strcmp(target, "ops") != 0) {
+        fprintf(stderr, "%s bench %s: --ops applies only to `%s bench ops`\n", g_prog, target,
+                g_prog);
+        return LM_EXIT_USAGE;
+    }
+    if (strcmp(target, "ops") == 0) {
+        lm_device d;
+        lm_error e = {0};
+        if (lm_device_parse(device, "--device", &d, &e) != LM_OK) {
+            fprintf(stderr, "%s bench ops: %s\n", g_prog, e.msg);
+            return LM_EXIT_USAGE;
+        }
+        if (d.type != LM_DEVICE_CUDA) {
+            fprintf(stderr, "%s bench ops: the op table is the CUDA backend's; use --device cuda "
+                            "(the CPU ops have `bench kda|moe|attnres|model`)\n",
+                    g_prog);
+            return LM_EXIT_BAD_INPUT;
+        }
+        return lm_bench_ops_run(ops, o.json_path, o.quick);
     }
     /* `bench kda --device cuda` is the C GPU table; other targets have no CUDA path */
     const int cuda = strcmp(device, "cuda") == 0 && strcmp(target, "kda") == 0;

@@ -16,6 +16,7 @@
 #include <strings.h>
 
 #include "cli.h"
+#include "linmoe/backend.h"
 #include "linmoe/core.h"
 #include "linmoe/kda.h"
 #include "linmoe/kda_cuda.h"
@@ -337,11 +338,15 @@ static int add_out(const op_ctx *x, lm_st_writer *w, const char *name, int n, co
     return 0;
 }
 
-/* The forward on the GPU: inputs rounded to bf16 and uploaded, o (bf16) and the fp32
- * final state copied back into x->o / x->ht as fp32. */
+/* The forward on the GPU (a context on cuda:0, made and freed here): inputs rounded to
+ * bf16 and uploaded, o (bf16) and the fp32 final state copied back into x->o / x->ht as
+ * fp32. */
 static int run_cuda(op_ctx *x, const lm_kda_inputs *in, int64_t nq, int64_t nv, int64_t ng,
                     int64_t nb, int64_t ns) {
     lm_error err = {LM_OK, ""};
+    lm_cuda_ctx *ctx = NULL;
+    if (lm_cuda_ctx_new(&ctx, 0, &err) != LM_OK)
+        return fail(x, "--device cuda: %s", err.msg);
     const int HV = x->c.HV, GK = x->c.kind == LM_GDN ? 1 : x->c.K;
     const float *src[5] = {in->q, in->k, in->v, in->g, in->beta};
     const int64_t cnt[5] = {nq, nq, nv, ng, nb};
@@ -357,39 +362,39 @@ static int run_cuda(op_ctx *x, const lm_kda_inputs *in, int64_t nq, int64_t nv, 
         }
         for (int64_t i = 0; i < cnt[t]; i++)
             h[i] = lm_f32_to_bf16(src[t][i]);
-        if (lm_cuda_alloc(&dev[t], (size_t)cnt[t] * 2, &err) != LM_OK ||
-            lm_cuda_upload(dev[t], h, (size_t)cnt[t] * 2, &err) != LM_OK)
+        if (lm_cuda_ctx_alloc(ctx, &dev[t], (size_t)cnt[t] * 2, &err) != LM_OK ||
+            lm_cuda_ctx_upload(ctx, dev[t], h, (size_t)cnt[t] * 2, &err) != LM_OK)
             rc = fail(x, "%s", err.msg);
         free(h);
         h = NULL;
     }
     if (!rc && in->A_log &&
-        (lm_cuda_alloc((void **)&d_A, sizeof(float) * HV, &err) != LM_OK ||
-         lm_cuda_upload(d_A, in->A_log, sizeof(float) * HV, &err) != LM_OK))
+        (lm_cuda_ctx_alloc(ctx, (void **)&d_A, sizeof(float) * HV, &err) != LM_OK ||
+         lm_cuda_ctx_upload(ctx, d_A, in->A_log, sizeof(float) * HV, &err) != LM_OK))
         rc = fail(x, "%s", err.msg);
     if (!rc && in->dt_bias &&
-        (lm_cuda_alloc((void **)&d_bias, sizeof(float) * HV * GK, &err) != LM_OK ||
-         lm_cuda_upload(d_bias, in->dt_bias, sizeof(float) * HV * GK, &err) != LM_OK))
+        (lm_cuda_ctx_alloc(ctx, (void **)&d_bias, sizeof(float) * HV * GK, &err) != LM_OK ||
+         lm_cuda_ctx_upload(ctx, d_bias, in->dt_bias, sizeof(float) * HV * GK, &err) != LM_OK))
         rc = fail(x, "%s", err.msg);
     if (!rc && in->initial_state &&
-        (lm_cuda_alloc((void **)&d_h0, sizeof(float) * ns, &err) != LM_OK ||
-         lm_cuda_upload(d_h0, in->initial_state, sizeof(float) * ns, &err) != LM_OK))
+        (lm_cuda_ctx_alloc(ctx, (void **)&d_h0, sizeof(float) * ns, &err) != LM_OK ||
+         lm_cuda_ctx_upload(ctx, d_h0, in->initial_state, sizeof(float) * ns, &err) != LM_OK))
         rc = fail(x, "%s", err.msg);
-    if (!rc && (lm_cuda_alloc(&d_o, (size_t)nv * 2, &err) != LM_OK ||
-                lm_cuda_alloc((void **)&d_ht, sizeof(float) * ns, &err) != LM_OK))
+    if (!rc && (lm_cuda_ctx_alloc(ctx, &d_o, (size_t)nv * 2, &err) != LM_OK ||
+                lm_cuda_ctx_alloc(ctx, (void **)&d_ht, sizeof(float) * ns, &err) != LM_OK))
         rc = fail(x, "%s", err.msg);
     if (!rc) {
         lm_kda_cuda_inputs ci = {dev[0], dev[1], dev[2], dev[3], dev[4], d_A, d_bias, d_h0};
         lm_kda_cuda_outputs co = {d_o, d_ht};
-        if (lm_kda_cuda_chunk_forward(&x->c, &ci, &co, &err) != LM_OK)
+        if (lm_kda_cuda_chunk_forward(ctx, &x->c, &ci, &co, &err) != LM_OK)
             rc = fail(x, "%s", err.msg);
     }
     if (!rc) {
         h = (uint16_t *)malloc((size_t)(nv > 0 ? nv : 1) * sizeof(uint16_t));
         if (!h)
             rc = fail(x, "out of memory reading o back");
-        else if (lm_cuda_download(h, d_o, (size_t)nv * 2, &err) != LM_OK ||
-                 lm_cuda_download(x->ht, d_ht, sizeof(float) * ns, &err) != LM_OK)
+        else if (lm_cuda_ctx_download(ctx, h, d_o, (size_t)nv * 2, &err) != LM_OK ||
+                 lm_cuda_ctx_download(ctx, x->ht, d_ht, sizeof(float) * ns, &err) != LM_OK)
             rc = fail(x, "%s", err.msg);
         else
             for (int64_t i = 0; i < nv; i++)
@@ -397,12 +402,13 @@ static int run_cuda(op_ctx *x, const lm_kda_inputs *in, int64_t nq, int64_t nv, 
         free(h);
     }
     for (int t = 0; t < 5; t++)
-        lm_cuda_free(dev[t]);
-    lm_cuda_free(d_A);
-    lm_cuda_free(d_bias);
-    lm_cuda_free(d_h0);
-    lm_cuda_free(d_o);
-    lm_cuda_free(d_ht);
+        lm_cuda_ctx_free_mem(ctx, dev[t]);
+    lm_cuda_ctx_free_mem(ctx, d_A);
+    lm_cuda_ctx_free_mem(ctx, d_bias);
+    lm_cuda_ctx_free_mem(ctx, d_h0);
+    lm_cuda_ctx_free_mem(ctx, d_o);
+    lm_cuda_ctx_free_mem(ctx, d_ht);
+    lm_cuda_ctx_free(ctx);
     return rc;
 }
 

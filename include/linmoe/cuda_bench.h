@@ -15,7 +15,8 @@
  *
  * What this module does not do: the KDA ops (include/linmoe/kda_cuda.h), the table
  * or the JSON (bench/bench.h), multi-GPU, streams other than the default stream.
- * Everything runs on the current device and the default stream, synchronously.
+ * Everything runs on the given context's device and stream (include/linmoe/backend.h);
+ * fills are asynchronous, counts, timer stops and the limits synchronise the stream.
  *
  * Errors: LM_ERR_UNSUPPORTED when linmoe was built without CUDA (the stub in
  * src/ops/nocuda/cuda_bench_stub.c) or no device is present; LM_ERR_NOMEM when a
@@ -29,6 +30,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "linmoe/backend.h"
 #include "linmoe/core.h"
 
 #ifdef __cplusplus
@@ -57,28 +59,30 @@ typedef struct {
 /* Measure the two limits (see the top of this header); `repeat` >= 1 timed calls
  * each (the benchmark passes about 10, 3 with --quick). Allocates 384 MiB for the
  * GEMM and 4 GiB for the copy and frees them before returning. */
-lm_status lm_cuda_measure_limits(int repeat, lm_cuda_limits *lim, lm_error *err);
+lm_status lm_cuda_measure_limits(lm_cuda_ctx *ctx, int repeat, lm_cuda_limits *lim, lm_error *err);
 
 /* Fill n values of device memory with mean + std * z, z ~ N(0,1) from a counter-based
  * hash of (seed, index) (splitmix64, Box-Muller): the same seed gives the same values
  * on any device, and no generator state is kept. bf16: dst holds n uint16 bf16 values
  * (rounded to nearest even); f32: n floats. n == 0 is a no-op. */
-lm_status lm_cuda_fill_normal_bf16(void *dst, int64_t n, uint64_t seed, float mean, float std,
-                                   lm_error *err);
-lm_status lm_cuda_fill_normal_f32(float *dst, int64_t n, uint64_t seed, float mean, float std,
-                                  lm_error *err);
+lm_status lm_cuda_fill_normal_bf16(lm_cuda_ctx *ctx, void *dst, int64_t n, uint64_t seed,
+                                   float mean, float std, lm_error *err);
+lm_status lm_cuda_fill_normal_f32(lm_cuda_ctx *ctx, float *dst, int64_t n, uint64_t seed,
+                                  float mean, float std, lm_error *err);
 
 /* Count the NaN / Inf values among n device values (bf16 or fp32) into *count. */
-lm_status lm_cuda_count_nonfinite_bf16(const void *x, int64_t n, int64_t *count, lm_error *err);
-lm_status lm_cuda_count_nonfinite_f32(const float *x, int64_t n, int64_t *count, lm_error *err);
+lm_status lm_cuda_count_nonfinite_bf16(lm_cuda_ctx *ctx, const void *x, int64_t n, int64_t *count,
+                                       lm_error *err);
+lm_status lm_cuda_count_nonfinite_f32(lm_cuda_ctx *ctx, const float *x, int64_t n, int64_t *count,
+                                      lm_error *err);
 
-/* A pair of CUDA events on the default stream: start records the first, stop
+/* A pair of CUDA events on the context's stream: start records the first, stop
  * records the second, waits for it and returns the elapsed GPU time in ms (what
- * the default stream did in between, host gaps between synchronous calls
+ * the stream did in between, host gaps between synchronous calls
  * included). Create with lm_cuda_timer_new, free with lm_cuda_timer_free (NULL is a
  * no-op). */
 typedef struct lm_cuda_timer lm_cuda_timer;
-lm_status lm_cuda_timer_new(lm_cuda_timer **t, lm_error *err);
+lm_status lm_cuda_timer_new(lm_cuda_ctx *ctx, lm_cuda_timer **t, lm_error *err);
 lm_status lm_cuda_timer_start(lm_cuda_timer *t, lm_error *err);
 lm_status lm_cuda_timer_stop(lm_cuda_timer *t, double *ms, lm_error *err);
 void lm_cuda_timer_free(lm_cuda_timer *t);

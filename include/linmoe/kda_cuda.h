@@ -44,14 +44,27 @@
  * of the config are accepted; the kernels always use 64-token chunks, and diag SAFE
  * forces the safe diagonal path with the bounded gate too.
  *
- * Errors: LM_ERR_INVALID for a bad configuration (the same checks as
+ * Context (include/linmoe/backend.h): every lm_kda_cuda_* entry point takes the
+ * lm_cuda_ctx it runs on as its first argument: the device (made current for the call),
+ * the stream every kernel, memset, copy and event goes on, the options (kda.bv,
+ * kda.wgmma, kda.pdl, kda.tma, kda.profile; lm_cuda_ctx_set_option) and the per-context
+ * state (workspaces, chunk-table cache, tensor maps, shared-memory opt-ins). Nothing is
+ * kept in the process: two contexts can be used from two threads at the same time (one
+ * context by one thread at a time). Calls are asynchronous on the context's stream:
+ * results are there for the next work on that stream, and for the host after
+ * lm_cuda_ctx_sync / lm_cuda_ctx_download; bad configurations and launch failures are
+ * reported by the call, a fault inside a kernel at the next synchronising call. Device
+ * pointers must be memory of the context's device.
+ *
+ * Errors: LM_ERR_INVALID for a NULL context or a bad configuration (the same checks as
  * lm_kda_validate minus the finiteness scan of device data), LM_ERR_UNSUPPORTED
- * when linmoe was built without CUDA or no device is present, LM_ERR_IO for a
- * CUDA runtime error (message names the call and the CUDA error string).
+ * when linmoe was built without CUDA, LM_ERR_NOMEM when a device buffer does not fit,
+ * LM_ERR_IO for a CUDA runtime error (message names the call and the CUDA error string).
  */
 #ifndef LINMOE_KDA_CUDA_H
 #define LINMOE_KDA_CUDA_H
 
+#include "linmoe/backend.h"
 #include "linmoe/kda.h"
 
 #ifdef __cplusplus
@@ -73,28 +86,32 @@ typedef struct {
  * driver reports none). Never fails. */
 int lm_cuda_device_count(void);
 
-/* The chunked forward on the current device, asynchronous on the default stream (as
- * any CUDA library call: results are there for the next operation on that stream, and
- * for the host after a synchronising call such as lm_cuda_download or
- * cudaDeviceSynchronize; a synchronisation per call stalls the caller's queue: it cost
- * 30-90 us per call in scripts/gpu/bench.sh, docs/perf-notes.md v9). Bad configurations
- * and launch failures are reported here, a fault inside a kernel at the next
- * synchronising call. Scratch is a device workspace kept between calls and grown on
- * demand; calls on the default stream are ordered, so one call's kernels finish before
- * the next one reuses it. At about a sequence-head per SM (N * HV >= 120, V > 64) the
- * recurrence runs on wgmma (kda_inter_wg) and is launched programmatically dependent on
- * the intra-chunk kernel: it starts on a sequence-head once per-block flags in the
- * workspace say that head's chunks are written (the ordering with the caller's stream is
- * unchanged). LINMOE_KDA_CUDA_WGMMA=0 selects the mma.sync recurrence instead,
- * LINMOE_KDA_CUDA_PDL=0 a plain launch (docs/perf-notes.md v11). The mma.sync recurrences
- * (here and in lm_kda_cuda_backward's dh) load each chunk with the tensor copy engine
- * through tensor maps of the workspace; LINMOE_KDA_CUDA_TMA=0 selects cp.async, as does a
- * driver that gives no cuTensorMapEncodeTiled (docs/perf-notes.md v12). */
-lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cuda_inputs *in,
-                                    lm_kda_cuda_outputs *out, lm_error *err);
+/* The chunked forward on ctx's device, asynchronous on ctx's stream (a synchronisation
+ * per call would stall the caller's queue: it cost 30-90 us per call in
+ * scripts/gpu/bench.sh, docs/perf-notes.md v9). Scratch is a device workspace of the
+ * context, kept between calls and grown on demand (a growth synchronises the stream
+ * first); calls on one stream are ordered, so one call's kernels finish before the next
+ * one reuses it. The chunk tables go up through the context's pinned staging
+ * (lm_cuda_ctx_upload), and only when they differ from the last ones at that place. At
+ * about a sequence-head per SM (N * HV >= 120, V > 64) the recurrence runs on wgmma
+ * (kda_inter_wg) and is launched programmatically dependent on the intra-chunk kernel: it
+ * starts on a sequence-head once per-block flags in the workspace say that head's chunks
+ * are written (the ordering with the rest of the stream is unchanged). Context options:
+ * kda.wgmma = 0 selects the mma.sync recurrence instead, kda.pdl = 0 a plain launch
+ * (docs/perf-notes.md v11); kda.bv = 16/32/64/128 forces the recurrences' V slice width
+ * (0: chosen from N * HV); kda.profile = 1 prints per-kernel times on stderr (and
+ * synchronises the stream per call). The mma.sync recurrences (here and in
+ * lm_kda_cuda_backward's dh) load each chunk with the tensor copy engine through tensor
+ * maps of the workspace; kda.tma = 0 selects cp.async, as does a driver that gives no
+ * cuTensorMapEncodeTiled (docs/perf-notes.md v12). */
+lm_status lm_kda_cuda_chunk_forward(lm_cuda_ctx *ctx, lm_kda_config *c,
+                                    const lm_kda_cuda_inputs *in, lm_kda_cuda_outputs *out,
+                                    lm_error *err);
 
-/* Device memory for callers written in C (tests, the op runner, benchmarks):
- * plain cudaMalloc / cudaMemcpy (synchronous). Errors: LM_ERR_NOMEM (allocation),
+/* Stateless device memory helpers on the current device: plain cudaMalloc / cudaMemcpy
+ * (synchronous, legacy default stream). linmoe code and tests use the context's
+ * lm_cuda_ctx_alloc / _upload / _download / _free_mem instead (backend.h), which are
+ * ordered on the context's stream and counted. Errors: LM_ERR_NOMEM (allocation),
  * LM_ERR_IO (copy), LM_ERR_UNSUPPORTED without CUDA. lm_cuda_free(NULL) is a no-op. */
 lm_status lm_cuda_alloc(void **ptr, size_t bytes, lm_error *err);
 void lm_cuda_free(void *ptr);
@@ -102,17 +119,19 @@ lm_status lm_cuda_upload(void *dst, const void *src, size_t bytes, lm_error *err
 lm_status lm_cuda_download(void *dst, const void *src, size_t bytes, lm_error *err);
 
 /* Flat entry point for FFI callers (Python ctypes in scripts/gpu/bench_kda.py, which
- * runs linmoe beside fla in one process on the same torch tensors): the fields of
+ * runs linmoe beside fla in one process on the same torch tensors, on a context made
+ * with lm_cuda_ctx_new_on_stream on torch's current stream): the fields of
  * lm_kda_config as scalars, device pointers as in lm_kda_cuda_inputs/outputs
  * (A_log, dt_bias, h0, ht may be NULL), cu_seqlens a host pointer or NULL, gate an
  * lm_gate_mode, kind an lm_kda_kind, lower_bound 0 = none. Returns the status; on
  * error the message is copied to errbuf (errlen bytes, NUL-terminated). */
-int lm_kda_cuda_forward_flat(int B, int T, int H, int HV, int K, int V, const int64_t *cu_seqlens,
-                             int n_cu_seqlens, int kind, int gate, float lower_bound, float scale,
-                             int use_qk_l2norm_in_kernel, int use_beta_sigmoid_in_kernel,
-                             const void *q, const void *k, const void *v, const void *g,
-                             const void *beta, const float *A_log, const float *dt_bias,
-                             const float *h0, void *o, float *ht, char *errbuf, int errlen);
+int lm_kda_cuda_forward_flat(lm_cuda_ctx *ctx, int B, int T, int H, int HV, int K, int V,
+                             const int64_t *cu_seqlens, int n_cu_seqlens, int kind, int gate,
+                             float lower_bound, float scale, int use_qk_l2norm_in_kernel,
+                             int use_beta_sigmoid_in_kernel, const void *q, const void *k,
+                             const void *v, const void *g, const void *beta, const float *A_log,
+                             const float *dt_bias, const float *h0, void *o, float *ht,
+                             char *errbuf, int errlen);
 
 /* ------------------------------------------------------------------ decode step */
 /* One recurrent step for a batch of sequences (serving), reference/kda.md §1.2, §1.3,
@@ -138,17 +157,18 @@ int lm_kda_cuda_forward_flat(int B, int T, int H, int HV, int K, int V, const in
  * threads per (b, hv, 64 value columns) keeps its state slice in registers. H200,
  * B = 64, H = HV = 32, K = V = 128: 73.8 us per step, 0.86 of the measured
  * device-to-device copy bandwidth (src/ops/cuda/kda_decode.cu has the numbers).
- * Asynchronous on the default stream (a decode step is tens of microseconds; a
+ * Asynchronous on ctx's stream (a decode step is tens of microseconds; a
  * synchronisation per layer would cost as much): bad configurations and launch
  * failures are reported here, a fault inside the kernel at the next synchronising
- * call (lm_cuda_download, cudaDeviceSynchronize). Errors as the chunked forward. */
-lm_status lm_kda_cuda_decode_step(lm_kda_config *c, const lm_kda_cuda_inputs *in, float *state,
-                                  void *o, lm_error *err);
+ * call (lm_cuda_ctx_sync, lm_cuda_ctx_download). No scratch, no host copy. Errors as the
+ * chunked forward. */
+lm_status lm_kda_cuda_decode_step(lm_cuda_ctx *ctx, lm_kda_config *c, const lm_kda_cuda_inputs *in,
+                                  float *state, void *o, lm_error *err);
 
 /* FFI form of lm_kda_cuda_decode_step (same scalar conventions as
  * lm_kda_cuda_forward_flat: scale <= 0 means K^-0.5, lower_bound 0 = none; T is 1). */
-int lm_kda_cuda_decode_flat(int B, int H, int HV, int K, int V, int kind, int gate,
-                            float lower_bound, float scale, int use_qk_l2norm_in_kernel,
+int lm_kda_cuda_decode_flat(lm_cuda_ctx *ctx, int B, int H, int HV, int K, int V, int kind,
+                            int gate, float lower_bound, float scale, int use_qk_l2norm_in_kernel,
                             int use_beta_sigmoid_in_kernel, const void *q, const void *k,
                             const void *v, const void *g, const void *beta, const float *A_log,
                             const float *dt_bias, float *state, void *o, char *errbuf, int errlen);
@@ -164,14 +184,15 @@ int lm_kda_cuda_decode_flat(int B, int H, int HV, int K, int V, int kind, int ga
  * inputs, updating `state` in place each step (the same recurrence as that many
  * tokens with identical inputs), each timed with CUDA events; *ms gets the median
  * step time in milliseconds. When copy_gbs is not NULL, also measures the copy
- * bandwidth of this device in the same call: cudaMemcpy device-to-device of 1 GiB
- * (after one warm-up copy, median of max(iters, 5) copies), counted as 2 GiB of
- * traffic (read + write), in 1e9 bytes/s; it allocates 2 GiB for that and frees it.
- * Synchronous. Errors as lm_kda_cuda_decode_step, plus LM_ERR_INVALID for a bad
+ * bandwidth of this device in the same call: cudaMemcpyAsync device-to-device of 1 GiB
+ * on ctx's stream (after one warm-up copy, median of max(iters, 5) copies), counted as
+ * 2 GiB of traffic (read + write), in 1e9 bytes/s; it allocates 2 GiB for that
+ * (lm_cuda_ctx_alloc) and frees it. Everything on ctx's stream; synchronous (waits for
+ * its events). Errors as lm_kda_cuda_decode_step, plus LM_ERR_INVALID for a bad
  * variant / count / NULL ms and LM_ERR_NOMEM when the copy buffers do not fit. */
-lm_status lm_kda_cuda_decode_bench(lm_kda_config *c, const lm_kda_cuda_inputs *in, float *state,
-                                   void *o, int variant, int warmup, int iters, double *ms,
-                                   double *copy_gbs, lm_error *err);
+lm_status lm_kda_cuda_decode_bench(lm_cuda_ctx *ctx, lm_kda_config *c, const lm_kda_cuda_inputs *in,
+                                   float *state, void *o, int variant, int warmup, int iters,
+                                   double *ms, double *copy_gbs, lm_error *err);
 
 /* ------------------------------------------------------- training forward / backward */
 /* The training forward and its backward (src/ops/cuda/kda_train.cu; the math is
@@ -186,10 +207,13 @@ lm_status lm_kda_cuda_decode_bench(lm_kda_config *c, const lm_kda_cuda_inputs *i
  * factors of q, k and beta, the state at the chunk start (bf16 [128][128]) and v' (bf16
  * [64][128]) and Kg = nk k e^G (bf16 [64][128]): about 161 KB per block (1.3 GB at
  * B*T*H = 524288 token-heads). The cumulative log-decay G is recomputed by the backward
- * from the raw gate. lm_kda_cuda_saved_free keeps the largest freed buffer for the next
- * training forward. The backward uses a second cached scratch buffer of about 129 KB per
- * block (145 KB when V is not a multiple of 8 or do_ not 16-byte aligned) plus
- * 4*B*T*HV*K bytes; its partial gradients between kernels are bf16 (fp32 arithmetic). */
+ * from the raw gate. A saved object belongs to the context of its forward (it remembers
+ * it); lm_kda_cuda_saved_free keeps the largest freed buffer in that context for its next
+ * training forward, so a loop of forward_train / backward / saved_free allocates only in
+ * its first step. The backward uses a second scratch buffer of the context of about 129
+ * KB per block (145 KB when V is not a multiple of 8 or do_ not 16-byte aligned) plus
+ * 4*B*T*HV*K bytes, grown on demand; its partial gradients between kernels are bf16 (fp32
+ * arithmetic). Free every saved object before its context. */
 typedef struct lm_kda_cuda_saved lm_kda_cuda_saved;
 
 /* Upstream gradients in (bf16 do_ [B,T,HV,V], fp32 dht [N,HV,K,V] or NULL = zeros),
@@ -200,7 +224,11 @@ typedef struct lm_kda_cuda_saved lm_kda_cuda_saved;
  * output may be NULL; dA_log / ddt_bias are zeros when the forward had no A_log /
  * dt_bias. Accuracy on the 28-case grid of tests/test_kda_cuda.c against the fp64
  * reference: dq <= 4.2e-3, dk <= 4.7e-3, dv <= 3.8e-3, dh0 <= 2.2e-3, dg <= 6.0e-3,
- * dbeta <= 8.4e-3, ddt_bias <= 4.0e-3 relative RMS error. */
+ * dbeta <= 8.4e-3, ddt_bias <= 4.0e-3 relative RMS error. Reproducibility: dq, dk, dv,
+ * dg (KDA), dh0 are the same bits on every run; dbeta (a shared-memory atomicAdd of the
+ * UT kernel's row sums), dA_log and ddt_bias (float atomicAdd over the chunks), and GDN's
+ * dg (atomic per-token sums) may differ in the last bits between runs, whatever the
+ * context's "deterministic" option says. */
 typedef struct {
     const void *do_;
     const float *dht;
@@ -209,27 +237,33 @@ typedef struct {
 } lm_kda_cuda_grads;
 
 /* The forward of lm_kda_cuda_chunk_forward (same outputs) that also fills *saved
- * (allocated here; free with lm_kda_cuda_saved_free) for lm_kda_cuda_backward.
- * Asynchronous on the default stream, as lm_kda_cuda_chunk_forward. Errors as
- * lm_kda_cuda_chunk_forward, plus LM_ERR_NOMEM when the saved tensors do not fit; on
- * any error *saved is NULL. */
-lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cuda_inputs *in,
-                                    lm_kda_cuda_outputs *out, lm_kda_cuda_saved **saved,
-                                    lm_error *err);
+ * (allocated here, from ctx's spare buffer when it is large enough; free with
+ * lm_kda_cuda_saved_free) for lm_kda_cuda_backward on the same context. Asynchronous on
+ * ctx's stream, as lm_kda_cuda_chunk_forward. Errors as lm_kda_cuda_chunk_forward, plus
+ * LM_ERR_NOMEM when the saved tensors do not fit; on any error *saved is NULL. */
+lm_status lm_kda_cuda_forward_train(lm_cuda_ctx *ctx, lm_kda_config *c,
+                                    const lm_kda_cuda_inputs *in, lm_kda_cuda_outputs *out,
+                                    lm_kda_cuda_saved **saved, lm_error *err);
 
 /* Backward of sum(o*do) + sum(final_state*dht) (reference/kda.md §4.1, docs/kda-math.md).
- * May be called more than once on the same saved state. Asynchronous on the default
- * stream, as lm_kda_cuda_chunk_forward (one of its kernels runs on an internal stream
- * beside another, ordered by events after the work queued before the call and before the
- * work queued after it). Errors: LM_ERR_INVALID (NULL saved / grads / do_), LM_ERR_NOMEM
- * (scratch), LM_ERR_IO (CUDA). */
-lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda_cuda_grads *gr,
-                               lm_error *err);
+ * May be called more than once on the same saved state. ctx must be the context of the
+ * forward that made `saved`. Asynchronous on ctx's stream, as lm_kda_cuda_chunk_forward
+ * (every kernel on that one stream). Errors: LM_ERR_INVALID (NULL saved / grads / do_, or
+ * another context than the forward's), LM_ERR_NOMEM (scratch), LM_ERR_IO (CUDA). */
+lm_status lm_kda_cuda_backward(lm_cuda_ctx *ctx, lm_kda_cuda_saved *saved,
+                               const lm_kda_cuda_grads *gr, lm_error *err);
 
-void lm_kda_cuda_saved_free(lm_kda_cuda_saved *saved);
+/* Frees `saved` (NULL is a no-op); its device buffer becomes the context's spare for the
+ * next training forward when it is the largest one freed, and is freed otherwise (after a
+ * synchronisation of the stream). `ctx` is the context of the forward, or NULL for the one
+ * `saved` remembers (another context is not used: the remembered one is). */
+void lm_kda_cuda_saved_free(lm_cuda_ctx *ctx, lm_kda_cuda_saved *saved);
 
-/* Frees the cached device workspace (optional; at exit the driver frees it). */
-void lm_kda_cuda_release(void);
+/* Frees the KDA buffers of ctx (forward workspace, spare saved buffer, backward scratch,
+ * chunk-table cache) after synchronising its stream; the next call allocates again.
+ * Optional: lm_cuda_ctx_free frees them too. Saved objects still alive keep their own
+ * buffers. NULL is a no-op. */
+void lm_kda_cuda_release(lm_cuda_ctx *ctx);
 
 #ifdef __cplusplus
 }

@@ -51,7 +51,10 @@ an earlier run; budget about 2-3 minutes cold), --quick less.
 
 The linmoe training rows go through the struct entry points of include/linmoe/kda_cuda.h
 (lm_kda_config, lm_kda_cuda_inputs/outputs/grads and lm_error mirrored with ctypes
-below; keep them in step with kda.h / kda_cuda.h / core.h).
+below; keep them in step with kda.h / kda_cuda.h / core.h). Every linmoe call runs on one
+lm_cuda_ctx made with lm_cuda_ctx_new_on_stream on torch's current stream (the default
+stream here, as triton's do_bench times it), so linmoe and the peers queue on the same
+stream; it is freed at the end (lm_cuda_ctx_free).
 """
 
 import argparse
@@ -135,17 +138,43 @@ class Linmoe:
             self.lib = ctypes.CDLL(path)
         except OSError as e:
             self.why = f"{path}: {e}"
-        self.fwd = self._sym("lm_kda_cuda_forward_flat", [I] * 6 + [P, I, I, I, F, F, I, I] +
-                             [P] * 10 + [ctypes.c_char_p, I])
-        self.decode = self._sym("lm_kda_cuda_decode_flat", [I] * 7 + [F, F, I, I] + [P] * 9 +
-                                [ctypes.c_char_p, I])
+        self.fwd = self._sym("lm_kda_cuda_forward_flat", [P] + [I] * 6 +
+                             [P, I, I, I, F, F, I, I] + [P] * 10 + [ctypes.c_char_p, I])
+        self.decode = self._sym("lm_kda_cuda_decode_flat", [P] + [I] * 7 + [F, F, I, I] +
+                                [P] * 9 + [ctypes.c_char_p, I])
         self.fwd_train = self._sym("lm_kda_cuda_forward_train",
-                                   [ctypes.POINTER(LmKdaConfig), ctypes.POINTER(LmCudaInputs),
+                                   [P, ctypes.POINTER(LmKdaConfig), ctypes.POINTER(LmCudaInputs),
                                     ctypes.POINTER(LmCudaOutputs), ctypes.POINTER(P),
                                     ctypes.POINTER(LmError)])
-        self.bwd = self._sym("lm_kda_cuda_backward", [P, ctypes.POINTER(LmCudaGrads),
+        self.bwd = self._sym("lm_kda_cuda_backward", [P, P, ctypes.POINTER(LmCudaGrads),
                                                        ctypes.POINTER(LmError)])
-        self.saved_free = self._sym("lm_kda_cuda_saved_free", [P], None)
+        self.saved_free = self._sym("lm_kda_cuda_saved_free", [P, P], None)
+        self.ctx_new = self._sym("lm_cuda_ctx_new_on_stream",
+                                 [ctypes.POINTER(P), I, P, ctypes.POINTER(LmError)])
+        self.ctx_free = self._sym("lm_cuda_ctx_free", [P], None)
+        # one context for every call, on torch's current stream (kda_cuda.h: the entry points
+        # take it first)
+        self.ctx = None
+        if self.ctx_new is None or self.ctx_free is None:
+            if self.lib is not None:
+                self.why = f"{os.path.basename(path)} has no lm_cuda_ctx_new_on_stream"
+            self.fwd = self.decode = self.fwd_train = self.bwd = self.saved_free = None
+        else:
+            ctx, err = P(), LmError()
+            st = self.ctx_new(ctypes.byref(ctx), torch.cuda.current_device(),
+                              torch.cuda.current_stream().cuda_stream or None, ctypes.byref(err))
+            if st != 0:
+                self.why = f"lm_cuda_ctx_new_on_stream: status {st}: " \
+                           f"{err.msg.decode(errors='replace')}"
+                self.fwd = self.decode = self.fwd_train = self.bwd = self.saved_free = None
+            else:
+                self.ctx = ctx
+
+    def close(self):
+        """Frees the context (synchronises its stream first)."""
+        if self.ctx is not None:
+            self.ctx_free(self.ctx)
+            self.ctx = None
 
     def _sym(self, name, argtypes, restype=I):
         if self.lib is None:
@@ -165,7 +194,7 @@ class Linmoe:
             raise RuntimeError(f"{name}: status {st}: {msg}")
 
     def need(self, *names):
-        if self.lib is None:
+        if self.lib is None or self.ctx is None:
             raise NotBuilt(self.why)
         for n in names:
             if getattr(self, n) is None:
@@ -175,7 +204,7 @@ class Linmoe:
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         buf = ctypes.create_string_buffer(512)
-        st = self.fwd(B, T, H, HV, K, V, None, 0, 0, gate, LB if gate == GATE_BOUNDED else 0.0,
+        st = self.fwd(self.ctx, B, T, H, HV, K, V, None, 0, 0, gate, LB if gate == GATE_BOUNDED else 0.0,
                       0.0, 1, 1, ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ptr(A_log),
                       ptr(dt_bias), None, ptr(o), ptr(ht), buf, 512)
         self._check("lm_kda_cuda_forward_flat", st, buf.value.decode())
@@ -184,7 +213,7 @@ class Linmoe:
         B, _, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         buf = ctypes.create_string_buffer(512)
-        st = self.decode(B, H, HV, K, V, 0, GATE_BOUNDED, LB, 0.0, 1, 1, ptr(q), ptr(k), ptr(v),
+        st = self.decode(self.ctx, B, H, HV, K, V, 0, GATE_BOUNDED, LB, 0.0, 1, 1, ptr(q), ptr(k), ptr(v),
                          ptr(g), ptr(beta), ptr(A_log), ptr(dt_bias), ptr(state), ptr(o), buf, 512)
         self._check("lm_kda_cuda_decode_flat", st, buf.value.decode())
 
@@ -222,23 +251,23 @@ class LinmoeTrain:
 
     def _forward(self):
         saved = P()
-        st = self.lm.fwd_train(ctypes.byref(self.cfg), ctypes.byref(self.ins),
+        st = self.lm.fwd_train(self.lm.ctx, ctypes.byref(self.cfg), ctypes.byref(self.ins),
                                ctypes.byref(self.outs), ctypes.byref(saved), ctypes.byref(self.err))
         if st != 0:
-            self.lm.saved_free(saved)
+            self.lm.saved_free(self.lm.ctx, saved)
             Linmoe._check("lm_kda_cuda_forward_train", st, self.err.msg.decode(errors="replace"))
         return saved
 
     def forward(self):
-        self.lm.saved_free(self._forward())
+        self.lm.saved_free(self.lm.ctx, self._forward())
 
     def forward_backward(self):
         saved = self._forward()
         try:
-            st = self.lm.bwd(saved, ctypes.byref(self.gr), ctypes.byref(self.err))
+            st = self.lm.bwd(self.lm.ctx, saved, ctypes.byref(self.gr), ctypes.byref(self.err))
             Linmoe._check("lm_kda_cuda_backward", st, self.err.msg.decode(errors="replace"))
         finally:
-            self.lm.saved_free(saved)
+            self.lm.saved_free(self.lm.ctx, saved)
 
 
 # --------------------------------------------------------------- FlashKDA (ctypes)
@@ -592,6 +621,7 @@ def main():
                 d[f"{name}_gbs"] = nbytes / (t * 1e-3) / 1e9
                 d[f"{name}_of_copy"] = d[f"{name}_gbs"] / gbs
     print_decode(d, flush=True)
+    lm.close()
     out["ok"] = bool(ok)
     out["wall_s"] = time.time() - t_start
     save()

@@ -1,6 +1,8 @@
 # Sourced (not run) by the GPU-machine scripts (test.sh, bench.sh, bench-c.sh), from
 # the repository root: puts on LD_LIBRARY_PATH what the packed binaries load.
 #   $LINMOE_GPU_DIR/lib   what scripts/gpu/pack.sh copied (default build-gpu/lib)
+#   cuDNN                 not packed either (the engines are 250+ MB): torch's pip wheel
+#                         nvidia-cudnn-cu13 has libcudnn.so.9 and its sub-libraries
 #   cuBLAS                not packed (libcublas + libcublasLt are 600 MB): the GPU
 #                         image has it twice, in torch's pip wheels (nvidia/.../lib) and
 #                         in the CUDA toolkit (/usr/local/cuda/lib64). The pip copy
@@ -16,10 +18,14 @@ try:
     import nvidia  # namespace package of the nvidia-* wheels
 except Exception:
     raise SystemExit(0)
-for root in list(getattr(nvidia, "__path__", [])):
-    for f in sorted(glob.glob(os.path.join(root, "**", "libcublas.so*"), recursive=True)):
-        print(os.path.dirname(f))
-        raise SystemExit(0)
+dirs = []
+for lib in ("libcublas.so*", "libcudnn.so*"):
+    for root in list(getattr(nvidia, "__path__", [])):
+        hits = sorted(glob.glob(os.path.join(root, "**", lib), recursive=True))
+        if hits:
+            dirs.append(os.path.dirname(hits[0]))
+            break
+print(":".join(dirs))
 PY
 )"
     [ -n "$lm_pip_cublas" ] && lm_gpu_libpath="$lm_gpu_libpath:$lm_pip_cublas"

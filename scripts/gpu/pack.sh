@@ -11,22 +11,22 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${LINMOE_GPU_DIR:-build-gpu}"
-cmake -S . -B "$OUT/cmake" -DCMAKE_BUILD_TYPE=Release -DLINMOE_NATIVE=OFF >/dev/null
-cmake --build "$OUT/cmake" -j "$(nproc)" --target linmoe_cli test_kda_cuda test_kda_decode_cuda >/dev/null
+BINS=(linmoe test_kda_cuda test_kda_decode_cuda test_cuda_ctx test_backend_ops)
+cmake -S . -B "$OUT/cmake" -DCMAKE_BUILD_TYPE=Release -DLINMOE_NATIVE=OFF -DLINMOE_FFI=ON >/dev/null
+cmake --build "$OUT/cmake" -j "$(nproc)" --target linmoe_cli test_kda_cuda test_kda_decode_cuda \
+    test_cuda_ctx test_backend_ops linmoe_ffi >/dev/null
 mkdir -p "$OUT/lib"
-cp "$OUT/cmake/linmoe" "$OUT/cmake/test_kda_cuda" "$OUT/cmake/test_kda_decode_cuda" "$OUT/"
-for bin in "$OUT/linmoe" "$OUT/test_kda_cuda" "$OUT/test_kda_decode_cuda"; do
+for b in "${BINS[@]}"; do cp "$OUT/cmake/$b" "$OUT/"; done
+# the FFI library (scripts/gpu/bench_kda.py, bench_ops.py: linmoe beside PyTorch / fla in one
+# process): the whole library and `bench ops` in one shared object
+cp "$OUT/cmake/liblinmoe_ffi.so" "$OUT/liblinmoe_cuda.so"
+for bin in "${BINS[@]/#/$OUT/}" "$OUT/liblinmoe_cuda.so"; do
     ldd "$bin" | awk '/=> \//{print $3}' | while read -r lib; do
         case "$(basename "$lib")" in
             libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libstdc++*|libgcc_s*) ;;
-            libcublas*|libcublasLt*|libcudart*) ;; # on the GPU machine (scripts/gpu/libpath.sh)
+            libcublas*|libcublasLt*|libcudart*|libcudnn*) ;; # on the GPU machine (scripts/gpu/libpath.sh)
             *) cp -L "$lib" "$OUT/lib/" ;;
         esac
     done
 done
-du -sh "$OUT/linmoe" "$OUT/test_kda_cuda" "$OUT/test_kda_decode_cuda" "$OUT/lib"
-# the FFI library for scripts/gpu/bench_kda.py (linmoe beside fla in one process):
-# every CUDA source (kernels and the benchmark helpers, which use cuBLAS)
-nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC -gencode arch=compute_90a,code=sm_90a -Iinclude -Isrc \
-    src/ops/cuda/*.cu src/core/errors.c -lcublas -o "$OUT/liblinmoe_cuda.so"
-ls -la "$OUT/liblinmoe_cuda.so"
+du -sh "${BINS[@]/#/$OUT/}" "$OUT/liblinmoe_cuda.so" "$OUT/lib"

@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
 # Run the CUDA tests on the GPU machine (after scripts/gpu/pack.sh here; the device
-# tool carries build-gpu/). Prints the per-case errors and cmocka's summary.
+# tool carries build-gpu/): the KDA grid and decode tests, the context test (two contexts
+# on two threads, no allocation in steady state) and test_backend_ops (every op against
+# the CPU reference; its table goes to $OUT/backend_ops.txt when $OUT is set).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-source scripts/gpu/libpath.sh # $LINMOE_GPU_DIR/lib, cuBLAS (pip wheels, /usr/local/cuda)
+source scripts/gpu/libpath.sh # $LINMOE_GPU_DIR/lib, cuBLAS / cuDNN (pip wheels, /usr/local/cuda)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-"$LINMOE_GPU_DIR/test_kda_cuda"
-rc=$?
-"$LINMOE_GPU_DIR/test_kda_decode_cuda" || rc=1
+log="${OUT:-/tmp}"
+rc=0
+for t in test_kda_cuda test_kda_decode_cuda test_cuda_ctx; do
+    "$LINMOE_GPU_DIR/$t" >"$log/$t.log" 2>&1
+    r=$?
+    echo "$t: exit $r ($(grep -cE '^\[ *(OK|PASSED) *\]' "$log/$t.log") ok lines)"
+    [ $r -ne 0 ] && { rc=1; tail -30 "$log/$t.log"; }
+done
+"$LINMOE_GPU_DIR/test_backend_ops" "$@" >"$log/backend_ops.txt" 2>&1 || rc=1
+cat "$log/backend_ops.txt"
 exit $rc

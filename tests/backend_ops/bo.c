@@ -33,8 +33,8 @@ int bo_check(bo_ctx *c, const char *op, const char *dtype, const char *shape, co
 }
 
 int bo_fail(bo_ctx *c, const char *op, const char *shape, const lm_error *e) {
-    printf("| %-14s | %-5s | %-34s | %-10s | %9s | %6s | FAIL: %s |\n", op, "-", shape, "-", "-", "-",
-           e ? e->msg : "(no message)");
+    printf("| %-14s | %-5s | %-34s | %-10s | %9s | %6s | FAIL: %s |\n", op, "-", shape, "-", "-",
+           "-", e ? e->msg : "(no message)");
     fflush(stdout);
     c->rows++;
     c->failed++;

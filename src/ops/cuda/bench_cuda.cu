@@ -10,6 +10,7 @@
 
 #include "linmoe/cuda_bench.h"
 #include "linmoe/kda_cuda.h"
+#include "ops/cuda/ctx.cuh"
 
 namespace {
 
@@ -76,7 +77,7 @@ unsigned grid_for(int64_t n) {
 }
 
 template <typename T>
-lm_status count_nonfinite(const T *x, int64_t n, int64_t *count, lm_error *err) {
+lm_status count_nonfinite(lm_cuda_ctx *ctx, const T *x, int64_t n, int64_t *count, lm_error *err) {
     if (!count || (n > 0 && !x) || n < 0)
         return lm_errorf(err, LM_ERR_INVALID,
                          "cuda bench: count_nonfinite: bad arguments (n = %lld)", (long long)n);
@@ -89,11 +90,13 @@ lm_status count_nonfinite(const T *x, int64_t n, int64_t *count, lm_error *err) 
         return cuda_fail(err, e, "cudaMalloc(counter)");
     e = cudaMemset(d, 0, sizeof(*d));
     if (e == cudaSuccess) {
-        count_nonfinite_kernel<T><<<grid_for(n), 256>>>(x, n, d);
+        count_nonfinite_kernel<T><<<grid_for(n), 256, 0, ctx->stream>>>(x, n, d);
         e = cudaGetLastError();
     }
     if (e == cudaSuccess)
-        e = cudaMemcpy(&h, d, sizeof(h), cudaMemcpyDeviceToHost);
+        e = cudaMemcpyAsync(&h, d, sizeof(h), cudaMemcpyDeviceToHost, ctx->stream);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(ctx->stream);
     cudaFree(d);
     if (e != cudaSuccess)
         return cuda_fail(err, e, "count_nonfinite_kernel");
@@ -115,6 +118,7 @@ double median(double *a, int n) {
 
 struct lm_cuda_timer {
     cudaEvent_t start, stop;
+    cudaStream_t stream;
 };
 
 extern "C" int lm_cuda_built(void) { return 1; }
@@ -142,50 +146,48 @@ extern "C" lm_status lm_cuda_device_info(char *name, size_t size, int *sm_count,
     return LM_OK;
 }
 
-extern "C" lm_status lm_cuda_fill_normal_bf16(void *dst, int64_t n, uint64_t seed, float mean,
-                                              float std, lm_error *err) {
+extern "C" lm_status lm_cuda_fill_normal_bf16(lm_cuda_ctx *ctx, void *dst, int64_t n, uint64_t seed,
+                                              float mean, float std, lm_error *err) {
     if (n < 0 || (n > 0 && !dst))
         return lm_errorf(err, LM_ERR_INVALID,
                          "cuda bench: fill_normal_bf16: bad arguments (n = %lld)", (long long)n);
     if (n == 0)
         return LM_OK;
-    fill_normal_bf16_kernel<<<grid_for(n), 256>>>((__nv_bfloat16 *)dst, n, seed, mean, std);
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    fill_normal_bf16_kernel<<<grid_for(n), 256, 0, ctx->stream>>>((__nv_bfloat16 *)dst, n, seed,
+                                                                  mean, std);
     cudaError_t e = cudaGetLastError();
-    if (e == cudaSuccess)
-        e = cudaDeviceSynchronize();
     return e == cudaSuccess ? LM_OK : cuda_fail(err, e, "fill_normal_bf16_kernel");
 }
 
-extern "C" lm_status lm_cuda_fill_normal_f32(float *dst, int64_t n, uint64_t seed, float mean,
-                                             float std, lm_error *err) {
+extern "C" lm_status lm_cuda_fill_normal_f32(lm_cuda_ctx *ctx, float *dst, int64_t n, uint64_t seed,
+                                             float mean, float std, lm_error *err) {
     if (n < 0 || (n > 0 && !dst))
         return lm_errorf(err, LM_ERR_INVALID,
                          "cuda bench: fill_normal_f32: bad arguments (n = %lld)", (long long)n);
     if (n == 0)
         return LM_OK;
-    fill_normal_f32_kernel<<<grid_for(n), 256>>>(dst, n, seed, mean, std);
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    fill_normal_f32_kernel<<<grid_for(n), 256, 0, ctx->stream>>>(dst, n, seed, mean, std);
     cudaError_t e = cudaGetLastError();
-    if (e == cudaSuccess)
-        e = cudaDeviceSynchronize();
     return e == cudaSuccess ? LM_OK : cuda_fail(err, e, "fill_normal_f32_kernel");
 }
 
-extern "C" lm_status lm_cuda_count_nonfinite_bf16(const void *x, int64_t n, int64_t *count,
-                                                  lm_error *err) {
-    return count_nonfinite((const __nv_bfloat16 *)x, n, count, err);
+extern "C" lm_status lm_cuda_count_nonfinite_bf16(lm_cuda_ctx *ctx, const void *x, int64_t n,
+                                                  int64_t *count, lm_error *err) {
+    return count_nonfinite(ctx, (const __nv_bfloat16 *)x, n, count, err);
 }
 
-extern "C" lm_status lm_cuda_count_nonfinite_f32(const float *x, int64_t n, int64_t *count,
-                                                 lm_error *err) {
-    return count_nonfinite(x, n, count, err);
+extern "C" lm_status lm_cuda_count_nonfinite_f32(lm_cuda_ctx *ctx, const float *x, int64_t n,
+                                                 int64_t *count, lm_error *err) {
+    return count_nonfinite(ctx, x, n, count, err);
 }
 
-extern "C" lm_status lm_cuda_timer_new(lm_cuda_timer **t, lm_error *err) {
+extern "C" lm_status lm_cuda_timer_new(lm_cuda_ctx *ctx, lm_cuda_timer **t, lm_error *err) {
     if (!t)
         return lm_errorf(err, LM_ERR_INVALID, "cuda bench: timer_new: NULL timer pointer");
     *t = nullptr;
-    if (lm_cuda_device_count() < 1)
-        return no_device(err);
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
     lm_cuda_timer *p = (lm_cuda_timer *)calloc(1, sizeof(*p));
     if (!p)
         return lm_errorf(err, LM_ERR_NOMEM, "cuda bench: timer_new: out of host memory");
@@ -200,6 +202,7 @@ extern "C" lm_status lm_cuda_timer_new(lm_cuda_timer **t, lm_error *err) {
         free(p);
         return cuda_fail(err, e, "cudaEventCreate");
     }
+    p->stream = ctx->stream;
     *t = p;
     return LM_OK;
 }
@@ -207,7 +210,7 @@ extern "C" lm_status lm_cuda_timer_new(lm_cuda_timer **t, lm_error *err) {
 extern "C" lm_status lm_cuda_timer_start(lm_cuda_timer *t, lm_error *err) {
     if (!t)
         return lm_errorf(err, LM_ERR_INVALID, "cuda bench: timer_start: NULL timer");
-    cudaError_t e = cudaEventRecord(t->start, 0);
+    cudaError_t e = cudaEventRecord(t->start, t->stream);
     return e == cudaSuccess ? LM_OK : cuda_fail(err, e, "cudaEventRecord(start)");
 }
 
@@ -215,7 +218,7 @@ extern "C" lm_status lm_cuda_timer_stop(lm_cuda_timer *t, double *ms, lm_error *
     if (!t || !ms)
         return lm_errorf(err, LM_ERR_INVALID, "cuda bench: timer_stop: NULL timer or ms");
     float f = 0;
-    cudaError_t e = cudaEventRecord(t->stop, 0);
+    cudaError_t e = cudaEventRecord(t->stop, t->stream);
     if (e == cudaSuccess)
         e = cudaEventSynchronize(t->stop);
     if (e == cudaSuccess)
@@ -255,7 +258,7 @@ extern "C" void lm_cuda_timer_free(lm_cuda_timer *t) {
         }                                                                                          \
     } while (0)
 
-static lm_status measure_gemm(int repeat, lm_cuda_limits *lim, lm_error *err) {
+static lm_status measure_gemm(lm_cuda_ctx *ctx, int repeat, lm_cuda_limits *lim, lm_error *err) {
     const int n = 8192;
     const size_t nn = (size_t)n * n;
     const float alpha = 1.0f, beta = 0.0f;
@@ -270,19 +273,20 @@ static lm_status measure_gemm(int repeat, lm_cuda_limits *lim, lm_error *err) {
     CKL(cudaMalloc(&B, nn * 2), "cudaMalloc(GEMM B, 128 MiB)");
     CKL(cudaMalloc(&C, nn * 2), "cudaMalloc(GEMM C, 128 MiB)");
     /* random normal operands: the GEMM's power draw, hence its clock, depends on the data */
-    if ((st = lm_cuda_fill_normal_bf16(A, (int64_t)nn, 101, 0.0f, 1.0f, err)) != LM_OK ||
-        (st = lm_cuda_fill_normal_bf16(B, (int64_t)nn, 102, 0.0f, 1.0f, err)) != LM_OK)
+    if ((st = lm_cuda_fill_normal_bf16(ctx, A, (int64_t)nn, 101, 0.0f, 1.0f, err)) != LM_OK ||
+        (st = lm_cuda_fill_normal_bf16(ctx, B, (int64_t)nn, 102, 0.0f, 1.0f, err)) != LM_OK)
         goto done;
     CKB(cublasCreate(&h), "cublasCreate");
+    CKB(cublasSetStream(h, ctx->stream), "cublasSetStream");
     CKL(cudaEventCreate(&e0), "cudaEventCreate");
     CKL(cudaEventCreate(&e1), "cudaEventCreate");
     for (int i = 0; i < 3 + repeat; i++) {
-        CKL(cudaEventRecord(e0, 0), "cudaEventRecord");
+        CKL(cudaEventRecord(e0, ctx->stream), "cudaEventRecord");
         CKB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, A, CUDA_R_16BF, n, B,
                          CUDA_R_16BF, n, &beta, C, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
                          CUBLAS_GEMM_DEFAULT),
             "cublasGemmEx(bf16 8192^3, fp32 accumulation)");
-        CKL(cudaEventRecord(e1, 0), "cudaEventRecord");
+        CKL(cudaEventRecord(e1, ctx->stream), "cudaEventRecord");
         CKL(cudaEventSynchronize(e1), "cudaEventSynchronize(GEMM)");
         float f = 0;
         CKL(cudaEventElapsedTime(&f, e0, e1), "cudaEventElapsedTime");
@@ -306,7 +310,7 @@ done:
     return st;
 }
 
-static lm_status measure_copy(int repeat, lm_cuda_limits *lim, lm_error *err) {
+static lm_status measure_copy(lm_cuda_ctx *ctx, int repeat, lm_cuda_limits *lim, lm_error *err) {
     const size_t bytes = (size_t)2 << 30;
     lm_status st = LM_OK;
     void *src = nullptr, *dst = nullptr;
@@ -321,9 +325,10 @@ static lm_status measure_copy(int repeat, lm_cuda_limits *lim, lm_error *err) {
     CKL(cudaEventCreate(&e0), "cudaEventCreate");
     CKL(cudaEventCreate(&e1), "cudaEventCreate");
     for (int i = 0; i < 1 + repeat; i++) {
-        CKL(cudaEventRecord(e0, 0), "cudaEventRecord");
-        CKL(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy(2 GiB, D2D)");
-        CKL(cudaEventRecord(e1, 0), "cudaEventRecord");
+        CKL(cudaEventRecord(e0, ctx->stream), "cudaEventRecord");
+        CKL(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ctx->stream),
+            "cudaMemcpy(2 GiB, D2D)");
+        CKL(cudaEventRecord(e1, ctx->stream), "cudaEventRecord");
         CKL(cudaEventSynchronize(e1), "cudaEventSynchronize(copy)");
         float f = 0;
         CKL(cudaEventElapsedTime(&f, e0, e1), "cudaEventElapsedTime");
@@ -344,16 +349,16 @@ done:
     return st;
 }
 
-extern "C" lm_status lm_cuda_measure_limits(int repeat, lm_cuda_limits *lim, lm_error *err) {
+extern "C" lm_status lm_cuda_measure_limits(lm_cuda_ctx *ctx, int repeat, lm_cuda_limits *lim,
+                                            lm_error *err) {
     if (!lim || repeat < 1)
         return lm_errorf(
             err, LM_ERR_INVALID,
             "cuda bench: measure_limits: lim must be non-NULL and repeat >= 1 (got %d)", repeat);
     memset(lim, 0, sizeof(*lim));
-    if (lm_cuda_device_count() < 1)
-        return no_device(err);
-    lm_status st = measure_gemm(repeat, lim, err);
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    lm_status st = measure_gemm(ctx, repeat, lim, err);
     if (st == LM_OK)
-        st = measure_copy(repeat, lim, err);
+        st = measure_copy(ctx, repeat, lim, err);
     return st;
 }

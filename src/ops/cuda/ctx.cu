@@ -62,8 +62,9 @@ static lm_status ctx_init(lm_cuda_ctx *c, int device, void *stream, bool own, lm
     if (n == 0)
         return lm_errorf(err, LM_ERR_UNSUPPORTED, "cuda: no CUDA device (the driver reports none)");
     if (device < 0 || device >= n)
-        return lm_errorf(err, LM_ERR_UNSUPPORTED, "cuda: device cuda:%d is not present (%d device%s)",
-                         device, n, n == 1 ? "" : "s");
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "cuda: device cuda:%d is not present (%d device%s)", device, n,
+                         n == 1 ? "" : "s");
     c->device = device;
     c->kda_wgmma = c->kda_pdl = c->kda_tma = 1;
     c->deterministic = 1;
@@ -144,7 +145,9 @@ extern "C" void lm_cuda_ctx_free(lm_cuda_ctx *c) {
 }
 
 extern "C" int lm_cuda_ctx_device(const lm_cuda_ctx *ctx) { return ctx ? ctx->device : -1; }
-extern "C" void *lm_cuda_ctx_stream(const lm_cuda_ctx *ctx) { return ctx ? (void *)ctx->stream : nullptr; }
+extern "C" void *lm_cuda_ctx_stream(const lm_cuda_ctx *ctx) {
+    return ctx ? (void *)ctx->stream : nullptr;
+}
 
 extern "C" lm_status lm_cuda_ctx_sync(lm_cuda_ctx *ctx, lm_error *err) {
     LM_TRY(lm_cuda_ctx_enter(ctx, err));
@@ -177,7 +180,9 @@ extern "C" void lm_cuda_ctx_free_mem(lm_cuda_ctx *ctx, void *ptr) {
     cudaFree(ptr);
 }
 
-extern "C" uint64_t lm_cuda_ctx_alloc_count(const lm_cuda_ctx *ctx) { return ctx ? ctx->n_alloc : 0; }
+extern "C" uint64_t lm_cuda_ctx_alloc_count(const lm_cuda_ctx *ctx) {
+    return ctx ? ctx->n_alloc : 0;
+}
 
 lm_status lm_cuda_ctx_scratch(lm_cuda_ctx *ctx, int slot, size_t bytes, void **ptr, lm_error *err) {
     LM_CHECK(slot >= 0 && slot < LM_SCRATCH_COUNT);
@@ -217,7 +222,8 @@ extern "C" lm_status lm_cuda_ctx_upload(lm_cuda_ctx *ctx, void *dst, const void 
     if (bytes == 0)
         return LM_OK;
     if (!dst || !src)
-        return lm_errorf(err, LM_ERR_INVALID, "cuda: upload of %zu bytes with a NULL pointer", bytes);
+        return lm_errorf(err, LM_ERR_INVALID, "cuda: upload of %zu bytes with a NULL pointer",
+                         bytes);
     if (ctx->pinned_used + bytes > ctx->pinned_cap) {
         /* every earlier staged copy is done once the last one is */
         if (ctx->pinned_pending)
@@ -252,13 +258,14 @@ extern "C" lm_status lm_cuda_ctx_upload(lm_cuda_ctx *ctx, void *dst, const void 
     return LM_OK;
 }
 
-extern "C" lm_status lm_cuda_ctx_download(lm_cuda_ctx *ctx, void *dst, const void *src, size_t bytes,
-                                          lm_error *err) {
+extern "C" lm_status lm_cuda_ctx_download(lm_cuda_ctx *ctx, void *dst, const void *src,
+                                          size_t bytes, lm_error *err) {
     LM_TRY(lm_cuda_ctx_enter(ctx, err));
     if (bytes == 0)
         return LM_OK;
     if (!dst || !src)
-        return lm_errorf(err, LM_ERR_INVALID, "cuda: download of %zu bytes with a NULL pointer", bytes);
+        return lm_errorf(err, LM_ERR_INVALID, "cuda: download of %zu bytes with a NULL pointer",
+                         bytes);
     LM_CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, ctx->stream));
     LM_CK(cudaStreamSynchronize(ctx->stream));
     return LM_OK;
@@ -278,13 +285,14 @@ extern "C" lm_status lm_cuda_ctx_set_option(lm_cuda_ctx *ctx, const char *key, i
     if (!ctx)
         return lm_errorf(err, LM_ERR_INVALID, "cuda: set_option on a NULL context");
     if (!o)
-        return lm_errorf(err, LM_ERR_INVALID, "cuda: unknown context option '%s'", key ? key : "(null)");
+        return lm_errorf(err, LM_ERR_INVALID, "cuda: unknown context option '%s'",
+                         key ? key : "(null)");
     bool ok = value >= o->lo && value <= o->hi;
     if (strcmp(o->key, "kda.bv") == 0)
         ok = value == 0 || value == 16 || value == 32 || value == 64 || value == 128;
     if (!ok)
-        return lm_errorf(err, LM_ERR_INVALID, "cuda: context option '%s': value %d out of range", key,
-                         value);
+        return lm_errorf(err, LM_ERR_INVALID, "cuda: context option '%s': value %d out of range",
+                         key, value);
     ctx->*(o->field) = value;
     return LM_OK;
 }

@@ -104,7 +104,8 @@ bool lm_cuda_ctx_first_use(lm_cuda_ctx *ctx, const void *kernel);
 
 /* The op family's per-context state, NULL until set. */
 inline void *lm_cuda_ctx_state(lm_cuda_ctx *ctx, lm_cuda_slot s) { return ctx->ops[s].p; }
-inline void lm_cuda_ctx_set_state(lm_cuda_ctx *ctx, lm_cuda_slot s, void *p, void (*destroy)(void *)) {
+inline void lm_cuda_ctx_set_state(lm_cuda_ctx *ctx, lm_cuda_slot s, void *p,
+                                  void (*destroy)(void *)) {
     ctx->ops[s].p = p;
     ctx->ops[s].destroy = destroy;
 }
@@ -124,7 +125,8 @@ template <typename T> T *lm_cuda_ctx_get(lm_cuda_ctx *ctx, lm_cuda_slot s) {
 inline int lm_cuda_grid(const lm_cuda_ctx *ctx, int64_t n, int threads = 256) {
     int64_t b = (n + threads - 1) / threads;
     const int64_t cap = (int64_t)ctx->sm_count * 8;
-    if (b > cap) b = cap;
+    if (b > cap)
+        b = cap;
     return b < 1 ? 1 : (int)b;
 }
 

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "linmoe/kda_cuda.h"
+#include "ops/cuda/ctx.cuh"
 
 #define BT 64    /* chunk */
 #define KD 128   /* K and V padded to this */
@@ -530,67 +531,50 @@ struct KdaSaveBufs {
 
 /* V slice width of the recurrence kernels (forward kda_inter_tc, backward kda_bwd_dh) for
  * nsh = sequences x value heads: the widest of 16 / 32 / 64 that still gives about one CTA
- * per SM (kda_fwd.cu). A 128-wide slice with 16 warps was measured slower at nsh = 128
- * (docs/perf-notes.md). */
-int kda_cuda_bv(int nsh);
+ * per SM (kda_fwd.cu), or the context's kda.bv when set. A 128-wide slice with 16 warps was
+ * measured slower at nsh = 128 (docs/perf-notes.md). */
+int kda_cuda_bv(const lm_cuda_ctx *ctx, int nsh);
 
-/* Per-device one-time set-up (the kernels' shared-memory opt-ins): first is set when the
- * current device differs from last, which is then updated. */
-/* LINMOE_KDA_CUDA_TMA=0 (read once): the recurrences load by cp.async instead of the
- * tensor copy engine (docs/perf-notes.md v12) */
-inline bool kda_cuda_use_tma() {
-    static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("LINMOE_KDA_CUDA_TMA");
-        on = !(e && e[0] == '0');
-    }
-    return on != 0;
-}
-inline cudaError_t kda_cuda_first_on_device(int &last, bool &first) {
-    int dev = 0;
-    const cudaError_t e = cudaGetDevice(&dev);
-    first = e == cudaSuccess && dev != last;
-    if (first)
-        last = dev;
-    return e;
-}
-/* Launches kernel k on the default stream (grid x threads, sm bytes of dynamic shared
- * memory) after opting it in to sm bytes once per device (attr_dev: the caller's record for
- * this kernel, -1 at first); returns the first CUDA error */
+/* Launches kernel k on ctx's stream (grid x threads, sm bytes of dynamic shared memory)
+ * after opting it in to sm bytes on the context's first use of k; returns the first CUDA
+ * error */
 template <typename... P, typename... A>
-inline cudaError_t kda_cuda_launch_smem(void (*k)(P...), int &attr_dev, dim3 grid, int threads,
+inline cudaError_t kda_cuda_launch_smem(lm_cuda_ctx *ctx, void (*k)(P...), dim3 grid, int threads,
                                         size_t sm, const A &...args) {
-    bool first = false;
-    cudaError_t e = kda_cuda_first_on_device(attr_dev, first);
-    if (e != cudaSuccess)
-        return e;
-    if (first &&
+    cudaError_t e = cudaSuccess;
+    if (lm_cuda_ctx_first_use(ctx, (const void *)k) &&
         (e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm)) !=
             cudaSuccess)
         return e;
-    k<<<grid, threads, sm>>>(args...);
+    k<<<grid, threads, sm, ctx->stream>>>(args...);
     return cudaGetLastError();
 }
 
-/* Copies the chunk tables (n entries) to dst, inside the device buffer [buf, buf + cap)
- * that the call's kernels write, unless the last copy to dst had the same entries, no
- * device buffer was allocated or freed since (kda_cuda_buffers_changed) and no call with
- * another layout of that buffer (whose workspace covers dst) came in between; saves a
- * synchronous host-to-device copy per call in training and inference loops. kda_fwd.cu. */
-lm_status kda_cuda_upload_tables(int2 *dst, const int2 *h, size_t n, const void *buf, size_t cap,
-                                 lm_error *err);
-void kda_cuda_buffers_changed(void);
+/* Copies the chunk tables (n entries) to dst (lm_cuda_ctx_upload: pinned staging, ordered
+ * on ctx's stream), inside the device buffer [buf, buf + cap) of ctx that the call's kernels
+ * write, unless the context's last copy to dst had the same entries, none of its KDA device
+ * buffers was allocated or freed since (kda_cuda_buffers_changed) and no call with another
+ * layout of that buffer (whose workspace covers dst) came in between; saves a host-to-device
+ * copy per call in training and inference loops. The cache lives in the context's
+ * LM_SLOT_KDA_FWD state (kda_fwd.cu). */
+lm_status kda_cuda_upload_tables(lm_cuda_ctx *ctx, int2 *dst, const int2 *h, size_t n,
+                                 const void *buf, size_t cap, lm_error *err);
+void kda_cuda_buffers_changed(lm_cuda_ctx *ctx);
+/* Frees the context's training buffers (spare saved buffer, backward scratch; kda_train.cu);
+ * the caller has synchronised the stream. */
+void kda_cuda_train_release(lm_cuda_ctx *ctx);
 
-/* Validates the configuration for the CUDA path and sets c->N (kda_fwd.cu). */
+/* Validates the configuration for the CUDA path and sets c->N (kda_fwd.cu); the caller
+ * has entered its context. */
 lm_status kda_cuda_check(lm_kda_config *c, const lm_kda_cuda_inputs *in, const void *o,
                          lm_error *err);
 /* Number of 64-token chunks (c->N set) and the host chunk tables: chunks[nchunks]
  * (t0, L), seqs[N] (first chunk, count). */
 int kda_cuda_nchunks(const lm_kda_config *c);
 void kda_cuda_chunk_tables(const lm_kda_config *c, int2 *chunks, int2 *seqs);
-/* The forward kernels; with sv != NULL its buffers and chunk tables are used and the
- * training quantities saved, otherwise the cached workspace. Synchronous. */
-lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
+/* The forward kernels on ctx's stream; with sv != NULL its buffers and chunk tables are
+ * used and the training quantities saved, otherwise the context's workspace. */
+lm_status kda_cuda_forward_run(lm_cuda_ctx *ctx, lm_kda_config *c, const lm_kda_cuda_inputs *in,
                                lm_kda_cuda_outputs *out, const KdaSaveBufs *sv, lm_error *err);
 
 /* ------------------------------------------------ swizzled tiles, tensor maps */
@@ -653,25 +637,12 @@ typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t
                                   const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
                                   const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-static inline EncodeTiledFn encode_tiled() {
-    static EncodeTiledFn fn = nullptr;
-    static bool tried = false;
-    if (!tried) {
-        tried = true;
-        void *f = nullptr;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                             &q) == cudaSuccess &&
-            q == cudaDriverEntryPointSuccess)
-            fn = (EncodeTiledFn)f;
-        else
-            cudaGetLastError();
-    }
-    return fn;
-}
+/* The context's cuTensorMapEncodeTiled, fetched on its first use (kept in the
+ * LM_SLOT_KDA_FWD state, kda_fwd.cu); NULL when the driver has none */
+EncodeTiledFn kda_cuda_encoder(lm_cuda_ctx *ctx);
 /* [rows][cols] bf16 row-major at base, boxes of 64 x 64 with the 128-byte swizzle */
-static inline bool wg_map(CUtensorMap *m, const void *base, uint64_t rows, uint64_t cols) {
-    const EncodeTiledFn fn = encode_tiled();
+static inline bool wg_map(EncodeTiledFn fn, CUtensorMap *m, const void *base, uint64_t rows,
+                          uint64_t cols) {
     if (!fn)
         return false;
     const cuuint64_t dim[2] = {cols, rows}, stride[1] = {cols * sizeof(bf16)};
@@ -684,11 +655,11 @@ static inline bool wg_map(CUtensorMap *m, const void *base, uint64_t rows, uint6
 /* The tensor maps that both recurrences' stages take (tma_chunk): w, qg, a third [rows][128]
  * operand x (kg forward, kd backward) and Aqk [rows][64], for a workspace of `rows` rows;
  * false when the driver gives none */
-static inline bool rec_maps(CUtensorMap *w, CUtensorMap *qg, CUtensorMap *x, CUtensorMap *A,
-                            const void *pw, const void *pqg, const void *px, const void *pA,
-                            uint64_t rows) {
-    return wg_map(w, pw, rows, KD) && wg_map(qg, pqg, rows, KD) && wg_map(x, px, rows, KD) &&
-           wg_map(A, pA, rows, BT);
+static inline bool rec_maps(EncodeTiledFn fn, CUtensorMap *w, CUtensorMap *qg, CUtensorMap *x,
+                            CUtensorMap *A, const void *pw, const void *pqg, const void *px,
+                            const void *pA, uint64_t rows) {
+    return wg_map(fn, w, pw, rows, KD) && wg_map(fn, qg, pqg, rows, KD) &&
+           wg_map(fn, x, px, rows, KD) && wg_map(fn, A, pA, rows, BT);
 }
 /* What a host-side tensor-map cache was encoded for (up to five operand addresses, the rows
  * and a slice width); the maps are encoded again when any of it changes, since saved buffers

@@ -54,6 +54,7 @@
 #include <string.h>
 
 #include "linmoe/kda_cuda.h"
+#include "ops/cuda/ctx.cuh"
 
 #define DEC_KMAX 256  /* rows per thread R <= 32 with at least 8 row groups */
 #define DEC_VMAX 1024 /* as lm_kda_validate */
@@ -315,36 +316,36 @@ static_assert(sizeof DEC_VARIANTS / sizeof DEC_VARIANTS[0] == LM_KDA_CUDA_DECODE
               "LM_KDA_CUDA_DECODE_NVARIANT in kda_cuda.h must match the variant table");
 
 template <int NT, int VEC, bool ST, bool FULL>
-void launch_r(int R, dim3 grid, size_t smem, const DecParams &p) {
+void launch_r(int R, dim3 grid, size_t smem, cudaStream_t s, const DecParams &p) {
     switch (R) {
     case 1:
-        kda_decode<NT, VEC, 1, ST, FULL><<<grid, NT, smem>>>(p);
+        kda_decode<NT, VEC, 1, ST, FULL><<<grid, NT, smem, s>>>(p);
         break;
     case 2:
-        kda_decode<NT, VEC, 2, ST, FULL><<<grid, NT, smem>>>(p);
+        kda_decode<NT, VEC, 2, ST, FULL><<<grid, NT, smem, s>>>(p);
         break;
     case 4:
-        kda_decode<NT, VEC, 4, ST, FULL><<<grid, NT, smem>>>(p);
+        kda_decode<NT, VEC, 4, ST, FULL><<<grid, NT, smem, s>>>(p);
         break;
     case 8:
-        kda_decode<NT, VEC, 8, ST, FULL><<<grid, NT, smem>>>(p);
+        kda_decode<NT, VEC, 8, ST, FULL><<<grid, NT, smem, s>>>(p);
         break;
     case 16:
-        kda_decode<NT, VEC, 16, ST, FULL><<<grid, NT, smem>>>(p);
+        kda_decode<NT, VEC, 16, ST, FULL><<<grid, NT, smem, s>>>(p);
         break;
     default:
         LM_CHECK(R == DEC_RMAX);
-        kda_decode<NT, VEC, DEC_RMAX, ST, FULL><<<grid, NT, smem>>>(p);
+        kda_decode<NT, VEC, DEC_RMAX, ST, FULL><<<grid, NT, smem, s>>>(p);
         break;
     }
 }
 
 template <int NT, int VEC, bool ST>
-void launch_full(bool full, int R, dim3 grid, size_t smem, const DecParams &p) {
+void launch_full(bool full, int R, dim3 grid, size_t smem, cudaStream_t s, const DecParams &p) {
     if (full)
-        launch_r<NT, VEC, ST, true>(R, grid, smem, p);
+        launch_r<NT, VEC, ST, true>(R, grid, smem, s, p);
     else
-        launch_r<NT, VEC, ST, false>(R, grid, smem, p);
+        launch_r<NT, VEC, ST, false>(R, grid, smem, s, p);
 }
 
 lm_status dec_cuda_err(lm_error *err, cudaError_t e, const char *what) {
@@ -397,9 +398,9 @@ lm_status dec_check(lm_kda_config *c, const lm_kda_cuda_inputs *in, const float 
     return LM_OK;
 }
 
-/* Launch one step with launch shape `variant` (checked config). */
-lm_status dec_launch(const lm_kda_config *c, const lm_kda_cuda_inputs *in, float *state, void *o,
-                     int variant, lm_error *err) {
+/* Launch one step with launch shape `variant` (checked config) on ctx's stream. */
+lm_status dec_launch(lm_cuda_ctx *ctx, const lm_kda_config *c, const lm_kda_cuda_inputs *in,
+                     float *state, void *o, int variant, lm_error *err) {
     const DecVariant var = DEC_VARIANTS[variant];
     const int vec = (c->V % 4 == 0 && ((uintptr_t)state & 15) == 0) ? 4 : 1;
     int nt = vec == 4 ? var.nt : 256;
@@ -448,18 +449,19 @@ lm_status dec_launch(const lm_kda_config *c, const lm_kda_cuda_inputs *in, float
     const dim3 grid((unsigned)(c->B * c->HV), (unsigned)((c->V + p.VS - 1) / p.VS));
     const size_t smem = sizeof(float) * (size_t)(5 * p.KP + 2 * p.VS + 4 + 2 * TY * p.VS);
     const bool full = c->K == TY * R && c->V % p.VS == 0 && TX * TY == nt;
+    cudaStream_t s = ctx->stream;
     if (vec == 1)
-        launch_r<256, 1, false, false>(R, grid, smem, p);
+        launch_r<256, 1, false, false>(R, grid, smem, s, p);
     else if (nt == 128 && !stream)
-        launch_full<128, 4, false>(full, R, grid, smem, p);
+        launch_full<128, 4, false>(full, R, grid, smem, s, p);
     else if (nt == 128)
-        launch_full<128, 4, true>(full, R, grid, smem, p);
+        launch_full<128, 4, true>(full, R, grid, smem, s, p);
     else if (nt == 256 && !stream)
-        launch_full<256, 4, false>(full, R, grid, smem, p);
+        launch_full<256, 4, false>(full, R, grid, smem, s, p);
     else if (nt == 512 && !stream)
-        launch_full<512, 4, false>(full, R, grid, smem, p);
+        launch_full<512, 4, false>(full, R, grid, smem, s, p);
     else if (nt == 256)
-        launch_full<256, 4, true>(full, R, grid, smem, p);
+        launch_full<256, 4, true>(full, R, grid, smem, s, p);
     else
         LM_CHECK(!"decode variant without a kernel instance");
     const cudaError_t e = cudaGetLastError();
@@ -473,21 +475,23 @@ int cmp_double(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-/* CUDA events and buffers of one benchmark call, released on every return path. */
+/* CUDA events and buffers of one benchmark call, released on every return path (the
+ * buffers after a synchronisation of the context's stream, lm_cuda_ctx_free_mem). */
 struct BenchRes {
+    lm_cuda_ctx *ctx = nullptr;
     cudaEvent_t *ev = nullptr;
     int nev = 0;
     void *src = nullptr, *dst = nullptr;
     double *t = nullptr;
     ~BenchRes() {
+        if (ctx)
+            cudaStreamSynchronize(ctx->stream); /* an early return may leave work queued */
         for (int i = 0; i < nev; i++)
             cudaEventDestroy(ev[i]);
         free(ev);
         free(t);
-        if (src)
-            cudaFree(src);
-        if (dst)
-            cudaFree(dst);
+        lm_cuda_ctx_free_mem(ctx, src);
+        lm_cuda_ctx_free_mem(ctx, dst);
     }
 };
 
@@ -500,20 +504,20 @@ struct BenchRes {
             return dec_cuda_err(err, e_, #call);                                                   \
     } while (0)
 
-extern "C" lm_status lm_kda_cuda_decode_step(lm_kda_config *c, const lm_kda_cuda_inputs *in,
-                                             float *state, void *o, lm_error *err) {
+extern "C" lm_status lm_kda_cuda_decode_step(lm_cuda_ctx *ctx, lm_kda_config *c,
+                                             const lm_kda_cuda_inputs *in, float *state, void *o,
+                                             lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
     LM_TRY(dec_check(c, in, state, o, err));
-    if (lm_cuda_device_count() < 1)
-        return lm_errorf(err, LM_ERR_UNSUPPORTED, "kda cuda decode: no CUDA device");
-    return dec_launch(c, in, state, o, 0, err);
+    return dec_launch(ctx, c, in, state, o, 0, err);
 }
 
-extern "C" int lm_kda_cuda_decode_flat(int B, int H, int HV, int K, int V, int kind, int gate,
-                                       float lower_bound, float scale, int use_qk_l2norm_in_kernel,
-                                       int use_beta_sigmoid_in_kernel, const void *q, const void *k,
-                                       const void *v, const void *g, const void *beta,
-                                       const float *A_log, const float *dt_bias, float *state,
-                                       void *o, char *errbuf, int errlen) {
+extern "C" int lm_kda_cuda_decode_flat(lm_cuda_ctx *ctx, int B, int H, int HV, int K, int V,
+                                       int kind, int gate, float lower_bound, float scale,
+                                       int use_qk_l2norm_in_kernel, int use_beta_sigmoid_in_kernel,
+                                       const void *q, const void *k, const void *v, const void *g,
+                                       const void *beta, const float *A_log, const float *dt_bias,
+                                       float *state, void *o, char *errbuf, int errlen) {
     lm_kda_config c; /* filled here (the FFI library has no lm_kda_config_default) */
     memset(&c, 0, sizeof c);
     c.B = B;
@@ -534,16 +538,17 @@ extern "C" int lm_kda_cuda_decode_flat(int B, int H, int HV, int K, int V, int k
     lm_kda_cuda_inputs in = {q, k, v, g, beta, A_log, dt_bias, NULL};
     lm_error err;
     memset(&err, 0, sizeof err);
-    const lm_status st = lm_kda_cuda_decode_step(&c, &in, state, o, &err);
+    const lm_status st = lm_kda_cuda_decode_step(ctx, &c, &in, state, o, &err);
     if (st != LM_OK && errbuf && errlen > 0)
         snprintf(errbuf, (size_t)errlen, "%s", err.msg);
     return (int)st;
 }
 
-extern "C" lm_status lm_kda_cuda_decode_bench(lm_kda_config *c, const lm_kda_cuda_inputs *in,
-                                              float *state, void *o, int variant, int warmup,
-                                              int iters, double *ms, double *copy_gbs,
-                                              lm_error *err) {
+extern "C" lm_status lm_kda_cuda_decode_bench(lm_cuda_ctx *ctx, lm_kda_config *c,
+                                              const lm_kda_cuda_inputs *in, float *state, void *o,
+                                              int variant, int warmup, int iters, double *ms,
+                                              double *copy_gbs, lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
     if (variant < 0 || variant >= LM_KDA_CUDA_DECODE_NVARIANT || warmup < 0 || iters < 1 || !ms)
         return lm_errorf(err, LM_ERR_INVALID,
                          "kda cuda decode bench: variant = %d (0..%d), warmup = %d, iters = %d, "
@@ -551,9 +556,9 @@ extern "C" lm_status lm_kda_cuda_decode_bench(lm_kda_config *c, const lm_kda_cud
                          variant, LM_KDA_CUDA_DECODE_NVARIANT - 1, warmup, iters,
                          ms ? "given" : "NULL");
     LM_TRY(dec_check(c, in, state, o, err));
-    if (lm_cuda_device_count() < 1)
-        return lm_errorf(err, LM_ERR_UNSUPPORTED, "kda cuda decode: no CUDA device");
     BenchRes r;
+    r.ctx = ctx;
+    cudaStream_t s = ctx->stream;
     const int nrep = iters > 5 ? iters : 5;
     r.ev = (cudaEvent_t *)calloc((size_t)nrep + 1, sizeof(cudaEvent_t));
     r.t = (double *)calloc((size_t)nrep, sizeof(double));
@@ -562,11 +567,11 @@ extern "C" lm_status lm_kda_cuda_decode_bench(lm_kda_config *c, const lm_kda_cud
     for (; r.nev < nrep + 1; r.nev++)
         CKD(cudaEventCreate(&r.ev[r.nev]));
     for (int i = 0; i < warmup; i++)
-        LM_TRY(dec_launch(c, in, state, o, variant, err));
-    CKD(cudaEventRecord(r.ev[0]));
+        LM_TRY(dec_launch(ctx, c, in, state, o, variant, err));
+    CKD(cudaEventRecord(r.ev[0], s));
     for (int i = 0; i < iters; i++) {
-        LM_TRY(dec_launch(c, in, state, o, variant, err));
-        CKD(cudaEventRecord(r.ev[i + 1]));
+        LM_TRY(dec_launch(ctx, c, in, state, o, variant, err));
+        CKD(cudaEventRecord(r.ev[i + 1], s));
     }
     CKD(cudaEventSynchronize(r.ev[iters]));
     for (int i = 0; i < iters; i++) {
@@ -578,14 +583,14 @@ extern "C" lm_status lm_kda_cuda_decode_bench(lm_kda_config *c, const lm_kda_cud
     *ms = r.t[iters / 2];
     if (copy_gbs) {
         const size_t bytes = (size_t)1 << 30;
-        CKD(cudaMalloc(&r.src, bytes));
-        CKD(cudaMalloc(&r.dst, bytes));
-        CKD(cudaMemset(r.src, 0, bytes));
-        CKD(cudaMemcpy(r.dst, r.src, bytes, cudaMemcpyDeviceToDevice));
+        LM_TRY(lm_cuda_ctx_alloc(ctx, &r.src, bytes, err));
+        LM_TRY(lm_cuda_ctx_alloc(ctx, &r.dst, bytes, err));
+        CKD(cudaMemsetAsync(r.src, 0, bytes, s));
+        CKD(cudaMemcpyAsync(r.dst, r.src, bytes, cudaMemcpyDeviceToDevice, s));
         for (int i = 0; i < nrep; i++) {
-            CKD(cudaEventRecord(r.ev[i]));
-            CKD(cudaMemcpy(r.dst, r.src, bytes, cudaMemcpyDeviceToDevice));
-            CKD(cudaEventRecord(r.ev[i + 1]));
+            CKD(cudaEventRecord(r.ev[i], s));
+            CKD(cudaMemcpyAsync(r.dst, r.src, bytes, cudaMemcpyDeviceToDevice, s));
+            CKD(cudaEventRecord(r.ev[i + 1], s));
             CKD(cudaEventSynchronize(r.ev[i + 1]));
             float t = 0;
             CKD(cudaEventElapsedTime(&t, r.ev[i], r.ev[i + 1]));

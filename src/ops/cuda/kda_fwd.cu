@@ -1212,29 +1212,76 @@ __global__ void __launch_bounds__(NTW, 1)
 
 /* ------------------------------------------------------------------ host side */
 
-struct Workspace {
-    void *buf = nullptr;
-    size_t cap = 0;
+/* the chunk-table upload cache: a few (device address, entries) pairs */
+struct TableCache {
+    int2 *dst = nullptr;
+    int2 *host = nullptr;
+    size_t n = 0;
 };
-Workspace g_ws;
 
-lm_status cuda_err(lm_error *err, cudaError_t e, const char *what) {
-    return lm_errorf(err, LM_ERR_IO, "kda cuda: %s: %s", what, cudaGetErrorString(e));
-}
+/* The forward's per-context state (slot LM_SLOT_KDA_FWD; created on first use, deleted by
+ * lm_cuda_ctx_free after its stream is synchronised, with its device current). Also holds
+ * what the training forward and backward (kda_train.cu) share with it: the chunk-table
+ * cache and the driver's tensor-map encoder. */
+struct FwdState {
+    void *ws = nullptr; /* the inference workspace, grow-only */
+    size_t ws_cap = 0;
+    TableCache tabs[4];
+    int tab_next = 0;
+    /* kda_inter_wg's flags: their place and extent when last zeroed, the last epoch */
+    const void *flags_at = nullptr;
+    size_t flags_n = 0;
+    unsigned epoch = 0;
+    /* kda_inter_wg's tensor maps and the workspace they were encoded for */
+    TcMaps wg_maps;
+    const void *wg_at = nullptr;
+    uint64_t wg_rows = 0;
+    /* kda_inter_tc's (TM) tensor maps and their key */
+    TcMaps tc_maps;
+    MapKey tc_at = {};
+    EncodeTiledFn enc = nullptr;
+    bool enc_tried = false;
+    cudaEvent_t ev[3] = {}; /* kda.profile */
+    bool ev_made = false;
+    void forget_tables() {
+        for (TableCache &t : tabs) {
+            free(t.host);
+            t = TableCache();
+        }
+    }
+    ~FwdState() {
+        forget_tables();
+        if (ws)
+            cudaFree(ws);
+        if (ev_made)
+            for (cudaEvent_t e : ev)
+                cudaEventDestroy(e);
+    }
+};
+
+FwdState *fwd_state(lm_cuda_ctx *ctx) { return lm_cuda_ctx_get<FwdState>(ctx, LM_SLOT_KDA_FWD); }
 
 } // namespace
 
-#define CK(call)                                                                                  \
-    do {                                                                                          \
-        cudaError_t e_ = (call);                                                                  \
-        if (e_ != cudaSuccess)                                                                    \
-            return cuda_err(err, e_, #call);                                                      \
-    } while (0)
+EncodeTiledFn kda_cuda_encoder(lm_cuda_ctx *ctx) {
+    FwdState *st = fwd_state(ctx);
+    if (!st->enc_tried) {
+        st->enc_tried = true;
+        void *f = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                             &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            st->enc = (EncodeTiledFn)f;
+        else
+            cudaGetLastError();
+    }
+    return st->enc;
+}
 
 /* u's [rows][128] with boxes of min(BV, 64) columns x 64 rows, swizzled over the box row
  * (32, 64 or 128 bytes; u_off) */
-static bool tc_umap(CUtensorMap *m, const void *base, uint64_t rows, int BV) {
-    const EncodeTiledFn fn = encode_tiled();
+static bool tc_umap(EncodeTiledFn fn, CUtensorMap *m, const void *base, uint64_t rows, int BV) {
     if (!fn)
         return false;
     const cuuint64_t dim[2] = {KD, rows}, stride[1] = {KD * sizeof(bf16)};
@@ -1248,40 +1295,39 @@ static bool tc_umap(CUtensorMap *m, const void *base, uint64_t rows, int BV) {
 }
 /* the tensor maps of kda_inter_tc (TM) for the workspace at p, encoded again only when its
  * place, extent or the slice width changes; false when the driver gives none */
-static bool tc_maps(const Params &p, uint64_t rows, int BV, TcMaps &out) {
-    static TcMaps maps;
-    static MapKey at = {};
+static bool tc_maps(lm_cuda_ctx *ctx, const Params &p, uint64_t rows, int BV, TcMaps &out) {
+    FwdState *st = fwd_state(ctx);
+    const EncodeTiledFn fn = kda_cuda_encoder(ctx);
+    TcMaps &maps = st->tc_maps;
     return cached_maps(
-        maps, at, MapKey{{p.w, p.qg, p.kg, p.Aqk, p.u}, rows, BV},
+        maps, st->tc_at, MapKey{{p.w, p.qg, p.kg, p.Aqk, p.u}, rows, BV},
         [&] {
-            return rec_maps(&maps.w, &maps.qg, &maps.kg, &maps.A, p.w, p.qg, p.kg, p.Aqk, rows) &&
-                   tc_umap(&maps.u, p.u, rows, BV);
+            return rec_maps(fn, &maps.w, &maps.qg, &maps.kg, &maps.A, p.w, p.qg, p.kg, p.Aqk,
+                            rows) &&
+                   tc_umap(fn, &maps.u, p.u, rows, BV);
         },
         out);
 }
-/* kda_inter_tc<BV, WC, TM> with its shared memory (the opt-in once per device and kernel) */
+/* kda_inter_tc<BV, WC, TM> on ctx's stream with its shared memory (the opt-in on the
+ * context's first use of the kernel) */
 template <int BV, int WC, bool TM>
-static cudaError_t launch_inter_tc(dim3 grid, const Params &p, const TcMaps &m) {
-    static int attr_dev = -1;
-    return kda_cuda_launch_smem(kda_inter_tc<BV, WC, TM>, attr_dev, grid,
+static cudaError_t launch_inter_tc(lm_cuda_ctx *ctx, dim3 grid, const Params &p, const TcMaps &m) {
+    return kda_cuda_launch_smem(ctx, kda_inter_tc<BV, WC, TM>, grid,
                                 NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0),
                                 TM ? inter_smem_t<BV>() : sizeof(InterSmem<BV>), p, m);
 }
 template <int BV, int WC>
-static cudaError_t launch_inter(dim3 grid, const Params &p, bool tm, const TcMaps &m) {
-    return tm ? launch_inter_tc<BV, WC, true>(grid, p, m)
-              : launch_inter_tc<BV, WC, false>(grid, p, m);
+static cudaError_t launch_inter(lm_cuda_ctx *ctx, dim3 grid, const Params &p, bool tm,
+                                const TcMaps &m) {
+    return tm ? launch_inter_tc<BV, WC, true>(ctx, grid, p, m)
+              : launch_inter_tc<BV, WC, false>(ctx, grid, p, m);
 }
 
-int kda_cuda_bv(int nsh) {
-    /* LINMOE_KDA_CUDA_BV=16|32|64|128 overrides the choice (measurements, docs/perf-notes.md) */
-    static int forced = -1;
-    if (forced < 0) {
-        const char *e = getenv("LINMOE_KDA_CUDA_BV");
-        const int v = e ? atoi(e) : 0;
-        forced = (v == 16 || v == 32 || v == 64 || v == 128) ? v : 0;
-    }
-    if (forced)
+int kda_cuda_bv(const lm_cuda_ctx *ctx, int nsh) {
+    /* the context's kda.bv (16, 32, 64 or 128; lm_cuda_ctx_set_option checks it) overrides
+     * the choice (measurements, docs/perf-notes.md) */
+    const int forced = ctx->kda_bv;
+    if (forced == 16 || forced == 32 || forced == 64 || forced == 128)
         return forced;
     /* the widest slice that still gives about a CTA per SM: at 128 sequence-heads one
      * 128-column CTA each beats two 64-column waves (w / qg / kg loaded once) */
@@ -1298,10 +1344,13 @@ extern "C" int lm_cuda_device_count(void) {
 }
 
 extern "C" lm_status lm_cuda_alloc(void **ptr, size_t bytes, lm_error *err) {
+    if (!ptr)
+        return lm_errorf(err, LM_ERR_INVALID, "cuda: lm_cuda_alloc: NULL output pointer");
     *ptr = nullptr;
     cudaError_t e = cudaMalloc(ptr, bytes ? bytes : 1);
     if (e != cudaSuccess) {
         *ptr = nullptr;
+        cudaGetLastError();
         return lm_errorf(err, LM_ERR_NOMEM, "cuda: cudaMalloc(%zu bytes): %s", bytes,
                          cudaGetErrorString(e));
     }
@@ -1314,55 +1363,42 @@ extern "C" void lm_cuda_free(void *ptr) {
 }
 
 extern "C" lm_status lm_cuda_upload(void *dst, const void *src, size_t bytes, lm_error *err) {
-    CK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+    LM_CK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
     return LM_OK;
 }
 
 extern "C" lm_status lm_cuda_download(void *dst, const void *src, size_t bytes, lm_error *err) {
-    CK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+    LM_CK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
     return LM_OK;
 }
 
-/* the chunk-table upload cache: a few (device address, entries) pairs */
-namespace {
-struct TableCache {
-    int2 *dst = nullptr;
-    int2 *host = nullptr;
-    size_t n = 0;
-};
-TableCache g_tabs[4];
-int g_tab_next = 0;
-} // namespace
+void kda_cuda_buffers_changed(lm_cuda_ctx *ctx) { fwd_state(ctx)->forget_tables(); }
 
-void kda_cuda_buffers_changed(void) {
-    for (TableCache &t : g_tabs) {
-        free(t.host);
-        t = TableCache();
-    }
-}
-
-lm_status kda_cuda_upload_tables(int2 *dst, const int2 *h, size_t n, const void *buf, size_t cap,
-                                 lm_error *err) {
+lm_status kda_cuda_upload_tables(lm_cuda_ctx *ctx, int2 *dst, const int2 *h, size_t n,
+                                 const void *buf, size_t cap, lm_error *err) {
+    FwdState *st = fwd_state(ctx);
     /* a call with another layout of the same buffer writes its workspace over the other
      * layouts' tables: only an entry for this very place survives it */
     const char *lo = (const char *)buf, *hi = lo + cap;
-    for (TableCache &t : g_tabs)
+    for (TableCache &t : st->tabs)
         if (t.dst && (t.dst != dst || t.n != n) && (const char *)t.dst >= lo &&
             (const char *)t.dst < hi) {
             free(t.host);
             t = TableCache();
         }
-    for (const TableCache &t : g_tabs)
+    for (const TableCache &t : st->tabs)
         if (t.dst == dst && t.n == n && memcmp(t.host, h, sizeof(int2) * n) == 0)
             return LM_OK;
-    CK(cudaMemcpy(dst, h, sizeof(int2) * n, cudaMemcpyHostToDevice));
-    for (TableCache &t : g_tabs) /* forget an older copy for dst */
+    /* pinned staging, ordered on the stream before the call's kernels (h may be freed on
+     * return) */
+    LM_TRY(lm_cuda_ctx_upload(ctx, dst, h, sizeof(int2) * n, err));
+    for (TableCache &t : st->tabs) /* forget an older copy for dst */
         if (t.dst == dst) {
             free(t.host);
             t = TableCache();
         }
-    TableCache &t = g_tabs[g_tab_next];
-    g_tab_next = (g_tab_next + 1) % 4;
+    TableCache &t = st->tabs[st->tab_next];
+    st->tab_next = (st->tab_next + 1) % 4;
     free(t.host);
     t = TableCache();
     t.host = (int2 *)malloc(sizeof(int2) * n);
@@ -1374,12 +1410,25 @@ lm_status kda_cuda_upload_tables(int2 *dst, const int2 *h, size_t n, const void 
     return LM_OK;
 }
 
-extern "C" void lm_kda_cuda_release(void) {
-    kda_cuda_buffers_changed();
-    if (g_ws.buf)
-        cudaFree(g_ws.buf);
-    g_ws.buf = nullptr;
-    g_ws.cap = 0;
+extern "C" void lm_kda_cuda_release(lm_cuda_ctx *ctx) {
+    if (!ctx || lm_cuda_ctx_enter(ctx, nullptr) != LM_OK)
+        return;
+    cudaStreamSynchronize(ctx->stream); /* queued kernels may still use the buffers */
+    FwdState *st = (FwdState *)lm_cuda_ctx_state(ctx, LM_SLOT_KDA_FWD);
+    if (st) {
+        st->forget_tables();
+        if (st->ws)
+            cudaFree(st->ws);
+        st->ws = nullptr;
+        st->ws_cap = 0;
+        st->flags_at = nullptr;
+        st->flags_n = 0;
+        st->wg_at = nullptr;
+        st->wg_rows = 0;
+        st->tc_at = MapKey{};
+    }
+    kda_cuda_train_release(ctx);
+    cudaGetLastError();
 }
 
 lm_status kda_cuda_check(lm_kda_config *c, const lm_kda_cuda_inputs *in, const void *o,
@@ -1416,9 +1465,6 @@ lm_status kda_cuda_check(lm_kda_config *c, const lm_kda_cuda_inputs *in, const v
         N = c->n_cu_seqlens - 1;
     }
     c->N = N;
-    if (lm_cuda_device_count() < 1)
-        return lm_errorf(err, LM_ERR_UNSUPPORTED, "kda cuda: no CUDA device");
-
     return LM_OK;
 }
 
@@ -1447,16 +1493,46 @@ void kda_cuda_chunk_tables(const lm_kda_config *c, int2 *hch, int2 *hsq) {
     }
 }
 
-extern "C" lm_status lm_kda_cuda_chunk_forward(lm_kda_config *c, const lm_kda_cuda_inputs *in,
+extern "C" lm_status lm_kda_cuda_chunk_forward(lm_cuda_ctx *ctx, lm_kda_config *c,
+                                               const lm_kda_cuda_inputs *in,
                                                lm_kda_cuda_outputs *out, lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
     if (!out)
         return lm_errorf(err, LM_ERR_INVALID, "kda cuda: outputs are required");
     LM_TRY(kda_cuda_check(c, in, out->o, err));
-    return kda_cuda_forward_run(c, in, out, nullptr, err);
+    return kda_cuda_forward_run(ctx, c, in, out, nullptr, err);
 }
 
-lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
+/* the inference workspace of at least `bytes` (grown after a stream synchronisation: the
+ * queued kernels may still use the old one; counted as a context allocation) */
+static lm_status fwd_ws_reserve(lm_cuda_ctx *ctx, FwdState *st, size_t bytes, bool &fresh,
+                                lm_error *err) {
+    fresh = false;
+    if (bytes <= st->ws_cap)
+        return LM_OK;
+    fresh = true; /* a new allocation: whatever its memory held is not a flag */
+    LM_CK(cudaStreamSynchronize(ctx->stream));
+    kda_cuda_buffers_changed(ctx);
+    if (st->ws)
+        cudaFree(st->ws);
+    st->ws = nullptr;
+    st->ws_cap = 0;
+    const cudaError_t e = cudaMalloc(&st->ws, bytes);
+    if (e != cudaSuccess) {
+        st->ws = nullptr;
+        cudaGetLastError();
+        return lm_errorf(err, LM_ERR_NOMEM,
+                         "kda cuda: cudaMalloc(workspace, %zu bytes) on cuda:%d: %s", bytes,
+                         ctx->device, cudaGetErrorString(e));
+    }
+    ctx->n_alloc++;
+    st->ws_cap = bytes;
+    return LM_OK;
+}
+
+lm_status kda_cuda_forward_run(lm_cuda_ctx *ctx, lm_kda_config *c, const lm_kda_cuda_inputs *in,
                                lm_kda_cuda_outputs *out, const KdaSaveBufs *sv, lm_error *err) {
+    FwdState *fs = fwd_state(ctx);
     const int N = c->N;
     const int K = c->K, V = c->V, HV = c->HV;
     Params p;
@@ -1482,27 +1558,17 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
         p.vns = sv->vns;
     } else {
         nchunks = kda_cuda_nchunks(c);
-        int2 *hch = (int2 *)malloc(sizeof(int2) * (size_t)(nchunks + N));
-        if (!hch)
-            return lm_errorf(err, LM_ERR_NOMEM, "kda cuda: chunk table");
-        kda_cuda_chunk_tables(c, hch, hch + nchunks);
         const size_t nblk = (size_t)nchunks * HV; /* (chunk, value head) blocks */
         const size_t nW = nblk * BT * KD, nA = nblk * BT * BT, nG = nblk * KD;
         const size_t bytes = sizeof(bf16) * (4 * nW + nA) + sizeof(float) * nG +
                              sizeof(int2) * (nchunks + N) + sizeof(unsigned) * nblk + 256;
-        bool fresh = false; /* a new allocation: whatever its memory held is not a flag */
-        if (bytes > g_ws.cap) {
-            fresh = true;
-            lm_kda_cuda_release();
-            kda_cuda_buffers_changed();
-            cudaError_t e = cudaMalloc(&g_ws.buf, bytes);
-            if (e != cudaSuccess) {
-                free(hch);
-                return cuda_err(err, e, "cudaMalloc(workspace)");
-            }
-            g_ws.cap = bytes;
-        }
-        bf16 *f = (bf16 *)g_ws.buf;
+        bool fresh = false;
+        LM_TRY(fwd_ws_reserve(ctx, fs, bytes, fresh, err));
+        int2 *hch = (int2 *)malloc(sizeof(int2) * (size_t)(nchunks + N));
+        if (!hch)
+            return lm_errorf(err, LM_ERR_NOMEM, "kda cuda: chunk table");
+        kda_cuda_chunk_tables(c, hch, hch + nchunks);
+        bf16 *f = (bf16 *)fs->ws;
         p.w = f;
         p.qg = f + nW;
         p.kg = f + 2 * nW;
@@ -1516,20 +1582,21 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
          * flags' old place, and moving flags_at to its own place makes the next call with
          * the old layout zero them again. */
         unsigned *flags = (unsigned *)(dch + nchunks + N);
-        static const void *flags_at = nullptr;
-        static size_t flags_n = 0;
-        static unsigned epoch = 0;
-        if (fresh || flags != flags_at || nblk > flags_n) {
-            CK(cudaMemsetAsync(flags, 0, sizeof(unsigned) * nblk));
-            flags_at = flags;
-            flags_n = nblk;
+        if (fresh || flags != fs->flags_at || nblk > fs->flags_n) {
+            const cudaError_t e = cudaMemsetAsync(flags, 0, sizeof(unsigned) * nblk, ctx->stream);
+            if (e != cudaSuccess) {
+                free(hch);
+                return lm_cuda_fail(err, e, "cudaMemsetAsync(flags)");
+            }
+            fs->flags_at = flags;
+            fs->flags_n = nblk;
         }
-        if (++epoch == 0)
-            epoch = 1;
+        if (++fs->epoch == 0)
+            fs->epoch = 1;
         p.flags = flags;
-        p.epoch = epoch;
+        p.epoch = fs->epoch;
         const lm_status st =
-            kda_cuda_upload_tables(dch, hch, (size_t)(nchunks + N), g_ws.buf, g_ws.cap, err);
+            kda_cuda_upload_tables(ctx, dch, hch, (size_t)(nchunks + N), fs->ws, fs->ws_cap, err);
         free(hch);
         if (st != LM_OK)
             return st;
@@ -1563,131 +1630,117 @@ lm_status kda_cuda_forward_run(lm_kda_config *c, const lm_kda_cuda_inputs *in,
     p.shared_diag = c->gate == LM_GATE_BOUNDED && c->diag != LM_DIAG_SAFE;
     /* V slice of the recurrence: the widest that still gives about a CTA per SM */
     const int nsh = N * HV;
-    int BVsel = kda_cuda_bv(nsh);
+    int BVsel = kda_cuda_bv(ctx, nsh);
     if (BVsel == 128 && !sv && V <= 64) /* inference: no idle half of a 128-column slice */
         BVsel = 64;
-    static int use_wg = -1; /* LINMOE_KDA_CUDA_WGMMA=0: kda_inter_tc<128, 2> instead */
-    if (use_wg < 0) {
-        const char *e = getenv("LINMOE_KDA_CUDA_WGMMA");
-        use_wg = !(e && e[0] == '0');
-    }
-    bool wgrec = BVsel == 128 && !sv && use_wg && nchunks > 0;
+    /* kda.wgmma = 0: kda_inter_tc<128, 2> instead */
+    bool wgrec = BVsel == 128 && !sv && ctx->kda_wgmma && nchunks > 0;
     /* the tensor maps, encoded again only when the workspace or its extent changes */
-    static TcMaps maps;
-    static const void *maps_at = nullptr;
-    static uint64_t maps_rows = 0;
+    TcMaps &maps = fs->wg_maps;
     if (wgrec) {
         const uint64_t rows = (uint64_t)nchunks * HV * BT;
-        if (maps_at != p.w || maps_rows != rows) {
-            maps_at = nullptr;
-            if (!(wg_map(&maps.w, p.w, rows, KD) && wg_map(&maps.qg, p.qg, rows, KD) &&
-                  wg_map(&maps.kg, p.kg, rows, KD) && wg_map(&maps.u, p.u, rows, KD) &&
-                  wg_map(&maps.A, p.Aqk, rows, BT)))
+        if (fs->wg_at != p.w || fs->wg_rows != rows) {
+            fs->wg_at = nullptr;
+            const EncodeTiledFn fn = kda_cuda_encoder(ctx);
+            if (!(wg_map(fn, &maps.w, p.w, rows, KD) && wg_map(fn, &maps.qg, p.qg, rows, KD) &&
+                  wg_map(fn, &maps.kg, p.kg, rows, KD) && wg_map(fn, &maps.u, p.u, rows, KD) &&
+                  wg_map(fn, &maps.A, p.Aqk, rows, BT)))
                 wgrec = false;
             else {
-                maps_at = p.w;
-                maps_rows = rows;
+                fs->wg_at = p.w;
+                fs->wg_rows = rows;
             }
         }
     }
     if (!wgrec)
         p.flags = nullptr;
     const size_t sm1 = sizeof(IntraSmem);
-    /* kda_inter_tc's loads by the tensor copy engine (LINMOE_KDA_CUDA_TMA=0: cp.async) */
+    /* kda_inter_tc's loads by the tensor copy engine (kda.tma = 0: cp.async) */
     TcMaps tmaps;
     memset(&tmaps, 0, sizeof tmaps);
-    const bool tm = !wgrec && kda_cuda_use_tma() && nchunks > 0 &&
-                    tc_maps(p, (uint64_t)nchunks * HV * BT, BVsel, tmaps);
-    /* the shared-memory opt-ins once per device (a driver call each; they add up in a
-     * training loop) */
-    static int attr_dev = -1;
-    bool first = false;
-    CK(kda_cuda_first_on_device(attr_dev, first));
-    if (first) {
-        CK(cudaFuncSetAttribute(kda_intra_tc, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm1));
-        CK(cudaFuncSetAttribute(kda_inter_wg, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)WG_SMEM));
-    }
-    /* LINMOE_KDA_CUDA_PROFILE=1: per-kernel times on stderr (docs/perf-notes.md) */
-    static int prof = -1;
-    if (prof < 0)
-        prof = getenv("LINMOE_KDA_CUDA_PROFILE") != nullptr;
-    cudaEvent_t ev[3];
-    if (prof)
+    const bool tm = !wgrec && ctx->kda_tma && nchunks > 0 &&
+                    tc_maps(ctx, p, (uint64_t)nchunks * HV * BT, BVsel, tmaps);
+    /* the shared-memory opt-ins on the context's first use (a driver call each; they add up
+     * in a training loop) */
+    if (lm_cuda_ctx_first_use(ctx, (const void *)kda_intra_tc))
+        LM_CK(cudaFuncSetAttribute(kda_intra_tc, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)sm1));
+    if (lm_cuda_ctx_first_use(ctx, (const void *)kda_inter_wg))
+        LM_CK(cudaFuncSetAttribute(kda_inter_wg, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)WG_SMEM));
+    /* kda.profile = 1: per-kernel times on stderr (docs/perf-notes.md); the events are the
+     * context's, made once */
+    const bool prof = ctx->kda_profile != 0;
+    if (prof && !fs->ev_made) {
         for (int i = 0; i < 3; i++)
-            CK(cudaEventCreate(&ev[i]));
+            LM_CK(cudaEventCreate(&fs->ev[i]));
+        fs->ev_made = true;
+    }
+    cudaStream_t s = ctx->stream;
     if (prof)
-        CK(cudaEventRecord(ev[0]));
+        LM_CK(cudaEventRecord(fs->ev[0], s));
     if (nchunks > 0) {
-        kda_intra_tc<<<dim3(nchunks, HV), NT1, sm1>>>(p);
-        CK(cudaGetLastError());
+        kda_intra_tc<<<dim3(nchunks, HV), NT1, sm1, s>>>(p);
+        LM_CK_LAUNCH("kda_intra_tc");
     }
     if (prof)
-        CK(cudaEventRecord(ev[1]));
+        LM_CK(cudaEventRecord(fs->ev[1], s));
     /* the training forward covers all 128 columns (the saved h and v' tiles are read
      * whole by the backward; columns >= V come out zero) */
     const dim3 g2(sv ? KD / BVsel : (V + BVsel - 1) / BVsel, N * HV);
     if (wgrec) {
-        /* programmatically dependent on the intra grid (LINMOE_KDA_CUDA_PDL=0: a plain
-         * launch): its CTAs take SMs as the intra grid's last wave drains and start on the
+        /* programmatically dependent on the intra grid (kda.pdl = 0: a plain launch): its
+         * CTAs take SMs as the intra grid's last wave drains and start on the
          * sequence-heads whose chunks are flagged */
-        static int pdl = -1;
-        if (pdl < 0) {
-            const char *e = getenv("LINMOE_KDA_CUDA_PDL");
-            pdl = !(e && e[0] == '0');
-        }
         cudaLaunchConfig_t cfg = {};
         cudaLaunchAttribute at[1];
         cfg.gridDim = g2;
         cfg.blockDim = dim3(NTW);
         cfg.dynamicSmemBytes = WG_SMEM;
-        cfg.stream = 0;
+        cfg.stream = s;
         at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         at[0].val.programmaticStreamSerializationAllowed = 1;
         cfg.attrs = at;
-        cfg.numAttrs = pdl && !prof ? 1 : 0;
+        cfg.numAttrs = ctx->kda_pdl && !prof ? 1 : 0;
         cudaError_t e = cudaLaunchKernelEx(&cfg, kda_inter_wg, p, maps);
         if (e != cudaSuccess && cfg.numAttrs) { /* a driver without it: a plain launch */
             cudaGetLastError();
             cfg.numAttrs = 0;
             e = cudaLaunchKernelEx(&cfg, kda_inter_wg, p, maps);
         }
-        CK(e);
+        LM_CK(e);
     } else if (BVsel == 128) /* 8 warps of 16 x 64: 0.292 -> 0.284 ms against 16 of 16 x 32 */
-        CK((launch_inter<128, 2>(g2, p, tm, tmaps)));
+        LM_CK((launch_inter<128, 2>(ctx, g2, p, tm, tmaps)));
     else if (BVsel == 64)
-        CK((launch_inter<64, 2>(g2, p, tm, tmaps)));
+        LM_CK((launch_inter<64, 2>(ctx, g2, p, tm, tmaps)));
     else if (BVsel == 32)
-        CK((launch_inter<32, 2>(g2, p, tm, tmaps)));
+        LM_CK((launch_inter<32, 2>(ctx, g2, p, tm, tmaps)));
     else
-        CK((launch_inter<16, 1>(g2, p, tm, tmaps)));
-    if (prof)
-        CK(cudaEventRecord(ev[2]));
-    /* asynchronous on the default stream (include/linmoe/kda_cuda.h); the profile waits */
+        LM_CK((launch_inter<16, 1>(ctx, g2, p, tm, tmaps)));
+    /* asynchronous on ctx's stream (include/linmoe/kda_cuda.h); the profile waits for its
+     * last event (a host synchronisation, only with kda.profile) */
     if (prof) {
-        CK(cudaDeviceSynchronize());
+        LM_CK(cudaEventRecord(fs->ev[2], s));
+        LM_CK(cudaEventSynchronize(fs->ev[2]));
         float t1 = 0, t2 = 0;
-        cudaEventElapsedTime(&t1, ev[0], ev[1]);
-        cudaEventElapsedTime(&t2, ev[1], ev[2]);
+        LM_CK(cudaEventElapsedTime(&t1, fs->ev[0], fs->ev[1]));
+        LM_CK(cudaEventElapsedTime(&t2, fs->ev[1], fs->ev[2]));
         fprintf(stderr, "kda cuda: intra %.3f ms (%d CTAs), inter %.3f ms (%d CTAs)\n", t1,
                 nchunks * HV, t2, (int)(g2.x * g2.y));
-        for (int i = 0; i < 3; i++)
-            cudaEventDestroy(ev[i]);
     }
     return LM_OK;
 }
 
-extern "C" int lm_kda_cuda_forward_flat(int B, int T, int H, int HV, int K, int V,
+extern "C" int lm_kda_cuda_forward_flat(lm_cuda_ctx *ctx, int B, int T, int H, int HV, int K, int V,
                                         const int64_t *cu_seqlens, int n_cu_seqlens, int kind,
                                         int gate, float lower_bound, float scale,
-                                        int use_qk_l2norm_in_kernel,
-                                        int use_beta_sigmoid_in_kernel, const void *q,
-                                        const void *k, const void *v, const void *g,
-                                        const void *beta, const float *A_log,
-                                        const float *dt_bias, const float *h0, void *o,
-                                        float *ht, char *errbuf, int errlen) {
+                                        int use_qk_l2norm_in_kernel, int use_beta_sigmoid_in_kernel,
+                                        const void *q, const void *k, const void *v, const void *g,
+                                        const void *beta, const float *A_log, const float *dt_bias,
+                                        const float *h0, void *o, float *ht, char *errbuf,
+                                        int errlen) {
     lm_kda_config c; /* filled here, not by lm_kda_config_default: the FFI library is
-                        built from this file and src/core/errors.c alone */
+                        built from src/ops/cuda/ and src/core/errors.c alone */
     memset(&c, 0, sizeof c);
     c.B = B;
     c.T = T;
@@ -1711,7 +1764,7 @@ extern "C" int lm_kda_cuda_forward_flat(int B, int T, int H, int HV, int K, int 
     lm_kda_cuda_outputs out = {o, ht};
     lm_error err;
     memset(&err, 0, sizeof err);
-    lm_status st = lm_kda_cuda_chunk_forward(&c, &in, &out, &err);
+    lm_status st = lm_kda_cuda_chunk_forward(ctx, &c, &in, &out, &err);
     if (st != LM_OK && errbuf && errlen > 0)
         snprintf(errbuf, (size_t)errlen, "%s", err.msg);
     return (int)st;

@@ -47,20 +47,8 @@ namespace {
 
 /* The backward's per-element partial gradients between kernels (dQg, dKd from the state
  * kernel, dKg from the UT kernel, dq and dk of a value head from the pair kernel): bf16
- * storage, fp32 arithmetic (DESIGN.md), 2 of their 4 bytes per element and pass; building
- * with -DLINMOE_KDA_CUDA_F32_PARTIALS keeps them in fp32 (docs/perf-notes.md v14 has both
- * builds' errors and times). */
-#ifdef LINMOE_KDA_CUDA_F32_PARTIALS
-typedef float part_t;
-__device__ __forceinline__ void st_part2(float *d, float a, float b) {
-    *reinterpret_cast<float2 *>(d) = make_float2(a, b);
-}
-__device__ __forceinline__ float ld_part(const float *s) { return __ldg(s); }
-__device__ __forceinline__ void st_part(float *d, float a) { *d = a; }
-__device__ __forceinline__ float4 ld_part4(const float *s) {
-    return __ldg(reinterpret_cast<const float4 *>(s));
-}
-#else
+ * storage, fp32 arithmetic (DESIGN.md), 2 of their 4 bytes per element and pass (an fp32
+ * build lost its A/B test: docs/perf-notes.md v14 has both builds' errors and times). */
 typedef bf16 part_t;
 __device__ __forceinline__ void st_part2(bf16 *d, float a, float b) {
     *reinterpret_cast<uint32_t *>(d) = pack_bf16(a, b);
@@ -74,7 +62,6 @@ __device__ __forceinline__ float4 ld_part4(const bf16 *s) {
     return make_float4(__uint_as_float(x.x << 16), __uint_as_float(x.x & 0xffff0000u),
                        __uint_as_float(x.y << 16), __uint_as_float(x.y & 0xffff0000u));
 }
-#endif
 
 struct BwdParams {
     int N, nchunks, T, H, HV, K, V, gdn, gate, l2, sig, shared_diag, grp;
@@ -1492,10 +1479,6 @@ __global__ void kda_bwd_qk(BwdParams p, int64_t rows) {
     }
 }
 
-lm_status cuda_err(lm_error *err, cudaError_t e, const char *what) {
-    return lm_errorf(err, LM_ERR_IO, "kda cuda: %s: %s", what, cudaGetErrorString(e));
-}
-
 /* bump allocator over one device buffer (256-byte aligned pieces) */
 struct Carve {
     char *base;
@@ -1535,70 +1518,114 @@ struct DevBuf {
     void *buf = nullptr;
     size_t cap = 0;
 };
-DevBuf g_spare; /* a freed training-forward buffer kept for the next one */
-DevBuf g_bws;   /* backward scratch */
 
-lm_status devbuf_reserve(DevBuf &b, size_t bytes, lm_error *err, const char *what) {
+/* The training forward's and backward's per-context state (slot LM_SLOT_KDA_TRAIN; deleted
+ * by lm_cuda_ctx_free after its stream is synchronised, with its device current) */
+struct TrainState {
+    DevBuf spare;   /* a freed training-forward buffer kept for the next one */
+    DevBuf bws;     /* backward scratch, grow-only */
+    DhMaps dh_maps; /* kda_bwd_dh's (TM) tensor maps and their key */
+    MapKey dh_at = {};
+    cudaEvent_t ev[7] = {}; /* kda.profile */
+    bool ev_made = false;
+    ~TrainState() {
+        if (spare.buf)
+            cudaFree(spare.buf);
+        if (bws.buf)
+            cudaFree(bws.buf);
+        if (ev_made)
+            for (cudaEvent_t e : ev)
+                cudaEventDestroy(e);
+    }
+};
+
+TrainState *train_state(lm_cuda_ctx *ctx) {
+    return lm_cuda_ctx_get<TrainState>(ctx, LM_SLOT_KDA_TRAIN);
+}
+
+/* b grown to at least `bytes` (after a stream synchronisation: queued kernels may still use
+ * the old buffer; counted as a context allocation) */
+lm_status devbuf_reserve(lm_cuda_ctx *ctx, DevBuf &b, size_t bytes, lm_error *err,
+                         const char *what) {
     if (bytes <= b.cap)
         return LM_OK;
-    kda_cuda_buffers_changed();
-    if (b.buf)
+    kda_cuda_buffers_changed(ctx);
+    if (b.buf) {
+        LM_CK(cudaStreamSynchronize(ctx->stream));
         cudaFree(b.buf);
+    }
     b.buf = nullptr;
     b.cap = 0;
     cudaError_t e = cudaMalloc(&b.buf, bytes);
     if (e != cudaSuccess) {
+        b.buf = nullptr;
         cudaGetLastError();
-        return lm_errorf(err, LM_ERR_NOMEM, "kda cuda: cudaMalloc(%s, %zu bytes): %s", what, bytes,
-                         cudaGetErrorString(e));
+        return lm_errorf(err, LM_ERR_NOMEM, "kda cuda: cudaMalloc(%s, %zu bytes) on cuda:%d: %s",
+                         what, bytes, ctx->device, cudaGetErrorString(e));
     }
+    ctx->n_alloc++;
     b.cap = bytes;
     return LM_OK;
+}
+
+/* frees b (after a stream synchronisation) */
+void devbuf_free(lm_cuda_ctx *ctx, DevBuf &b) {
+    if (b.buf) {
+        kda_cuda_buffers_changed(ctx);
+        cudaStreamSynchronize(ctx->stream);
+        cudaFree(b.buf);
+    }
+    b = DevBuf();
 }
 
 } // namespace
 
 struct lm_kda_cuda_saved {
-    lm_kda_config c; /* cu_seqlens not kept (the chunk tables are) */
+    lm_cuda_ctx *ctx; /* the context of the forward (its stream, its spare buffer) */
+    lm_kda_config c;  /* cu_seqlens not kept (the chunk tables are) */
     lm_kda_cuda_inputs in;
     DevBuf mem;
     KdaSaveBufs sv; /* sv.nchunks; c.N is the number of sequences */
 };
 
-#define CK(call)                                                                                  \
-    do {                                                                                          \
-        cudaError_t e_ = (call);                                                                  \
-        if (e_ != cudaSuccess)                                                                    \
-            return cuda_err(err, e_, #call);                                                      \
-    } while (0)
-
-extern "C" void lm_kda_cuda_saved_free(lm_kda_cuda_saved *saved) {
+extern "C" void lm_kda_cuda_saved_free(lm_cuda_ctx *ctx, lm_kda_cuda_saved *saved) {
+    (void)ctx; /* the context of the forward is the one saved remembers */
     if (!saved)
         return;
-    if (saved->mem.buf) {
-        if (saved->mem.cap > g_spare.cap) { /* keep the larger one for the next forward */
-            if (g_spare.buf) {
-                kda_cuda_buffers_changed();
-                cudaFree(g_spare.buf);
-            }
-            g_spare = saved->mem;
+    lm_cuda_ctx *cx = saved->ctx;
+    if (saved->mem.buf && lm_cuda_ctx_enter(cx, nullptr) == LM_OK) {
+        TrainState *ts = train_state(cx);
+        if (saved->mem.cap > ts->spare.cap) { /* keep the larger one for the next forward */
+            devbuf_free(cx, ts->spare);
+            ts->spare = saved->mem;
         } else {
-            kda_cuda_buffers_changed();
-            cudaFree(saved->mem.buf);
+            devbuf_free(cx, saved->mem);
         }
     }
     free(saved);
 }
 
-extern "C" lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cuda_inputs *in,
-                                               lm_kda_cuda_outputs *out,
-                                               lm_kda_cuda_saved **saved, lm_error *err) {
+void kda_cuda_train_release(lm_cuda_ctx *ctx) {
+    TrainState *ts = (TrainState *)lm_cuda_ctx_state(ctx, LM_SLOT_KDA_TRAIN);
+    if (!ts)
+        return;
+    devbuf_free(ctx, ts->spare);
+    devbuf_free(ctx, ts->bws);
+    ts->dh_at = MapKey{};
+}
+
+extern "C" lm_status lm_kda_cuda_forward_train(lm_cuda_ctx *ctx, lm_kda_config *c,
+                                               const lm_kda_cuda_inputs *in,
+                                               lm_kda_cuda_outputs *out, lm_kda_cuda_saved **saved,
+                                               lm_error *err) {
     if (!saved)
         return lm_errorf(err, LM_ERR_INVALID, "kda cuda: forward_train needs 'saved'");
     *saved = nullptr;
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
     if (!out)
         return lm_errorf(err, LM_ERR_INVALID, "kda cuda: outputs are required");
     LM_TRY(kda_cuda_check(c, in, out->o, err));
+    TrainState *ts = train_state(ctx);
     const int N = c->N, nchunks = kda_cuda_nchunks(c);
     const size_t nblk = (size_t)nchunks * c->HV;
     lm_kda_cuda_saved *sv = (lm_kda_cuda_saved *)calloc(1, sizeof *sv);
@@ -1608,12 +1635,13 @@ extern "C" lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cu
         free(hch);
         return lm_errorf(err, LM_ERR_NOMEM, "kda cuda: training forward bookkeeping");
     }
+    sv->ctx = ctx;
     const size_t bytes = carve_saved(nullptr, nblk, nchunks, N, &sv->sv);
-    if (g_spare.buf && g_spare.cap >= bytes) {
-        sv->mem = g_spare;
-        g_spare = DevBuf();
+    if (ts->spare.buf && ts->spare.cap >= bytes) {
+        sv->mem = ts->spare;
+        ts->spare = DevBuf();
     } else {
-        lm_status st = devbuf_reserve(sv->mem, bytes, err, "saved tensors");
+        lm_status st = devbuf_reserve(ctx, sv->mem, bytes, err, "saved tensors");
         if (st != LM_OK) {
             free(sv);
             free(hch);
@@ -1622,53 +1650,64 @@ extern "C" lm_status lm_kda_cuda_forward_train(lm_kda_config *c, const lm_kda_cu
     }
     carve_saved((char *)sv->mem.buf, nblk, nchunks, N, &sv->sv);
     kda_cuda_chunk_tables(c, hch, hch + nchunks);
-    const lm_status ut = kda_cuda_upload_tables((int2 *)sv->sv.chunks, hch, (size_t)(nchunks + N),
-                                                sv->mem.buf, sv->mem.cap, err);
+    const lm_status ut = kda_cuda_upload_tables(
+        ctx, (int2 *)sv->sv.chunks, hch, (size_t)(nchunks + N), sv->mem.buf, sv->mem.cap, err);
     free(hch);
     if (ut != LM_OK) {
-        lm_kda_cuda_saved_free(sv);
+        lm_kda_cuda_saved_free(ctx, sv);
         return ut;
     }
     sv->c = *c;
     sv->c.cu_seqlens = nullptr;
     sv->in = *in;
-    lm_status st = kda_cuda_forward_run(c, in, out, &sv->sv, err);
+    lm_status st = kda_cuda_forward_run(ctx, c, in, out, &sv->sv, err);
     if (st != LM_OK) {
-        lm_kda_cuda_saved_free(sv);
+        lm_kda_cuda_saved_free(ctx, sv);
         return st;
     }
     *saved = sv;
     return LM_OK;
 }
 
-
 /* the tensor maps of kda_bwd_dh (TM) for the saved buffers at p, encoded again only when
  * their place or extent changes; false when the driver gives none */
-static bool dh_maps(const BwdParams &p, uint64_t rows, DhMaps &out) {
-    static DhMaps maps;
-    static MapKey at = {};
+static bool dh_maps(lm_cuda_ctx *ctx, const BwdParams &p, uint64_t rows, DhMaps &out) {
+    TrainState *ts = train_state(ctx);
+    const EncodeTiledFn fn = kda_cuda_encoder(ctx);
+    DhMaps &maps = ts->dh_maps;
     return cached_maps(
-        maps, at, MapKey{{p.w, p.qg, p.kd, p.Aqk, nullptr}, rows, 0},
-        [&] { return rec_maps(&maps.w, &maps.qg, &maps.kd, &maps.A, p.w, p.qg, p.kd, p.Aqk, rows); },
+        maps, ts->dh_at, MapKey{{p.w, p.qg, p.kd, p.Aqk, nullptr}, rows, 0},
+        [&] {
+            return rec_maps(fn, &maps.w, &maps.qg, &maps.kd, &maps.A, p.w, p.qg, p.kd, p.Aqk, rows);
+        },
         out);
 }
-/* kda_bwd_dh<BV, WC, TM> with its shared memory (the opt-in once per device and kernel) */
+/* kda_bwd_dh<BV, WC, TM> on ctx's stream with its shared memory (the opt-in on the
+ * context's first use of the kernel) */
 template <int BV, int WC, bool TM>
-static cudaError_t launch_dh_t(dim3 grid, const BwdParams &p, const DhMaps &m) {
-    static int attr_dev = -1;
-    return kda_cuda_launch_smem(kda_bwd_dh<BV, WC, TM>, attr_dev, grid,
+static cudaError_t launch_dh_t(lm_cuda_ctx *ctx, dim3 grid, const BwdParams &p, const DhMaps &m) {
+    return kda_cuda_launch_smem(ctx, kda_bwd_dh<BV, WC, TM>, grid,
                                 NT2 * WC + (rec_prod<TM, WC>() ? 32 : 0),
                                 TM ? dh_smem_t<BV>() : sizeof(DhSmem<BV>), p, m);
 }
 template <int BV, int WC>
-static cudaError_t launch_dh(dim3 grid, const BwdParams &p, bool tm, const DhMaps &m) {
-    return tm ? launch_dh_t<BV, WC, true>(grid, p, m) : launch_dh_t<BV, WC, false>(grid, p, m);
+static cudaError_t launch_dh(lm_cuda_ctx *ctx, dim3 grid, const BwdParams &p, bool tm,
+                             const DhMaps &m) {
+    return tm ? launch_dh_t<BV, WC, true>(ctx, grid, p, m)
+              : launch_dh_t<BV, WC, false>(ctx, grid, p, m);
 }
 
-extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda_cuda_grads *gr,
-                                          lm_error *err) {
+extern "C" lm_status lm_kda_cuda_backward(lm_cuda_ctx *ctx, lm_kda_cuda_saved *saved,
+                                          const lm_kda_cuda_grads *gr, lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
     if (!saved || !gr || !gr->do_)
         return lm_errorf(err, LM_ERR_INVALID, "kda cuda backward: 'saved' and 'do' are required");
+    if (saved->ctx != ctx)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "kda cuda backward: 'saved' belongs to another context (its forward ran "
+                         "on cuda:%d, this call's context is on cuda:%d)",
+                         saved->ctx ? saved->ctx->device : -1, ctx->device);
+    TrainState *ts = train_state(ctx);
     const lm_kda_config &c = saved->c;
     const int nchunks = saved->sv.nchunks, N = c.N, HV = c.HV, H = c.H, K = c.K, V = c.V;
     const size_t nblk = (size_t)nchunks * HV;
@@ -1731,7 +1770,7 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
     /* scratch */
     size_t bytes = 0;
     for (int pass = 0; pass < 2; pass++) {
-        Carve cv{pass ? (char *)g_bws.buf : nullptr, 0};
+        Carve cv{pass ? (char *)ts->bws.buf : nullptr, 0};
         p.dO = p.do_direct ? nullptr : cv.take<bf16>(nblk * BT * KD); /* the padded copy */
         p.dh = cv.take<bf16>(nblk * KD * KD);
         p.dvn = cv.take<bf16>(nblk * BT * KD);
@@ -1748,106 +1787,106 @@ extern "C" lm_status lm_kda_cuda_backward(lm_kda_cuda_saved *saved, const lm_kda
         p.dgs = p.gdn ? cv.take<float>((size_t)rows * HV) : nullptr;
         if (!pass) {
             bytes = cv.off;
-            LM_TRY(devbuf_reserve(g_bws, bytes, err, "backward scratch"));
+            LM_TRY(devbuf_reserve(ctx, ts->bws, bytes, err, "backward scratch"));
         }
     }
+    cudaStream_t s = ctx->stream;
     if (p.dA_log)
-        CK(cudaMemsetAsync(p.dA_log, 0, sizeof(float) * HV));
+        LM_CK(cudaMemsetAsync(p.dA_log, 0, sizeof(float) * HV, s));
     if (p.ddt_bias)
-        CK(cudaMemsetAsync(p.ddt_bias, 0, sizeof(float) * HV * (p.gdn ? 1 : K)));
+        LM_CK(cudaMemsetAsync(p.ddt_bias, 0, sizeof(float) * HV * (p.gdn ? 1 : K), s));
     if (gr->dA_log && !saved->in.A_log)
-        CK(cudaMemsetAsync(gr->dA_log, 0, sizeof(float) * HV));
+        LM_CK(cudaMemsetAsync(gr->dA_log, 0, sizeof(float) * HV, s));
     if (gr->ddt_bias && !saved->in.dt_bias)
-        CK(cudaMemsetAsync(gr->ddt_bias, 0, sizeof(float) * HV * (p.gdn ? 1 : K)));
+        LM_CK(cudaMemsetAsync(gr->ddt_bias, 0, sizeof(float) * HV * (p.gdn ? 1 : K), s));
 
     const int nsh = N * HV;
-    const int BVsel = kda_cuda_bv(nsh);
-    /* the dh recurrence's loads by the tensor copy engine (LINMOE_KDA_CUDA_TMA=0: cp.async) */
+    const int BVsel = kda_cuda_bv(ctx, nsh);
+    /* the dh recurrence's loads by the tensor copy engine (kda.tma = 0: cp.async) */
     DhMaps dmaps;
     memset(&dmaps, 0, sizeof dmaps);
-    const bool tm = kda_cuda_use_tma() && nchunks > 0 && dh_maps(p, (uint64_t)nchunks * HV * BT, dmaps);
-    static int attr_dev = -1; /* the shared-memory opt-ins once per device */
-    bool first = false;
-    CK(kda_cuda_first_on_device(attr_dev, first));
-    if (first) {
-        CK(cudaFuncSetAttribute(kda_bwd_state, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)sizeof(StateSmem)));
-        CK(cudaFuncSetAttribute(kda_bwd_ut, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)sizeof(UtSmem)));
-        CK(cudaFuncSetAttribute(kda_bwd_pairs, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)sizeof(PairSmem)));
-    }
-    static int prof = -1;
-    if (prof < 0)
-        prof = getenv("LINMOE_KDA_CUDA_PROFILE") != nullptr;
-    cudaEvent_t ev[7];
-    if (prof)
+    const bool tm =
+        ctx->kda_tma && nchunks > 0 && dh_maps(ctx, p, (uint64_t)nchunks * HV * BT, dmaps);
+    /* the shared-memory opt-ins on the context's first use of each kernel */
+    if (lm_cuda_ctx_first_use(ctx, (const void *)kda_bwd_state))
+        LM_CK(cudaFuncSetAttribute(kda_bwd_state, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)sizeof(StateSmem)));
+    if (lm_cuda_ctx_first_use(ctx, (const void *)kda_bwd_ut))
+        LM_CK(cudaFuncSetAttribute(kda_bwd_ut, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)sizeof(UtSmem)));
+    if (lm_cuda_ctx_first_use(ctx, (const void *)kda_bwd_pairs))
+        LM_CK(cudaFuncSetAttribute(kda_bwd_pairs, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)sizeof(PairSmem)));
+    /* kda.profile = 1: per-kernel times on stderr; the events are the context's, made once */
+    const bool prof = ctx->kda_profile != 0;
+    cudaEvent_t *ev = ts->ev;
+    if (prof && !ts->ev_made) {
         for (int i = 0; i < 7; i++)
-            CK(cudaEventCreate(&ev[i]));
+            LM_CK(cudaEventCreate(&ev[i]));
+        ts->ev_made = true;
+    }
     if (prof)
-        CK(cudaEventRecord(ev[0]));
+        LM_CK(cudaEventRecord(ev[0], s));
     const dim3 gb(nchunks, HV);
     if (!p.do_direct && nchunks > 0) {
-        kda_bwd_gather_do<<<gb, NTB>>>(p);
-        CK(cudaGetLastError());
+        kda_bwd_gather_do<<<gb, NTB, 0, s>>>(p);
+        LM_CK_LAUNCH("kda_bwd_gather_do");
     }
     if (prof)
-        CK(cudaEventRecord(ev[1]));
+        LM_CK(cudaEventRecord(ev[1], s));
     const dim3 g1(KD / BVsel, N * HV);
     if (BVsel == 64)
-        CK((launch_dh<64, 2>(g1, p, tm, dmaps)));
+        LM_CK((launch_dh<64, 2>(ctx, g1, p, tm, dmaps)));
     else if (BVsel == 128) /* 8 warps of 16 x 64: 0.317 -> 0.305 ms against 16 of 16 x 32 */
-        CK((launch_dh<128, 2>(g1, p, tm, dmaps)));
+        LM_CK((launch_dh<128, 2>(ctx, g1, p, tm, dmaps)));
     else if (BVsel == 32)
-        CK((launch_dh<32, 2>(g1, p, tm, dmaps)));
+        LM_CK((launch_dh<32, 2>(ctx, g1, p, tm, dmaps)));
     else
-        CK((launch_dh<16, 1>(g1, p, tm, dmaps)));
+        LM_CK((launch_dh<16, 1>(ctx, g1, p, tm, dmaps)));
     if (prof)
-        CK(cudaEventRecord(ev[2]));
+        LM_CK(cudaEventRecord(ev[2], s));
     if (nchunks > 0) {
-        kda_bwd_state<<<gb, NTB, sizeof(StateSmem)>>>(p);
-        CK(cudaGetLastError());
+        kda_bwd_state<<<gb, NTB, sizeof(StateSmem), s>>>(p);
+        LM_CK_LAUNCH("kda_bwd_state");
         if (prof)
-            CK(cudaEventRecord(ev[3]));
-        kda_bwd_ut<<<gb, NTB, sizeof(UtSmem)>>>(p);
-        CK(cudaGetLastError());
+            LM_CK(cudaEventRecord(ev[3], s));
+        kda_bwd_ut<<<gb, NTB, sizeof(UtSmem), s>>>(p);
+        LM_CK_LAUNCH("kda_bwd_ut");
         if (prof)
-            CK(cudaEventRecord(ev[4]));
+            LM_CK(cudaEventRecord(ev[4], s));
         if (p.dgs)
-            CK(cudaMemsetAsync(p.dgs, 0, sizeof(float) * (size_t)rows * HV));
-        kda_bwd_pairs<<<dim3(nchunks, HV, KD / CW), NTP, sizeof(PairSmem)>>>(p);
-        CK(cudaGetLastError());
+            LM_CK(cudaMemsetAsync(p.dgs, 0, sizeof(float) * (size_t)rows * HV, s));
+        kda_bwd_pairs<<<dim3(nchunks, HV, KD / CW), NTP, sizeof(PairSmem), s>>>(p);
+        LM_CK_LAUNCH("kda_bwd_pairs");
         if (prof)
-            CK(cudaEventRecord(ev[5]));
+            LM_CK(cudaEventRecord(ev[5], s));
         if (p.gdn) {
-            kda_bwd_gdn_gate<<<1024, 256>>>(p, rows);
-            CK(cudaGetLastError());
+            kda_bwd_gdn_gate<<<1024, 256, 0, s>>>(p, rows);
+            LM_CK_LAUNCH("kda_bwd_gdn_gate");
         }
         if (p.dq || p.dk) {
             const int64_t nwarps = (rows * H + QK_ROWS - 1) / QK_ROWS;
-            kda_bwd_qk<<<(unsigned)((nwarps + 7) / 8), 256>>>(p, rows);
-            CK(cudaGetLastError());
+            kda_bwd_qk<<<(unsigned)((nwarps + 7) / 8), 256, 0, s>>>(p, rows);
+            LM_CK_LAUNCH("kda_bwd_qk");
         }
     } else if (prof) {
-        CK(cudaEventRecord(ev[3]));
-        CK(cudaEventRecord(ev[4]));
-        CK(cudaEventRecord(ev[5]));
+        LM_CK(cudaEventRecord(ev[3], s));
+        LM_CK(cudaEventRecord(ev[4], s));
+        LM_CK(cudaEventRecord(ev[5], s));
     }
-    if (prof)
-        CK(cudaEventRecord(ev[6]));
-    /* asynchronous on the default stream (include/linmoe/kda_cuda.h); the profile waits */
+    /* asynchronous on ctx's stream (include/linmoe/kda_cuda.h); the profile waits for its
+     * last event (a host synchronisation, only with kda.profile) */
     if (prof) {
-        CK(cudaDeviceSynchronize());
-        static const char *names[6] = {"gather", "dh", "state", "ut", "pairs", "qk"};
+        LM_CK(cudaEventRecord(ev[6], s));
+        LM_CK(cudaEventSynchronize(ev[6]));
+        const char *const names[6] = {"gather", "dh", "state", "ut", "pairs", "qk"};
         fprintf(stderr, "kda cuda backward:");
         for (int i = 0; i < 6; i++) {
             float ms = 0;
-            cudaEventElapsedTime(&ms, ev[i], ev[i + 1]);
+            LM_CK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
             fprintf(stderr, " %s %.3f ms", names[i], ms);
         }
         fprintf(stderr, "\n");
-        for (int i = 0; i < 7; i++)
-            cudaEventDestroy(ev[i]);
     }
     return LM_OK;
 }

@@ -17,14 +17,16 @@ lm_status lm_cuda_device_info(char *name, size_t size, int *sm_count, size_t *me
     return lm_errorf(err, LM_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }
 
-lm_status lm_cuda_measure_limits(int repeat, lm_cuda_limits *lim, lm_error *err) {
+lm_status lm_cuda_measure_limits(lm_cuda_ctx *ctx, int repeat, lm_cuda_limits *lim, lm_error *err) {
+    (void)ctx;
     (void)repeat;
     (void)lim;
     return lm_errorf(err, LM_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }
 
-lm_status lm_cuda_fill_normal_bf16(void *dst, int64_t n, uint64_t seed, float mean, float std,
-                                   lm_error *err) {
+lm_status lm_cuda_fill_normal_bf16(lm_cuda_ctx *ctx, void *dst, int64_t n, uint64_t seed,
+                                   float mean, float std, lm_error *err) {
+    (void)ctx;
     (void)dst;
     (void)n;
     (void)seed;
@@ -33,12 +35,15 @@ lm_status lm_cuda_fill_normal_bf16(void *dst, int64_t n, uint64_t seed, float me
     return lm_errorf(err, LM_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }
 
-lm_status lm_cuda_fill_normal_f32(float *dst, int64_t n, uint64_t seed, float mean, float std,
-                                  lm_error *err) {
-    return lm_cuda_fill_normal_bf16(dst, n, seed, mean, std, err);
+lm_status lm_cuda_fill_normal_f32(lm_cuda_ctx *ctx, float *dst, int64_t n, uint64_t seed,
+                                  float mean, float std, lm_error *err) {
+    (void)ctx;
+    return lm_cuda_fill_normal_bf16(ctx, dst, n, seed, mean, std, err);
 }
 
-lm_status lm_cuda_count_nonfinite_bf16(const void *x, int64_t n, int64_t *count, lm_error *err) {
+lm_status lm_cuda_count_nonfinite_bf16(lm_cuda_ctx *ctx, const void *x, int64_t n, int64_t *count,
+                                       lm_error *err) {
+    (void)ctx;
     (void)x;
     (void)n;
     if (count)
@@ -46,11 +51,14 @@ lm_status lm_cuda_count_nonfinite_bf16(const void *x, int64_t n, int64_t *count,
     return lm_errorf(err, LM_ERR_UNSUPPORTED, NO_CUDA_MSG);
 }
 
-lm_status lm_cuda_count_nonfinite_f32(const float *x, int64_t n, int64_t *count, lm_error *err) {
-    return lm_cuda_count_nonfinite_bf16(x, n, count, err);
+lm_status lm_cuda_count_nonfinite_f32(lm_cuda_ctx *ctx, const float *x, int64_t n, int64_t *count,
+                                      lm_error *err) {
+    (void)ctx;
+    return lm_cuda_count_nonfinite_bf16(ctx, x, n, count, err);
 }
 
-lm_status lm_cuda_timer_new(lm_cuda_timer **t, lm_error *err) {
+lm_status lm_cuda_timer_new(lm_cuda_ctx *ctx, lm_cuda_timer **t, lm_error *err) {
+    (void)ctx;
     if (t)
         *t = NULL;
     return lm_errorf(err, LM_ERR_UNSUPPORTED, NO_CUDA_MSG);

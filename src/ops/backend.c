@@ -1,0 +1,58 @@
+/* lm_backend_supports and op names (include/linmoe/backend.h): what each backend can run,
+ * decided from the op's configuration alone, before any work starts. The CUDA limits here
+ * are those of the kernels in src/ops/cuda/ (each header states them). */
+#include "linmoe/backend.h"
+#include "linmoe/attention.h"
+#include "linmoe/cuda_bench.h"
+#include "linmoe/kda.h"
+
+static const char *const OP_NAMES[LM_OP_COUNT] = {
+    "embedding", "rmsnorm", "gated_rmsnorm", "short_conv",    "gemm",   "attention",
+    "kda",       "moe",     "attnres",       "cross_entropy", "swiglu", "adamw"};
+
+const char *lm_op_name(lm_op op) {
+    return (op >= 0 && op < LM_OP_COUNT) ? OP_NAMES[op] : "(unknown op)";
+}
+
+static lm_status cuda_kda(const lm_kda_config *c, lm_error *err) {
+    if (c->K > 128)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "kda on cuda: head_k_dim %d is not supported (at most 128)", c->K);
+    if (c->V > 128)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "kda on cuda: head_v_dim %d is not supported (at most 128)", c->V);
+    return LM_OK;
+}
+
+static lm_status cuda_attention(const lm_attention_config *c, lm_error *err) {
+    if (c->D != 64 && c->D != 128)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "attention on cuda: head_dim %d is not supported (64 or 128)", c->D);
+    if (c->Hkv <= 0 || c->Hq % c->Hkv != 0)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "attention on cuda: num_attention_heads %d is not a multiple of "
+                         "num_key_value_heads %d",
+                         c->Hq, c->Hkv);
+    return LM_OK;
+}
+
+lm_status lm_backend_supports(lm_device dev, lm_op op, const void *config, lm_error *err) {
+    if (op < 0 || op >= LM_OP_COUNT)
+        return lm_errorf(err, LM_ERR_INVALID, "backend: unknown op %d", (int)op);
+    if (dev.type == LM_DEVICE_CPU)
+        return LM_OK; /* the CPU runs every configuration its validators accept */
+    if (dev.type != LM_DEVICE_CUDA)
+        return lm_errorf(err, LM_ERR_INVALID, "backend: unknown device type %d", (int)dev.type);
+    if (!lm_cuda_built())
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "%s on cuda: this linmoe was built without CUDA (no nvcc found by CMake)",
+                         lm_op_name(op));
+    switch (op) {
+    case LM_OP_KDA:
+        return config ? cuda_kda((const lm_kda_config *)config, err) : LM_OK;
+    case LM_OP_ATTENTION:
+        return config ? cuda_attention((const lm_attention_config *)config, err) : LM_OK;
+    default:
+        return LM_OK;
+    }
+}
