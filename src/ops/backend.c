@@ -3,6 +3,7 @@
  * are those of the kernels in src/ops/cuda/ (each header states them). */
 #include "linmoe/backend.h"
 #include "linmoe/attention.h"
+#include "linmoe/attnres.h"
 #include "linmoe/cuda_bench.h"
 #include "linmoe/kda.h"
 
@@ -36,6 +37,16 @@ static lm_status cuda_attention(const lm_attention_config *c, lm_error *err) {
     return LM_OK;
 }
 
+static lm_status cuda_attnres(const lm_attnres_config *c, lm_error *err) {
+    if (c->L > 64)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "attnres on cuda: %d sources are not supported (at most 64)", c->L);
+    if (c->D > 8192)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "attnres on cuda: hidden_size %d is not supported (at most 8192)", c->D);
+    return LM_OK;
+}
+
 lm_status lm_backend_supports(lm_device dev, lm_op op, const void *config, lm_error *err) {
     if (op < 0 || op >= LM_OP_COUNT)
         return lm_errorf(err, LM_ERR_INVALID, "backend: unknown op %d", (int)op);
@@ -52,6 +63,8 @@ lm_status lm_backend_supports(lm_device dev, lm_op op, const void *config, lm_er
         return config ? cuda_kda((const lm_kda_config *)config, err) : LM_OK;
     case LM_OP_ATTENTION:
         return config ? cuda_attention((const lm_attention_config *)config, err) : LM_OK;
+    case LM_OP_ATTNRES:
+        return config ? cuda_attnres((const lm_attnres_config *)config, err) : LM_OK;
     default:
         return LM_OK;
     }
