@@ -1,0 +1,143 @@
+/* `linmoe bench ops` family "norm" (bench/bench_ops.h): lm_cuda_rmsnorm_* (plain and
+ * with the fused residual add / residual gradient) and lm_cuda_gated_rmsnorm_* at the
+ * GPU configs' shapes: N = 32768 tokens, D = 1024 and 2048; the KDA output norm with
+ * H = 8 and 16 heads of Dh = 128.
+ *
+ * Rows (name, shape, pass), paired by scripts/gpu/ops_peers/norm.py:
+ *   rmsnorm           N=32768 D=1024|2048        fwd, fwd+bwd
+ *   rmsnorm_residual  N=32768 D=1024|2048        fwd, fwd+bwd
+ *   gated_rmsnorm     N=32768 H=8|16 Dh=128      fwd, fwd+bwd
+ * Bytes (each tensor once, bf16 = 2 bytes): rmsnorm forward x, y (+ residual, h) and
+ * rstd; backward x, dy, dx (+ dresidual), rstd, dweight read and written; gated forward
+ * x, gate, o; backward x, gate, do, dx, dgate. FLOPs: a rough count (the floor is the
+ * bytes). Inputs N(0,1) on the device, weights 1 + N(0, 0.1). */
+#include <stdio.h>
+
+#include "bench_ops.h"
+#include "linmoe/cuda_layers.h"
+
+typedef struct {
+    lm_cuda_ctx *ctx;
+    int64_t N;
+    int H, D, gated, residual, bwd;
+    void *x, *r, *g, *w, *h, *y, *dy, *dr, *dx, *dg;
+    float *rstd, *dw;
+} norm_arg;
+
+static int norm_run(void *p) {
+    norm_arg *a = p;
+    lm_error e = {0};
+    lm_status st;
+    if (a->gated) {
+        st = lm_cuda_gated_rmsnorm_forward(a->ctx, a->N, a->H, a->D, LM_GATED_RMSNORM_EPS, a->x,
+                                           a->g, a->w, a->y, a->rstd, &e);
+        if (st == LM_OK && a->bwd)
+            st =
+                lm_cuda_gated_rmsnorm_backward(a->ctx, a->N, a->H, a->D, LM_GATED_RMSNORM_EPS, a->x,
+                                               a->g, a->w, a->rstd, a->dy, a->dx, a->dg, a->dw, &e);
+    } else {
+        st = lm_cuda_rmsnorm_forward(a->ctx, a->N, a->D, 1e-6f, a->x, a->residual ? a->r : NULL,
+                                     a->w, a->h, a->y, a->rstd, &e);
+        if (st == LM_OK && a->bwd)
+            st = lm_cuda_rmsnorm_backward(a->ctx, a->N, a->D, 1e-6f, a->residual ? a->h : a->x,
+                                          a->w, a->rstd, a->dy, a->residual ? a->dr : NULL, a->dx,
+                                          a->dw, &e);
+    }
+    if (st != LM_OK)
+        fprintf(stderr, "bench ops norm: %s\n", e.msg);
+    return st != LM_OK;
+}
+
+static void *dalloc(lm_bench_ops_env *env, size_t bytes, int *bad) {
+    void *p = NULL;
+    lm_error e = {0};
+    if (lm_cuda_ctx_alloc(env->ctx, &p, bytes, &e) != LM_OK) {
+        fprintf(stderr, "bench ops norm: %s\n", e.msg);
+        *bad = 1;
+    }
+    return p;
+}
+
+static int fill(lm_bench_ops_env *env, void *p, int64_t n, uint64_t seed, float mean, float std) {
+    lm_error e = {0};
+    if (lm_cuda_fill_normal_bf16(env->ctx, p, n, seed, mean, std, &e) != LM_OK) {
+        fprintf(stderr, "bench ops norm: %s\n", e.msg);
+        return 1;
+    }
+    return 0;
+}
+
+int lm_bench_ops_norm(lm_bench_ops_env *env) {
+    const int64_t N = 32768;
+    const int64_t maxn = N * 2048;
+    int bad = 0;
+    norm_arg a = {0};
+    a.ctx = env->ctx;
+    a.x = dalloc(env, (size_t)maxn * 2, &bad);
+    a.r = dalloc(env, (size_t)maxn * 2, &bad);
+    a.g = dalloc(env, (size_t)maxn * 2, &bad);
+    a.w = dalloc(env, 2048 * 2, &bad);
+    a.h = dalloc(env, (size_t)maxn * 2, &bad);
+    a.y = dalloc(env, (size_t)maxn * 2, &bad);
+    a.dy = dalloc(env, (size_t)maxn * 2, &bad);
+    a.dr = dalloc(env, (size_t)maxn * 2, &bad);
+    a.dx = dalloc(env, (size_t)maxn * 2, &bad);
+    a.dg = dalloc(env, (size_t)maxn * 2, &bad);
+    a.rstd = dalloc(env, sizeof(float) * (size_t)N * 16, &bad);
+    a.dw = dalloc(env, sizeof(float) * 2048, &bad);
+    int rc = bad;
+    if (!bad)
+        rc = fill(env, a.x, maxn, 11, 0.0f, 1.0f) || fill(env, a.r, maxn, 12, 0.0f, 1.0f) ||
+             fill(env, a.g, maxn, 13, 0.0f, 1.0f) || fill(env, a.w, 2048, 14, 1.0f, 0.1f) ||
+             fill(env, a.dy, maxn, 15, 0.0f, 1.0f) || fill(env, a.dr, maxn, 16, 0.0f, 1.0f);
+    lm_error e = {0};
+    if (!rc && lm_cuda_ctx_memset(env->ctx, a.dw, 0, sizeof(float) * 2048, &e) != LM_OK)
+        rc = 1;
+    for (int kind = 0; kind < 3 && !rc; kind++) {
+        for (int s = 0; s < 2 && !rc; s++) {
+            a.gated = kind == 2;
+            a.residual = kind == 1;
+            a.H = a.gated ? (s ? 16 : 8) : 1;
+            a.D = a.gated ? 128 : (s ? 2048 : 1024);
+            a.N = N;
+            const double nd = (double)N * a.H * a.D, rows = (double)N * a.H;
+            char shape[64];
+            const char *name = a.gated      ? "gated_rmsnorm"
+                               : a.residual ? "rmsnorm_residual"
+                                            : "rmsnorm";
+            if (a.gated)
+                snprintf(shape, sizeof shape, "N=%lld H=%d Dh=%d", (long long)N, a.H, a.D);
+            else
+                snprintf(shape, sizeof shape, "N=%lld D=%d", (long long)N, a.D);
+            for (a.bwd = 0; a.bwd < 2 && !rc; a.bwd++) {
+                double fb, ff;
+                if (a.gated) {
+                    fb = 6 * nd + 4 * rows + 2.0 * a.D;
+                    ff = 8 * nd;
+                    if (a.bwd) {
+                        fb += 10 * nd + 4 * rows + 2.0 * a.D + 8.0 * a.D;
+                        ff += 20 * nd;
+                    }
+                } else {
+                    fb = (a.residual ? 8 : 4) * nd + 4 * rows + 2.0 * a.D;
+                    ff = 4 * nd;
+                    if (a.bwd) {
+                        fb += (a.residual ? 8 : 6) * nd + 4 * rows + 2.0 * a.D + 8.0 * a.D;
+                        ff += 10 * nd;
+                    }
+                }
+                const double ms = lm_bench_ops_time(env, norm_run, &a);
+                if (ms < 0) {
+                    rc = 1;
+                    break;
+                }
+                lm_bench_ops_row(env, name, shape, a.bwd ? "fwd+bwd" : "fwd", ms, ff, fb,
+                                 (double)N);
+            }
+        }
+    }
+    void *ptrs[] = {a.x, a.r, a.g, a.w, a.h, a.y, a.dy, a.dr, a.dx, a.dg, a.rstd, a.dw};
+    for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++)
+        lm_cuda_ctx_free_mem(env->ctx, ptrs[i]);
+    return rc;
+}

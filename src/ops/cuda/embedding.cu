@@ -1,0 +1,342 @@
+/* Token embedding on the GPU: the gather and its deterministic scatter-add backward
+ * (include/linmoe/cuda_layers.h has the contract; the CPU semantics are those of
+ * src/model/model.c, run_forward and the "embedding rows" step of the backward).
+ *
+ * Forward: one warp per token row, 16-byte copies of the weight row (scalar copies when
+ * D % 8 != 0 or a pointer is not 16-byte aligned).
+ *
+ * Backward, without floating-point atomics:
+ *   1. keys[n] = id << bits(N) | n (an out-of-range id becomes the sentinel V); the keys
+ *      are unique, so CUB's radix sort puts them in one order: by id, then by token;
+ *   2. the sorted positions are cut into chunks of CHUNK; a CTA per (chunk, 1024 or 128
+ *      columns) walks its positions in order and sums each run of equal ids (a "piece")
+ *      in fp32 registers. A piece whose run lies inside the chunk is added to
+ *      dweight[id] directly (no other CTA touches that row). A piece whose run continues
+ *      past the chunk start goes to part[chunk][0], one that only continues past the
+ *      chunk end to part[chunk][1];
+ *   3. for every run that crosses a chunk boundary, the CTA of the chunk where it starts
+ *      adds part[start][1] and part[c][0] of the following chunks in order, then
+ *      dweight[id] += that sum.
+ * Every run is summed in token order and every dweight row gets exactly one addition,
+ * so the result is the same on every run (and matches the CPU's token order up to the
+ * fp32 rounding of adding the run's sum once instead of term by term).
+ */
+#include <cub/device/device_radix_sort.cuh>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "linmoe/cuda_layers.h"
+#include "ops/cuda/ctx.cuh"
+
+namespace {
+
+constexpr int CHUNK = 32;        /* sorted positions per CTA in the backward */
+constexpr int BWD_THREADS = 128; /* column vectors per CTA in the backward */
+
+template <int VEC> struct Pk;
+template <> struct Pk<8> {
+    typedef uint4 T;
+    static __device__ __forceinline__ T zero() { return make_uint4(0, 0, 0, 0); }
+};
+template <> struct Pk<1> {
+    typedef unsigned short T;
+    static __device__ __forceinline__ T zero() { return 0; }
+};
+
+__device__ __forceinline__ void add_bf16(float (&a)[8], const uint4 &v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        a[2 * i] += __uint_as_float(w[i] << 16);
+        a[2 * i + 1] += __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void add_bf16(float (&a)[1], const unsigned short &v) {
+    a[0] += __uint_as_float((uint32_t)v << 16);
+}
+
+/* dst[0..VEC) += a (fp32 row segment). */
+template <int VEC> __device__ __forceinline__ void add_to(float *dst, const float (&a)[VEC]) {
+    if constexpr (VEC == 8) {
+        float4 *d = reinterpret_cast<float4 *>(dst);
+        float4 u = d[0], w = d[1];
+        u.x += a[0], u.y += a[1], u.z += a[2], u.w += a[3];
+        w.x += a[4], w.y += a[5], w.z += a[6], w.w += a[7];
+        d[0] = u;
+        d[1] = w;
+    } else {
+        dst[0] += a[0];
+    }
+}
+template <int VEC> __device__ __forceinline__ void put(float *dst, const float (&a)[VEC]) {
+    if constexpr (VEC == 8) {
+        float4 *d = reinterpret_cast<float4 *>(dst);
+        d[0] = make_float4(a[0], a[1], a[2], a[3]);
+        d[1] = make_float4(a[4], a[5], a[6], a[7]);
+    } else {
+        dst[0] = a[0];
+    }
+}
+template <int VEC> __device__ __forceinline__ void get_add(float (&a)[VEC], const float *src) {
+    if constexpr (VEC == 8) {
+        const float4 *s = reinterpret_cast<const float4 *>(src);
+        const float4 u = s[0], w = s[1];
+        a[0] += u.x, a[1] += u.y, a[2] += u.z, a[3] += u.w;
+        a[4] += w.x, a[5] += w.y, a[6] += w.z, a[7] += w.w;
+    } else {
+        a[0] += src[0];
+    }
+}
+
+/* ---------------------------------------------------------------- forward */
+
+template <int VEC>
+__global__ void __launch_bounds__(256)
+    emb_fwd(const int32_t *__restrict__ ids, const __nv_bfloat16 *__restrict__ W,
+            __nv_bfloat16 *__restrict__ out, int64_t N, int V, int D, int32_t *n_bad) {
+    typedef typename Pk<VEC>::T P;
+    constexpr int U = 4;
+    const int lane = threadIdx.x & 31, nvec = D / VEC;
+    const int64_t w0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int64_t ws = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t row = w0; row < N; row += ws) {
+        const int32_t id = __ldg(ids + row);
+        const bool valid = id >= 0 && id < V;
+        if (!valid && lane == 0 && n_bad)
+            atomicAdd(n_bad, 1);
+        const P *src = reinterpret_cast<const P *>(W + (valid ? (int64_t)id * D : 0));
+        P *dst = reinterpret_cast<P *>(out + row * D);
+        for (int v0 = lane; v0 < nvec; v0 += 32 * U) {
+            P t[U];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int v = v0 + 32 * u;
+                t[u] = (valid && v < nvec) ? __ldg(src + v) : Pk<VEC>::zero();
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int v = v0 + 32 * u;
+                if (v < nvec)
+                    dst[v] = t[u];
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- backward */
+
+__global__ void emb_keys(const int32_t *__restrict__ ids, int64_t N, int V, int nb,
+                         unsigned long long *__restrict__ keys) {
+    const int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (n >= N)
+        return;
+    const int32_t id = ids[n];
+    const unsigned long long k = (id >= 0 && id < V) ? (unsigned long long)id : (unsigned)V;
+    keys[n] = (k << nb) | (unsigned long long)n;
+}
+
+struct BwdP {
+    const unsigned long long *keys; /* sorted */
+    const __nv_bfloat16 *dout;
+    float *dW, *part;
+    int64_t N;
+    int nb, V, D;
+};
+
+__device__ __forceinline__ int key_id(const BwdP &p, int64_t s) { return (int)(p.keys[s] >> p.nb); }
+
+template <int VEC> __global__ void __launch_bounds__(BWD_THREADS) emb_bwd_chunk(const BwdP p) {
+    typedef typename Pk<VEC>::T P;
+    __shared__ int sid[CHUNK];
+    __shared__ int spos[CHUNK];
+    __shared__ int nbr[2]; /* ids just before and just after the chunk (-1: none) */
+    const int64_t c = blockIdx.x, s0 = c * CHUNK;
+    const int n = (int)(p.N - s0 < CHUNK ? p.N - s0 : CHUNK);
+    const unsigned long long mask = (1ull << p.nb) - 1;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const unsigned long long k = p.keys[s0 + i];
+        sid[i] = (int)(k >> p.nb);
+        spos[i] = (int)(k & mask);
+    }
+    if (threadIdx.x == 0) {
+        nbr[0] = c > 0 ? key_id(p, s0 - 1) : -1;
+        nbr[1] = s0 + n < p.N ? key_id(p, s0 + n) : -1;
+    }
+    __syncthreads();
+    const int v = blockIdx.y * BWD_THREADS + threadIdx.x;
+    if (v >= p.D / VEC)
+        return;
+    const int64_t col = (int64_t)v * VEC;
+    float acc[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; i++)
+        acc[i] = 0.0f;
+    int cur = sid[0], ps = 0;
+    /* the piece of id `cur` that began at chunk position ps ends at pe */
+    auto flush = [&](int pe) {
+        if (cur >= p.V)
+            return; /* out-of-range ids (the sentinel) contribute nothing */
+        const bool lopen = ps == 0 && cur == nbr[0];
+        const bool ropen = pe == n && cur == nbr[1];
+        if (!lopen && !ropen)
+            add_to<VEC>(p.dW + (int64_t)cur * p.D + col, acc);
+        else
+            put<VEC>(p.part + (c * 2 + (lopen ? 0 : 1)) * p.D + col, acc);
+    };
+    constexpr int U = 4;
+    for (int j0 = 0; j0 < n; j0 += U) {
+        P r[U];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (j0 + u < n)
+                r[u] =
+                    __ldg(reinterpret_cast<const P *>(p.dout + (int64_t)spos[j0 + u] * p.D + col));
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int j = j0 + u;
+            if (j < n) {
+                if (sid[j] != cur) {
+                    flush(j);
+#pragma unroll
+                    for (int i = 0; i < VEC; i++)
+                        acc[i] = 0.0f;
+                    cur = sid[j];
+                    ps = j;
+                }
+                add_bf16(acc, r[u]);
+            }
+        }
+    }
+    flush(n);
+}
+
+/* Runs that cross chunk boundaries: the chunk where a run starts finishes it. */
+template <int VEC> __global__ void __launch_bounds__(BWD_THREADS) emb_bwd_cross(const BwdP p) {
+    const int64_t c = blockIdx.x, s0 = c * CHUNK, s1 = s0 + CHUNK;
+    if (s1 >= p.N)
+        return;
+    const int k = key_id(p, s1 - 1);
+    if (k >= p.V || key_id(p, s1) != k)
+        return; /* the chunk's last run ends inside it */
+    if (c > 0 && key_id(p, s0) == k && key_id(p, s0 - 1) == k)
+        return; /* the run started in an earlier chunk */
+    const int v = blockIdx.y * BWD_THREADS + threadIdx.x;
+    if (v >= p.D / VEC)
+        return;
+    const int64_t col = (int64_t)v * VEC;
+    float acc[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; i++)
+        acc[i] = 0.0f;
+    get_add<VEC>(acc, p.part + (c * 2 + 1) * p.D + col);
+    for (int64_t c2 = c + 1;; c2++) {
+        get_add<VEC>(acc, p.part + (c2 * 2 + 0) * p.D + col);
+        const int64_t e = (c2 + 1) * CHUNK;
+        if (e >= p.N || key_id(p, e) != k)
+            break;
+    }
+    add_to<VEC>(p.dW + (int64_t)k * p.D + col, acc);
+}
+
+bool al16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+int bits_for(uint64_t x) { /* bits to hold the value x (>= 1) */
+    int b = 1;
+    while (b < 64 && (x >> b) != 0)
+        b++;
+    return b;
+}
+
+size_t align256(size_t b) { return (b + 255) & ~(size_t)255; }
+
+lm_status check(const char *op, int64_t N, int V, int D, const int32_t *ids, const void *a,
+                const void *b, const char *an, const char *bn, lm_error *err) {
+    if (N < 0 || N >= ((int64_t)1 << 31))
+        return lm_errorf(err, LM_ERR_INVALID, "%s: N = %lld must be in [0, 2^31)", op,
+                         (long long)N);
+    if (V < 1)
+        return lm_errorf(err, LM_ERR_INVALID, "%s: V = %d must be >= 1", op, V);
+    if (D < 1)
+        return lm_errorf(err, LM_ERR_INVALID, "%s: D = %d must be >= 1", op, D);
+    if (N > 0 && (!ids || !a || !b))
+        return lm_errorf(err, LM_ERR_INVALID, "%s: '%s' is required", op,
+                         !ids ? "ids"
+                         : !a ? an
+                              : bn);
+    return LM_OK;
+}
+
+} // namespace
+
+extern "C" lm_status lm_cuda_embedding_forward(lm_cuda_ctx *ctx, int64_t N, int V, int D,
+                                               const int32_t *ids, const void *weight, void *out,
+                                               int32_t *n_bad, lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    LM_TRY(check("embedding", N, V, D, ids, weight, out, "weight", "out", err));
+    if (N == 0)
+        return LM_OK;
+    const __nv_bfloat16 *W = (const __nv_bfloat16 *)weight;
+    __nv_bfloat16 *o = (__nv_bfloat16 *)out;
+    int64_t blocks = (N + 7) / 8; /* a warp per row, 8 warps per CTA */
+    if (blocks > (int64_t)ctx->sm_count * 8)
+        blocks = (int64_t)ctx->sm_count * 8;
+    if (D % 8 == 0 && al16(W) && al16(o))
+        emb_fwd<8><<<(unsigned)blocks, 256, 0, ctx->stream>>>(ids, W, o, N, V, D, n_bad);
+    else
+        emb_fwd<1><<<(unsigned)blocks, 256, 0, ctx->stream>>>(ids, W, o, N, V, D, n_bad);
+    LM_CK_LAUNCH("emb_fwd");
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_embedding_backward(lm_cuda_ctx *ctx, int64_t N, int V, int D,
+                                                const int32_t *ids, const void *dout,
+                                                float *dweight, lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    LM_TRY(check("embedding backward", N, V, D, ids, dout, dweight, "dout", "dweight", err));
+    if (N == 0)
+        return LM_OK;
+    const int nb = bits_for((uint64_t)(N - 1));
+    const int end_bit = nb + bits_for((uint64_t)V);
+    const int64_t nchunks = (N + CHUNK - 1) / CHUNK;
+    size_t temp_bytes = 0;
+    unsigned long long *knull = nullptr;
+    LM_CK(cub::DeviceRadixSort::SortKeys(nullptr, temp_bytes, knull, knull, (int)N, 0, end_bit,
+                                         ctx->stream));
+    const size_t kb = align256((size_t)N * sizeof(unsigned long long));
+    const size_t pb = align256((size_t)nchunks * 2 * D * sizeof(float));
+    void *s = nullptr;
+    LM_TRY(lm_cuda_ctx_scratch(ctx, LM_SCRATCH_A, 2 * kb + pb + temp_bytes, &s, err));
+    unsigned char *base = (unsigned char *)s;
+    unsigned long long *keys_in = (unsigned long long *)base;
+    unsigned long long *keys = (unsigned long long *)(base + kb);
+    float *part = (float *)(base + 2 * kb);
+    void *temp = base + 2 * kb + pb;
+    emb_keys<<<(unsigned)((N + 255) / 256), 256, 0, ctx->stream>>>(ids, N, V, nb, keys_in);
+    LM_CK_LAUNCH("emb_keys");
+    LM_CK(cub::DeviceRadixSort::SortKeys(temp, temp_bytes, keys_in, keys, (int)N, 0, end_bit,
+                                         ctx->stream));
+    BwdP p;
+    p.keys = keys;
+    p.dout = (const __nv_bfloat16 *)dout;
+    p.dW = dweight;
+    p.part = part;
+    p.N = N;
+    p.nb = nb;
+    p.V = V;
+    p.D = D;
+    const bool vec = D % 8 == 0 && al16(dout) && al16(dweight);
+    const int nvec = vec ? D / 8 : D;
+    const dim3 grid((unsigned)nchunks, (unsigned)((nvec + BWD_THREADS - 1) / BWD_THREADS));
+    if (vec) {
+        emb_bwd_chunk<8><<<grid, BWD_THREADS, 0, ctx->stream>>>(p);
+        LM_CK_LAUNCH("emb_bwd_chunk");
+        emb_bwd_cross<8><<<grid, BWD_THREADS, 0, ctx->stream>>>(p);
+    } else {
+        emb_bwd_chunk<1><<<grid, BWD_THREADS, 0, ctx->stream>>>(p);
+        LM_CK_LAUNCH("emb_bwd_chunk");
+        emb_bwd_cross<1><<<grid, BWD_THREADS, 0, ctx->stream>>>(p);
+    }
+    LM_CK_LAUNCH("emb_bwd_cross");
+    return LM_OK;
+}
