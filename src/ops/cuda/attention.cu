@@ -1,0 +1,1510 @@
+/* Causal GQA softmax attention on the GPU (include/linmoe/cuda_attention.h has the
+ * contract): FlashAttention-2 forward and backward on mma.sync, RoPE, the KV-cache writer
+ * and split-K flash decoding. The math is FlashAttention-2 (Dao, arXiv 2307.08691,
+ * Algorithms 1 and 2); layouts, RoPE and lse as the CPU op (src/ops/attention.c,
+ * src/ops/cpu/attention_fwd.c, attention_bwd.c), which is the reference in
+ * tests/backend_ops/attention.c.
+ *
+ * mma.sync m16n8k16 fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane l,
+ * g = l / 4, t = l % 4:
+ *   A 16x16 row-major: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
+ *   B 16x8 (k x n):    b0 (k = 2t..2t+1, n = g), b1 (k = 2t+8.., n = g)
+ *   C 16x8:            c0 c1 (g, 2t..2t+1), c2 c3 (g+8, 2t..2t+1)
+ * so two neighbouring C tiles of a row block are exactly the A fragment of the next
+ * product (P = softmax(S) feeds P V from registers). Shared-memory tiles have rows of
+ * D + 8 bf16 (16 bytes of padding): the eight 16-byte rows an ldmatrix phase reads fall
+ * in eight different bank groups.
+ */
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#include "linmoe/cuda_attention.h"
+#include "ops/cuda/ctx.cuh"
+
+typedef __nv_bfloat16 bf16;
+
+/* src/ops/cuda/attention_cudnn.cu: the forward through cuDNN's fused engine (stats fp32
+ * [B, Hq, T]); LM_ERR_UNSUPPORTED when cuDNN builds no plan for the shape. */
+struct lm_attn_cudnn;
+void lm_attn_cudnn_destroy(lm_attn_cudnn *s);
+lm_status lm_attn_cudnn_forward(lm_cuda_ctx *ctx, lm_attn_cudnn **state, int B, int T, int Hq,
+                                int Hkv, int D, float scale, const void *q, const void *k,
+                                const void *v, void *o, float *stats, lm_error *err);
+
+namespace {
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+/* ---------------------------------------------------------------- PTX helpers */
+
+__device__ __forceinline__ uint32_t su32(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void ldsm4(uint32_t r[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(su32(p)));
+}
+__device__ __forceinline__ void ldsm4t(uint32_t r[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(su32(p)));
+}
+/* d += a b (bf16 operands, fp32 accumulators) */
+__device__ __forceinline__ void mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* 16 bytes global -> shared, or 16 zero bytes (nothing read) when !ok */
+__device__ __forceinline__ void cp16z(void *dst, const void *src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(su32(dst)), "l"(src),
+                 "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp4z(void *dst, const void *src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(su32(dst)), "l"(src),
+                 "r"(ok ? 4 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+/* 2^x, one MUFU op; 2^-inf = +0 */
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+__device__ __forceinline__ void st_release(int *p, int v) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire(const int *p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+/* Fragment addresses for lane l (ldmatrix x4). A at (m0, k0) of row-major [m][k]: */
+__device__ __forceinline__ const bf16 *a_rm(const bf16 *M, int ld, int m0, int k0, int l) {
+    return M + (m0 + (l & 15)) * ld + k0 + (l >> 4) * 8;
+}
+/* A at (m0, k0) of A = M^T, M row-major [k][m] (with ldsm4t) */
+__device__ __forceinline__ const bf16 *a_tr(const bf16 *M, int ld, int m0, int k0, int l) {
+    return M + (k0 + (l & 7) + ((l >> 4) & 1) * 8) * ld + m0 + ((l >> 3) & 1) * 8;
+}
+/* B tiles n0 (regs 0, 1) and n0 + 8 (regs 2, 3), k0..k0+15, of B = M^T with M row-major
+ * [n][k] (with ldsm4) */
+__device__ __forceinline__ const bf16 *b_nk(const bf16 *M, int ld, int k0, int n0, int l) {
+    return M + (n0 + (l & 7) + (l >> 4) * 8) * ld + k0 + ((l >> 3) & 1) * 8;
+}
+/* the same two B tiles of B row-major [k][n] (with ldsm4t) */
+__device__ __forceinline__ const bf16 *b_kn(const bf16 *M, int ld, int k0, int n0, int l) {
+    return M + (k0 + (l & 7) + ((l >> 3) & 1) * 8) * ld + n0 + (l >> 4) * 8;
+}
+
+/* Position of flattened token t inside its document: cu [ncu] int32 document starts
+ * (the last entry = B*T); the last n with cu[n] <= t (empty documents share values). */
+__device__ __forceinline__ int tok_pos(const int *cu, int ncu, int t) {
+    int lo = 0, hi = ncu - 1;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (cu[mid] <= t)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return t - cu[lo];
+}
+
+/* ---------------------------------------------------------------- forward */
+
+struct FwdP {
+    const bf16 *q, *k, *v;
+    bf16 *o;
+    float *lse;      /* may be NULL */
+    const int4 *tab; /* per query block: (first token, document length, q0, 0) */
+    int Hq, Hkv, grp;
+    float scale_log2; /* scale * log2(e) */
+};
+
+constexpr int F_BM = 128, F_BN = 64;
+template <int D> constexpr int fwd_smem() { return (F_BM + 4 * F_BN) * (D + 8) * 2; }
+
+/* One CTA (4 warps; warp w owns query rows 32 w .. 32 w + 31 of the block) per
+ * (query head blockIdx.x, query block blockIdx.y of the table). */
+template <int D> __global__ void __launch_bounds__(128, 2) attn_fwd(const FwdP p) {
+    constexpr int BM = F_BM, BN = F_BN, LD = D + 8, NT = D / 8, KS = D / 16, CH = D / 8;
+    extern __shared__ __align__(128) unsigned char smem[];
+    bf16 *Qs = reinterpret_cast<bf16 *>(smem); /* [BM][LD] */
+    bf16 *Ks = Qs + BM * LD;                   /* [2][BN][LD] */
+    bf16 *Vs = Ks + 2 * BN * LD;               /* [2][BN][LD] */
+    const int h = blockIdx.x;
+    const int4 ent = p.tab[blockIdx.y];
+    const int bos = ent.x, len = ent.y, q0 = ent.z;
+    const int g = h / p.grp;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+    const int64_t qstr = (int64_t)p.Hq * D, kstr = (int64_t)p.Hkv * D;
+    const bf16 *qg = p.q + ((int64_t)bos * p.Hq + h) * D;
+    const bf16 *kg = p.k + ((int64_t)bos * p.Hkv + g) * D;
+    const bf16 *vg = p.v + ((int64_t)bos * p.Hkv + g) * D;
+
+    for (int c = tid; c < BM * CH; c += 128) {
+        const int r = c / CH, cc = c - r * CH, row = q0 + r;
+        const bool ok = row < len;
+        cp16z(Qs + r * LD + cc * 8, qg + (ok ? row : 0) * qstr + cc * 8, ok);
+    }
+    auto load_kv = [&](int buf, int j0) {
+        for (int c = tid; c < BN * CH; c += 128) {
+            const int r = c / CH, cc = c - r * CH, row = j0 + r;
+            const bool ok = row < len;
+            const int64_t off = (ok ? row : 0) * kstr + cc * 8;
+            cp16z(Ks + (buf * BN + r) * LD + cc * 8, kg + off, ok);
+            cp16z(Vs + (buf * BN + r) * LD + cc * 8, vg + off, ok);
+        }
+    };
+    const int kend = min(q0 + BM, len); /* keys 0 .. kend-1 */
+    const int nkb = (kend + BN - 1) / BN;
+    load_kv(0, 0);
+    cp_commit();
+
+    const int wr0 = warp * 32;
+    float oacc[2][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                oacc[mt][n][c] = 0.0f;
+    float mrow[4], lrow[4]; /* rows mt * 16 + gq + 8 hf, index 2 mt + hf */
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        mrow[r] = -INFINITY;
+        lrow[r] = 0.0f;
+    }
+
+    for (int jb = 0; jb < nkb; jb++) {
+        const int buf = jb & 1, j0 = jb * BN;
+        if (jb + 1 < nkb) {
+            load_kv(buf ^ 1, j0 + BN);
+            cp_commit();
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
+        }
+        __syncthreads();
+        /* rows of this warp are all above the block's first key: nothing to add */
+        if (j0 <= q0 + wr0 + 31) {
+            const bf16 *Kb = Ks + buf * BN * LD, *Vb = Vs + buf * BN * LD;
+            float s[2][8][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++)
+                        s[mt][n][c] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+                uint32_t a0[4], a1[4];
+                ldsm4(a0, a_rm(Qs, LD, wr0, ks * 16, lane));
+                ldsm4(a1, a_rm(Qs, LD, wr0 + 16, ks * 16, lane));
+#pragma unroll
+                for (int np = 0; np < 4; np++) {
+                    uint32_t b[4];
+                    ldsm4(b, b_nk(Kb, LD, ks * 16, np * 16, lane));
+                    mma(s[0][2 * np], a0, b[0], b[1]);
+                    mma(s[0][2 * np + 1], a0, b[2], b[3]);
+                    mma(s[1][2 * np], a1, b[0], b[1]);
+                    mma(s[1][2 * np + 1], a1, b[2], b[3]);
+                }
+            }
+            const bool need_mask = (j0 + BN - 1 > q0 + wr0) || (j0 + BN > len);
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int n = 0; n < 8; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        float x = s[mt][n][c] * p.scale_log2;
+                        if (need_mask) {
+                            const int i = q0 + wr0 + mt * 16 + gq + (c >> 1) * 8;
+                            const int j = j0 + n * 8 + 2 * tq + (c & 1);
+                            if (j > i || j >= len)
+                                x = -INFINITY;
+                        }
+                        s[mt][n][c] = x;
+                    }
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    const int r = 2 * mt + hf;
+                    float mx = mrow[r];
+#pragma unroll
+                    for (int n = 0; n < 8; n++)
+                        mx = fmaxf(mx, fmaxf(s[mt][n][2 * hf], s[mt][n][2 * hf + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    const float ms = mx == -INFINITY ? 0.0f : mx;
+                    const float alpha = ex2(mrow[r] - ms);
+                    mrow[r] = mx;
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int n = 0; n < 8; n++)
+#pragma unroll
+                        for (int c2 = 0; c2 < 2; c2++) {
+                            const float e = ex2(s[mt][n][2 * hf + c2] - ms);
+                            s[mt][n][2 * hf + c2] = e;
+                            sum += e;
+                        }
+                    lrow[r] = lrow[r] * alpha + sum;
+#pragma unroll
+                    for (int n = 0; n < NT; n++) {
+                        oacc[mt][n][2 * hf] *= alpha;
+                        oacc[mt][n][2 * hf + 1] *= alpha;
+                    }
+                }
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                uint32_t a[2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    a[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    a[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    a[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    a[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                }
+#pragma unroll
+                for (int dp = 0; dp < NT / 2; dp++) {
+                    uint32_t b[4];
+                    ldsm4t(b, b_kn(Vb, LD, kk * 16, dp * 16, lane));
+                    mma(oacc[0][2 * dp], a[0], b[0], b[1]);
+                    mma(oacc[0][2 * dp + 1], a[0], b[2], b[3]);
+                    mma(oacc[1][2 * dp], a[1], b[0], b[1]);
+                    mma(oacc[1][2 * dp + 1], a[1], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    /* epilogue: o = acc / l staged in the warp's own rows of Qs, lse = (m + log2 l) ln 2 */
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int r = 2 * mt + hf;
+            float l = lrow[r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            const int lr = wr0 + mt * 16 + gq + hf * 8;
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+                *reinterpret_cast<uint32_t *>(Qs + lr * LD + n * 8 + 2 * tq) =
+                    pack2(oacc[mt][n][2 * hf] * inv, oacc[mt][n][2 * hf + 1] * inv);
+            if (p.lse && tq == 0 && q0 + lr < len)
+                p.lse[(int64_t)(bos + q0 + lr) * p.Hq + h] = (mrow[r] + log2f(l)) * LN2;
+        }
+    __syncwarp();
+    bf16 *og = p.o + ((int64_t)bos * p.Hq + h) * D;
+    for (int c = lane; c < 32 * CH; c += 32) {
+        const int r = c / CH, cc = c - r * CH, row = q0 + wr0 + r;
+        if (row < len)
+            *reinterpret_cast<uint4 *>(og + row * qstr + cc * 8) =
+                *reinterpret_cast<const uint4 *>(Qs + (wr0 + r) * LD + cc * 8);
+    }
+}
+
+/* ---------------------------------------------------------------- backward */
+
+struct BwdP {
+    const bf16 *q, *k, *v, *dO;
+    const float *lse, *delta;
+    float *dqacc; /* [B*T, Hq, D] fp32, dQ~ / scale */
+    bf16 *dk, *dv;
+    const int4 *tab;    /* per key block: (first token, document length, jl, qbase) */
+    int *locks;         /* [Hq][nqb_total] contributions added so far (zeroed) */
+    unsigned *counter;  /* ticket counter (zeroed) */
+    const float2 *rope; /* (cos, sin) [pos][D/2] or NULL (NoPE) */
+    int Hq, Hkv, grp, nqb_total, atomic_mode;
+    float scale, scale_log2;
+};
+
+constexpr int B_BM = 64, B_BN = 64;
+template <int D> constexpr int bwd_smem() {
+    return 4 * 64 * (D + 8) * 2 + B_BN * (B_BM + 8) * 2 + 2 * B_BM * 4;
+}
+
+/* One CTA (4 warps; warp w owns keys 16 w .. 16 w + 15 of the block) per (key block,
+ * kv head), in ticket order. Per query head of the group and query block i >= the key
+ * block: S^T = K Q^T, P^T = exp(S^T - lse), dV += P^T dO, dP^T = V dO^T,
+ * dS^T = P^T (dP^T - Delta), dK += dS^T Q, dS^T to shared memory, dQ_i += dS K. */
+template <int D> __global__ void __launch_bounds__(128, 2) attn_bwd(const BwdP p) {
+    constexpr int BM = B_BM, BN = B_BN, LD = D + 8, LDS = BM + 8, NT = D / 8, KS = D / 16,
+                  CH = D / 8;
+    extern __shared__ __align__(128) unsigned char smem[];
+    bf16 *Ks = reinterpret_cast<bf16 *>(smem);                /* [BN][LD] */
+    bf16 *Vs = Ks + BN * LD;                                  /* [BN][LD] */
+    bf16 *Qs = Vs + BN * LD;                                  /* [BM][LD] */
+    bf16 *dOs = Qs + BM * LD;                                 /* [BM][LD] */
+    bf16 *dSt = dOs + BM * LD;                                /* [BN][LDS] dS^T, bf16 */
+    float *lse_s = reinterpret_cast<float *>(dSt + BN * LDS); /* [BM] */
+    float *dl_s = lse_s + BM;                                 /* [BM] */
+    __shared__ int s_ticket;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+    if (tid == 0)
+        s_ticket = (int)atomicAdd(p.counter, 1u);
+    __syncthreads();
+    const int ticket = s_ticket;
+    const int4 ent = p.tab[ticket / p.Hkv];
+    const int g = ticket % p.Hkv;
+    const int bos = ent.x, len = ent.y, jl = ent.z, qbase = ent.w;
+    const int j0 = jl * BN;
+    const int nqb = (len + BM - 1) / BM, nb2 = nqb - jl;
+    const int niter = p.grp * nb2;
+    const int64_t qstr = (int64_t)p.Hq * D, kstr = (int64_t)p.Hkv * D;
+
+    {
+        const bf16 *kg = p.k + ((int64_t)bos * p.Hkv + g) * D;
+        const bf16 *vg = p.v + ((int64_t)bos * p.Hkv + g) * D;
+        for (int c = tid; c < BN * CH; c += 128) {
+            const int r = c / CH, cc = c - r * CH, row = j0 + r;
+            const bool ok = row < len;
+            const int64_t off = (ok ? row : 0) * kstr + cc * 8;
+            cp16z(Ks + r * LD + cc * 8, kg + off, ok);
+            cp16z(Vs + r * LD + cc * 8, vg + off, ok);
+        }
+    }
+    auto load_q = [&](int it) {
+        const int hh = it / nb2, i0 = (jl + it % nb2) * BM, h = g * p.grp + hh;
+        const bf16 *qg = p.q + ((int64_t)bos * p.Hq + h) * D;
+        const bf16 *og = p.dO + ((int64_t)bos * p.Hq + h) * D;
+        for (int c = tid; c < BM * CH; c += 128) {
+            const int r = c / CH, cc = c - r * CH, row = i0 + r;
+            const bool ok = row < len;
+            const int64_t off = (ok ? row : 0) * qstr + cc * 8;
+            cp16z(Qs + r * LD + cc * 8, qg + off, ok);
+            cp16z(dOs + r * LD + cc * 8, og + off, ok);
+        }
+        if (tid < BM) {
+            const int row = i0 + tid;
+            const bool ok = row < len;
+            const int64_t off = (int64_t)(bos + (ok ? row : 0)) * p.Hq + h;
+            cp4z(lse_s + tid, p.lse + off, ok);
+            cp4z(dl_s + tid, p.delta + off, ok);
+        }
+    };
+    load_q(0);
+    cp_commit();
+
+    float dk[NT][4], dv[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+            dk[n][c] = dv[n][c] = 0.0f;
+    const int kr0 = warp * 16; /* the warp's keys (rows of Ks) */
+
+    for (int it = 0; it < niter; it++) {
+        const int hh = it / nb2, i = jl + it % nb2, i0 = i * BM, h = g * p.grp + hh;
+        cp_wait<0>();
+        __syncthreads();
+        float st[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                st[n][c] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            uint32_t a[4];
+            ldsm4(a, a_rm(Ks, LD, kr0, ks * 16, lane));
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                uint32_t b[4];
+                ldsm4(b, b_nk(Qs, LD, ks * 16, np * 16, lane));
+                mma(st[2 * np], a, b[0], b[1]);
+                mma(st[2 * np + 1], a, b[2], b[3]);
+            }
+        }
+        /* P^T (keys x queries) */
+        const bool need_mask = (i0 < j0 + BN) || (i0 + BM > len) || (j0 + BN > len);
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int col = n * 8 + 2 * tq + (c & 1);
+                float pv = ex2(st[n][c] * p.scale_log2 - lse_s[col] * LOG2E);
+                if (need_mask) {
+                    const int key = j0 + kr0 + gq + (c >> 1) * 8, qi = i0 + col;
+                    if (key > qi || qi >= len || key >= len)
+                        pv = 0.0f;
+                }
+                st[n][c] = pv;
+            }
+            /* dV += P^T dO */
+#pragma unroll
+        for (int kq = 0; kq < 4; kq++) {
+            uint32_t a[4];
+            a[0] = pack2(st[2 * kq][0], st[2 * kq][1]);
+            a[1] = pack2(st[2 * kq][2], st[2 * kq][3]);
+            a[2] = pack2(st[2 * kq + 1][0], st[2 * kq + 1][1]);
+            a[3] = pack2(st[2 * kq + 1][2], st[2 * kq + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < NT / 2; dp++) {
+                uint32_t b[4];
+                ldsm4t(b, b_kn(dOs, LD, kq * 16, dp * 16, lane));
+                mma(dv[2 * dp], a, b[0], b[1]);
+                mma(dv[2 * dp + 1], a, b[2], b[3]);
+            }
+        }
+        /* dP^T = V dO^T, then dS^T = P^T (dP^T - Delta) in st */
+        {
+            float dp_[8][4];
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    dp_[n][c] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+                uint32_t a[4];
+                ldsm4(a, a_rm(Vs, LD, kr0, ks * 16, lane));
+#pragma unroll
+                for (int np = 0; np < 4; np++) {
+                    uint32_t b[4];
+                    ldsm4(b, b_nk(dOs, LD, ks * 16, np * 16, lane));
+                    mma(dp_[2 * np], a, b[0], b[1]);
+                    mma(dp_[2 * np + 1], a, b[2], b[3]);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    st[n][c] *= dp_[n][c] - dl_s[n * 8 + 2 * tq + (c & 1)];
+        }
+        /* dK += dS^T Q (scaled at the end); dS^T to shared memory for dQ */
+#pragma unroll
+        for (int kq = 0; kq < 4; kq++) {
+            uint32_t a[4];
+            a[0] = pack2(st[2 * kq][0], st[2 * kq][1]);
+            a[1] = pack2(st[2 * kq][2], st[2 * kq][3]);
+            a[2] = pack2(st[2 * kq + 1][0], st[2 * kq + 1][1]);
+            a[3] = pack2(st[2 * kq + 1][2], st[2 * kq + 1][3]);
+            *reinterpret_cast<uint32_t *>(dSt + (kr0 + gq) * LDS + kq * 16 + 2 * tq) = a[0];
+            *reinterpret_cast<uint32_t *>(dSt + (kr0 + gq + 8) * LDS + kq * 16 + 2 * tq) = a[1];
+            *reinterpret_cast<uint32_t *>(dSt + (kr0 + gq) * LDS + kq * 16 + 8 + 2 * tq) = a[2];
+            *reinterpret_cast<uint32_t *>(dSt + (kr0 + gq + 8) * LDS + kq * 16 + 8 + 2 * tq) = a[3];
+#pragma unroll
+            for (int dp = 0; dp < NT / 2; dp++) {
+                uint32_t b[4];
+                ldsm4t(b, b_kn(Qs, LD, kq * 16, dp * 16, lane));
+                mma(dk[2 * dp], a, b[0], b[1]);
+                mma(dk[2 * dp + 1], a, b[2], b[3]);
+            }
+        }
+        __syncthreads(); /* dS^T complete; Qs, dOs, lse_s, dl_s free */
+        if (it + 1 < niter) {
+            load_q(it + 1);
+            cp_commit();
+        }
+        /* dQ_i (this warp: query rows 16 w ..) += dS K */
+        float dq[NT][4];
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                dq[n][c] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            uint32_t a[4];
+            ldsm4t(a, a_tr(dSt, LDS, warp * 16, kk * 16, lane));
+#pragma unroll
+            for (int dp = 0; dp < NT / 2; dp++) {
+                uint32_t b[4];
+                ldsm4t(b, b_kn(Ks, LD, kk * 16, dp * 16, lane));
+                mma(dq[2 * dp], a, b[0], b[1]);
+                mma(dq[2 * dp + 1], a, b[2], b[3]);
+            }
+        }
+        int *lock = p.locks + (int64_t)h * p.nqb_total + qbase + i;
+        if (!p.atomic_mode) {
+            if (tid == 0)
+                while (ld_acquire(lock) != jl)
+                    __nanosleep(32);
+            __syncthreads();
+        }
+        float *dst = p.dqacc + ((int64_t)(bos + i0) * p.Hq + h) * D;
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const int row = warp * 16 + gq + hf * 8;
+            if (i0 + row < len) {
+                float *rp = dst + row * qstr + 2 * tq;
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    float2 *ptr = reinterpret_cast<float2 *>(rp + n * 8);
+                    const float x0 = dq[n][2 * hf], x1 = dq[n][2 * hf + 1];
+                    if (p.atomic_mode) {
+                        atomicAdd(&ptr->x, x0);
+                        atomicAdd(&ptr->y, x1);
+                    } else if (jl == 0) {
+                        __stcg(ptr, make_float2(x0, x1));
+                    } else {
+                        const float2 old = __ldcg(ptr);
+                        __stcg(ptr, make_float2(old.x + x0, old.y + x1));
+                    }
+                }
+            }
+        }
+        if (!p.atomic_mode) {
+            __threadfence();
+            __syncthreads();
+            if (tid == 0)
+                st_release(lock, jl + 1);
+        }
+    }
+
+    /* epilogue: dK = R^T(p_j) scale dK~, dV; staged in the warp's rows of Qs / dOs (no
+     * warp reads those after the last iteration's second barrier) */
+    const int H2 = D / 2;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const int lr = kr0 + gq + hf * 8, key = j0 + lr;
+        const float2 *cs = p.rope ? p.rope + (int64_t)min(key, len - 1) * H2 : nullptr;
+#pragma unroll
+        for (int n = 0; n < NT / 2; n++)
+#pragma unroll
+            for (int c2 = 0; c2 < 2; c2++) {
+                const float a = dk[n][2 * hf + c2] * p.scale;
+                const float b = dk[n + NT / 2][2 * hf + c2] * p.scale;
+                if (cs) {
+                    const float2 r = cs[n * 8 + 2 * tq + c2];
+                    dk[n][2 * hf + c2] = a * r.x + b * r.y;
+                    dk[n + NT / 2][2 * hf + c2] = b * r.x - a * r.y;
+                } else {
+                    dk[n][2 * hf + c2] = a;
+                    dk[n + NT / 2][2 * hf + c2] = b;
+                }
+            }
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            *reinterpret_cast<uint32_t *>(Qs + lr * LD + n * 8 + 2 * tq) =
+                pack2(dk[n][2 * hf], dk[n][2 * hf + 1]);
+            *reinterpret_cast<uint32_t *>(dOs + lr * LD + n * 8 + 2 * tq) =
+                pack2(dv[n][2 * hf], dv[n][2 * hf + 1]);
+        }
+    }
+    __syncwarp();
+    bf16 *dkg = p.dk + ((int64_t)bos * p.Hkv + g) * D;
+    bf16 *dvg = p.dv + ((int64_t)bos * p.Hkv + g) * D;
+    for (int c = lane; c < 16 * CH; c += 32) {
+        const int r = c / CH, cc = c - r * CH, row = j0 + kr0 + r;
+        if (row < len) {
+            *reinterpret_cast<uint4 *>(dkg + row * kstr + cc * 8) =
+                *reinterpret_cast<const uint4 *>(Qs + (kr0 + r) * LD + cc * 8);
+            *reinterpret_cast<uint4 *>(dvg + row * kstr + cc * 8) =
+                *reinterpret_cast<const uint4 *>(dOs + (kr0 + r) * LD + cc * 8);
+        }
+    }
+}
+
+/* Delta[r] = sum_d dO[r, d] o[r, d] over rows r of [B*T*Hq, D]; D / 8 lanes per row. */
+template <int D>
+__global__ void attn_delta(const bf16 *o, const bf16 *dO, float *delta, int64_t rows) {
+    constexpr int L = D / 8, RPW = 32 / L;
+    const int lane = threadIdx.x & 31, sub = lane / L, part = lane % L;
+    const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int64_t nw = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t base = w * RPW; base < rows; base += nw * RPW) {
+        const int64_t row = base + sub;
+        float s = 0.0f;
+        if (row < rows) {
+            const uint4 a = *reinterpret_cast<const uint4 *>(o + row * D + part * 8);
+            const uint4 b = *reinterpret_cast<const uint4 *>(dO + row * D + part * 8);
+            const __nv_bfloat162 *ha = reinterpret_cast<const __nv_bfloat162 *>(&a);
+            const __nv_bfloat162 *hb = reinterpret_cast<const __nv_bfloat162 *>(&b);
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const float2 fa = __bfloat1622float2(ha[x]), fb = __bfloat1622float2(hb[x]);
+                s += fa.x * fb.x + fa.y * fb.y;
+            }
+        }
+#pragma unroll
+        for (int off = L / 2; off > 0; off >>= 1)
+            s += __shfl_xor_sync(0xffffffffu, s, off);
+        if (row < rows && part == 0)
+            delta[row] = s;
+    }
+}
+
+/* dq = R^T(p) (scale * acc) in bf16; rows of [B*T*H, D], pairs (f, f + D/2), two
+ * consecutive f per thread. */
+__global__ void attn_dq_final(const float *acc, bf16 *dq, const float2 *rope, const int *cu,
+                              int ncu, int H, int D, int64_t rows, float scale) {
+    const int H2 = D / 2, Q = H2 / 2;
+    const int64_t n = rows * Q;
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = idx / Q;
+        const int f = (int)(idx - row * Q) * 2;
+        const float *a = acc + row * D;
+        float2 x = *reinterpret_cast<const float2 *>(a + f);
+        float2 y = *reinterpret_cast<const float2 *>(a + f + H2);
+        x.x *= scale, x.y *= scale, y.x *= scale, y.y *= scale;
+        if (rope) {
+            const int pos = tok_pos(cu, ncu, (int)(row / H));
+            const float2 r0 = rope[(int64_t)pos * H2 + f], r1 = rope[(int64_t)pos * H2 + f + 1];
+            const float2 nx = make_float2(x.x * r0.x + y.x * r0.y, x.y * r1.x + y.y * r1.y);
+            const float2 ny = make_float2(y.x * r0.x - x.x * r0.y, y.y * r1.x - x.y * r1.y);
+            x = nx, y = ny;
+        }
+        *reinterpret_cast<__nv_bfloat162 *>(dq + row * D + f) = __floats2bfloat162_rn(x.x, x.y);
+        *reinterpret_cast<__nv_bfloat162 *>(dq + row * D + f + H2) =
+            __floats2bfloat162_rn(y.x, y.y);
+    }
+}
+
+/* ---------------------------------------------------------------- RoPE, cache */
+
+/* y = R(p) x or R(p)^T x, bf16 rows [B*T*H, D], fp32 math; two consecutive f per thread.
+ * y may alias x (each thread reads its four values before writing them). */
+__global__ void attn_rope(const bf16 *x, bf16 *y, const float2 *rope, const int *cu, int ncu, int H,
+                          int D, int64_t rows, int inverse) {
+    const int H2 = D / 2, Q = H2 / 2;
+    const float sg = inverse ? -1.0f : 1.0f;
+    const int64_t n = rows * Q;
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = idx / Q;
+        const int f = (int)(idx - row * Q) * 2;
+        const int pos = tok_pos(cu, ncu, (int)(row / H));
+        const float2 a =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(x + row * D + f));
+        const float2 b =
+            __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(x + row * D + f + H2));
+        const float2 r0 = rope[(int64_t)pos * H2 + f], r1 = rope[(int64_t)pos * H2 + f + 1];
+        const float s0 = sg * r0.y, s1 = sg * r1.y;
+        *reinterpret_cast<__nv_bfloat162 *>(y + row * D + f) =
+            __floats2bfloat162_rn(a.x * r0.x - b.x * s0, a.y * r1.x - b.y * s1);
+        *reinterpret_cast<__nv_bfloat162 *>(y + row * D + f + H2) =
+            __floats2bfloat162_rn(b.x * r0.x + a.x * s0, b.y * r1.x + a.y * s1);
+    }
+}
+
+/* (cos, sin) of position p, frequency f: angle p * inv[f] in fp64 (inv[f] =
+ * theta^(-2f/D) formed on the host exactly as lm_attn_rope_factors), rounded to fp32. */
+struct InvFreq {
+    double v[64];
+};
+__global__ void attn_rope_table(float2 *tab, InvFreq inv, int H2, int64_t len) {
+    const int64_t n = len * H2;
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t p = idx / H2;
+        const int f = (int)(idx - p * H2);
+        double s, c;
+        sincos((double)p * inv.v[f], &s, &c);
+        tab[idx] = make_float2((float)c, (float)s);
+    }
+}
+
+/* k_cache[b, pos+t] = R(pos+t) k[b, t] (rope != NULL) or k[b, t]; v_cache[b, pos+t] =
+ * v[b, t]. Pairs (f, f + D/2) over rows of [B*T*Hkv, D]. */
+__global__ void attn_cache_write(const bf16 *k, const bf16 *v, bf16 *kc, bf16 *vc,
+                                 const float2 *rope, int T, int Hkv, int D, int64_t Tmax,
+                                 int64_t pos, int64_t rows) {
+    const int H2 = D / 2;
+    const int64_t n = rows * H2;
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = idx / H2;
+        const int f = (int)(idx - row * H2);
+        const int64_t gidx = row % Hkv, bt = row / Hkv, t = bt % T, b = bt / T;
+        const int64_t dst = ((b * Tmax + pos + t) * Hkv + gidx) * D, src = row * D;
+        vc[dst + f] = v[src + f];
+        vc[dst + f + H2] = v[src + f + H2];
+        if (rope) {
+            const float a = __bfloat162float(k[src + f]), bb = __bfloat162float(k[src + f + H2]);
+            const float2 r = rope[(pos + t) * H2 + f];
+            kc[dst + f] = __float2bfloat16_rn(a * r.x - bb * r.y);
+            kc[dst + f + H2] = __float2bfloat16_rn(bb * r.x + a * r.y);
+        } else {
+            kc[dst + f] = k[src + f];
+            kc[dst + f + H2] = k[src + f + H2];
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- decode */
+
+struct DecP {
+    const bf16 *q, *kc, *vc;
+    float *pml;         /* [B*Hq][S][2] (max in log2 units, sum) */
+    float *pacc;        /* [B*Hq][S][D] unnormalised */
+    const float2 *rope; /* NULL: NoPE */
+    int Hq, Hkv, grp, S, chunk, L, pos;
+    int64_t Tmax;
+    float scale_log2;
+};
+
+constexpr int DEC_BK = 64, DEC_GH = 16;
+template <int D> constexpr int dec_smem() {
+    return 4 * DEC_BK * (D + 8) * 2 + DEC_GH * D * 4 + DEC_GH * DEC_BK * 4 + 3 * DEC_GH * 4;
+}
+
+/* One CTA (128 threads) per (split blockIdx.x, (b, g) blockIdx.y, head slice blockIdx.z
+ * of at most 16 query heads of the group): cache rows [s chunk, min(L, (s+1) chunk)) in
+ * tiles of 64 (cp.async, double-buffered); scores per (head, key), online softmax per
+ * head by one warp, weighted values per (head, value pair) in registers. */
+template <int D> __global__ void __launch_bounds__(128) attn_decode(const DecP p) {
+    constexpr int BK = DEC_BK, LD = D + 8, CH = D / 8, NP = D / 2, MAXI = DEC_GH * NP / 128;
+    extern __shared__ __align__(128) unsigned char smem[];
+    bf16 *Ks = reinterpret_cast<bf16 *>(smem);               /* [2][BK][LD] */
+    bf16 *Vs = Ks + 2 * BK * LD;                             /* [2][BK][LD] */
+    float *qs = reinterpret_cast<float *>(Vs + 2 * BK * LD); /* [GH][D], times scale log2 e */
+    float *sc = qs + DEC_GH * D;                             /* [GH][BK] */
+    float *mh = sc + DEC_GH * BK, *lh = mh + DEC_GH, *al = lh + DEC_GH;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int s = blockIdx.x, b = blockIdx.y / p.Hkv, g = blockIdx.y % p.Hkv;
+    const int h0 = g * p.grp + blockIdx.z * DEC_GH,
+              GH = min(DEC_GH, p.grp - (int)blockIdx.z * DEC_GH);
+    const int kb0 = s * p.chunk, kb1 = min(p.L, kb0 + p.chunk);
+    const int ntile = (kb1 - kb0 + BK - 1) / BK;
+    const int64_t rstr = (int64_t)p.Hkv * D;
+    const bf16 *kg = p.kc + ((int64_t)b * p.Tmax * p.Hkv + g) * D;
+    const bf16 *vg = p.vc + ((int64_t)b * p.Tmax * p.Hkv + g) * D;
+    auto load = [&](int buf, int t0) {
+        for (int c = tid; c < BK * CH; c += 128) {
+            const int r = c / CH, cc = c - r * CH, row = t0 + r;
+            const bool ok = row < kb1;
+            const int64_t off = (int64_t)(ok ? row : kb0) * rstr + cc * 8;
+            cp16z(Ks + (buf * BK + r) * LD + cc * 8, kg + off, ok);
+            cp16z(Vs + (buf * BK + r) * LD + cc * 8, vg + off, ok);
+        }
+    };
+    load(0, kb0);
+    cp_commit();
+    for (int idx = tid; idx < GH * NP; idx += 128) {
+        const int hh = idx / NP, f = idx - hh * NP;
+        const bf16 *qr = p.q + ((int64_t)b * p.Hq + h0 + hh) * D;
+        float x0 = __bfloat162float(qr[f]), x1 = __bfloat162float(qr[f + NP]);
+        if (p.rope) {
+            const float2 r = p.rope[(int64_t)p.pos * NP + f];
+            const float y0 = x0 * r.x - x1 * r.y, y1 = x1 * r.x + x0 * r.y;
+            x0 = y0, x1 = y1;
+        }
+        qs[hh * D + f] = x0 * p.scale_log2;
+        qs[hh * D + f + NP] = x1 * p.scale_log2;
+    }
+    if (tid < DEC_GH) {
+        mh[tid] = -INFINITY;
+        lh[tid] = 0.0f;
+    }
+    float acc[MAXI][2];
+#pragma unroll
+    for (int it = 0; it < MAXI; it++)
+        acc[it][0] = acc[it][1] = 0.0f;
+
+    for (int t = 0; t < ntile; t++) {
+        const int buf = t & 1, t0 = kb0 + t * BK, nval = min(BK, kb1 - t0);
+        if (t + 1 < ntile) {
+            load(buf ^ 1, t0 + BK);
+            cp_commit();
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
+        }
+        __syncthreads();
+        const bf16 *Kb = Ks + buf * BK * LD, *Vb = Vs + buf * BK * LD;
+        for (int idx = tid; idx < GH * BK; idx += 128) {
+            const int hh = idx / BK, j = idx - hh * BK;
+            float d = -INFINITY;
+            if (j < nval) {
+                d = 0.0f;
+                const float *qv = qs + hh * D;
+#pragma unroll
+                for (int c = 0; c < CH; c++) {
+                    const uint4 u = *reinterpret_cast<const uint4 *>(Kb + j * LD + c * 8);
+                    const __nv_bfloat162 *hk = reinterpret_cast<const __nv_bfloat162 *>(&u);
+                    const float4 qa = *reinterpret_cast<const float4 *>(qv + c * 8);
+                    const float4 qb = *reinterpret_cast<const float4 *>(qv + c * 8 + 4);
+                    float2 k0 = __bfloat1622float2(hk[0]), k1 = __bfloat1622float2(hk[1]);
+                    float2 k2 = __bfloat1622float2(hk[2]), k3 = __bfloat1622float2(hk[3]);
+                    d += qa.x * k0.x + qa.y * k0.y + qa.z * k1.x + qa.w * k1.y;
+                    d += qb.x * k2.x + qb.y * k2.y + qb.z * k3.x + qb.w * k3.y;
+                }
+            }
+            sc[hh * BK + j] = d;
+        }
+        __syncthreads();
+        for (int hh = warp; hh < GH; hh += 4) {
+            const float x0 = sc[hh * BK + lane], x1 = sc[hh * BK + lane + 32];
+            float mx = fmaxf(x0, x1);
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1)
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            const float mold = mh[hh], mnew = fmaxf(mold, mx); /* finite: nval >= 1 */
+            const float p0 = ex2(x0 - mnew), p1 = ex2(x1 - mnew);
+            sc[hh * BK + lane] = p0;
+            sc[hh * BK + lane + 32] = p1;
+            float sum = p0 + p1;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1)
+                sum += __shfl_xor_sync(0xffffffffu, sum, off);
+            __syncwarp();
+            if (lane == 0) {
+                const float alpha = ex2(mold - mnew);
+                al[hh] = alpha;
+                lh[hh] = lh[hh] * alpha + sum;
+                mh[hh] = mnew;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int it = 0; it < MAXI; it++) {
+            const int idx = tid + it * 128;
+            if (idx < GH * NP) {
+                const int hh = idx / NP, dp = idx - hh * NP;
+                const float alpha = al[hh];
+                float a0 = acc[it][0] * alpha, a1 = acc[it][1] * alpha;
+                const float *pr = sc + hh * BK;
+                for (int j = 0; j < nval; j++) {
+                    const float pj = pr[j];
+                    const float2 vv = __bfloat1622float2(
+                        *reinterpret_cast<const __nv_bfloat162 *>(Vb + j * LD + 2 * dp));
+                    a0 += pj * vv.x;
+                    a1 += pj * vv.y;
+                }
+                acc[it][0] = a0, acc[it][1] = a1;
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int it = 0; it < MAXI; it++) {
+        const int idx = tid + it * 128;
+        if (idx < GH * NP) {
+            const int hh = idx / NP, dp = idx - hh * NP;
+            const int64_t pi = ((int64_t)b * p.Hq + h0 + hh) * p.S + s;
+            *reinterpret_cast<float2 *>(p.pacc + pi * D + 2 * dp) =
+                make_float2(acc[it][0], acc[it][1]);
+        }
+    }
+    if (tid < GH) {
+        const int64_t pi = ((int64_t)b * p.Hq + h0 + tid) * p.S + s;
+        p.pml[2 * pi] = mh[tid];
+        p.pml[2 * pi + 1] = lh[tid];
+    }
+}
+
+/* Merge the S partials of row bh = b * Hq + h in split order: D/2 threads, a pair each. */
+__global__ void attn_decode_merge(const float *pml, const float *pacc, bf16 *o, float *lse, int S,
+                                  int D) {
+    const int64_t bh = blockIdx.x;
+    const int dp = threadIdx.x;
+    const float *ml = pml + bh * S * 2;
+    float M = -INFINITY;
+    for (int s = 0; s < S; s++)
+        M = fmaxf(M, ml[2 * s]);
+    float l = 0.0f, a0 = 0.0f, a1 = 0.0f;
+    for (int s = 0; s < S; s++) {
+        const float w = ex2(ml[2 * s] - M);
+        l += ml[2 * s + 1] * w;
+        const float2 a = *reinterpret_cast<const float2 *>(pacc + (bh * S + s) * D + 2 * dp);
+        a0 += a.x * w;
+        a1 += a.y * w;
+    }
+    const float inv = 1.0f / l;
+    *reinterpret_cast<__nv_bfloat162 *>(o + bh * D + 2 * dp) =
+        __floats2bfloat162_rn(a0 * inv, a1 * inv);
+    if (lse && dp == 0)
+        lse[bh] = (M + log2f(l)) * LN2;
+}
+
+/* lse [B, T, Hq] from cuDNN's stats [B, Hq, T] */
+__global__ void attn_stats_to_lse(const float *stats, float *lse, int T, int Hq, int64_t n) {
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t h = idx % Hq, bt = idx / Hq, t = bt % T, b = bt / T;
+        lse[idx] = stats[(b * Hq + h) * T + t];
+    }
+}
+
+/* ---------------------------------------------------------------- host side */
+
+/* Per-context state (slot LM_SLOT_ATTENTION): the document / block tables (device copy
+ * and the host copy it was made from, so an unchanged table is not uploaded again) and
+ * the RoPE (cos, sin) table for positions 0 .. rope_len-1. */
+struct AttnState {
+    int *tab = nullptr;
+    size_t tab_cap = 0; /* ints */
+    std::vector<int> tab_host;
+    float2 *rope = nullptr;
+    int64_t rope_len = 0, rope_cap = 0;
+    int rope_D = 0;
+    double rope_theta = 0.0;
+    lm_attn_cudnn *cudnn = nullptr; /* cuDNN handle and plans (attention_cudnn.cu) */
+    int impl = LM_CUDA_ATTN_AUTO, last_impl = 0;
+    ~AttnState() {
+        lm_attn_cudnn_destroy(cudnn);
+        if (tab)
+            cudaFree(tab);
+        if (rope)
+            cudaFree(rope);
+    }
+};
+
+/* The tables of one configuration, as offsets into AttnState::tab. */
+struct Plan {
+    int N = 0, nfwd = 0, nbwd = 0, nqb = 0, ncu = 0;
+    int64_t maxlen = 0;
+    const int4 *fwd = nullptr, *bwd = nullptr;
+    const int *cu = nullptr;
+};
+
+lm_status check_config(lm_attention_config *c, const char *what, lm_error *err) {
+    if (!c)
+        return lm_errorf(err, LM_ERR_INVALID, "attention cuda: %s: config is required", what);
+    const char *dn[] = {"B", "T", "Hq", "Hkv", "D"};
+    const int dv[] = {c->B, c->T, c->Hq, c->Hkv, c->D};
+    for (int i = 0; i < 5; i++)
+        if (dv[i] < 1)
+            return lm_errorf(err, LM_ERR_INVALID,
+                             "attention cuda: %s: dimension %s = %d must be >= 1", what, dn[i],
+                             dv[i]);
+    if (c->Hq % c->Hkv != 0)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attention cuda: %s: Hq = %d query heads is not a multiple of Hkv = %d "
+                         "kv heads",
+                         what, c->Hq, c->Hkv);
+    if ((int64_t)c->B * c->T >= ((int64_t)1 << 31))
+        return lm_errorf(err, LM_ERR_INVALID, "attention cuda: %s: B*T = %lld tokens (< 2^31)",
+                         what, (long long)c->B * c->T);
+    if ((int64_t)c->B * c->T * c->Hq * c->D > ((int64_t)1 << 40))
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attention cuda: %s: problem too large (B*T*Hq*D > 2^40)", what);
+    if (c->causal != 1)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "attention cuda: %s: causal = %d: only causal attention (causal = 1) is "
+                         "implemented",
+                         what, c->causal);
+    if (!isfinite(c->scale))
+        return lm_errorf(err, LM_ERR_INVALID, "attention cuda: %s: scale = %g is not finite", what,
+                         (double)c->scale);
+    if (c->position != LM_POS_NOPE && c->position != LM_POS_ROPE)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attention cuda: %s: unknown position encoding %d (NOPE = 0, ROPE = 1)",
+                         what, (int)c->position);
+    if (c->position == LM_POS_ROPE && !(isfinite(c->rope_theta) && c->rope_theta > 0.0))
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attention cuda: %s: rope_theta = %g must be finite and > 0", what,
+                         c->rope_theta);
+    if (c->D != 64 && c->D != 128)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "attention on cuda: head_dim %d is not supported (64 or 128)", c->D);
+    if (c->cu_seqlens) {
+        if (c->B != 1)
+            return lm_errorf(err, LM_ERR_INVALID,
+                             "attention cuda: %s: cu_seqlens needs B == 1 (packed), got B = %d",
+                             what, c->B);
+        if (c->n_cu_seqlens < 2)
+            return lm_errorf(err, LM_ERR_INVALID,
+                             "attention cuda: %s: cu_seqlens has %d entries (need >= 2)", what,
+                             c->n_cu_seqlens);
+        if (c->cu_seqlens[0] != 0)
+            return lm_errorf(err, LM_ERR_INVALID,
+                             "attention cuda: %s: cu_seqlens[0] = %lld (must be 0)", what,
+                             (long long)c->cu_seqlens[0]);
+        for (int i = 1; i < c->n_cu_seqlens; i++)
+            if (c->cu_seqlens[i] < c->cu_seqlens[i - 1])
+                return lm_errorf(err, LM_ERR_INVALID,
+                                 "attention cuda: %s: cu_seqlens decreases at index %d (%lld < "
+                                 "%lld)",
+                                 what, i, (long long)c->cu_seqlens[i],
+                                 (long long)c->cu_seqlens[i - 1]);
+        if (c->cu_seqlens[c->n_cu_seqlens - 1] != c->T)
+            return lm_errorf(err, LM_ERR_INVALID,
+                             "attention cuda: %s: cu_seqlens ends at %lld, not at T = %d", what,
+                             (long long)c->cu_seqlens[c->n_cu_seqlens - 1], c->T);
+        c->N = c->n_cu_seqlens - 1;
+    } else {
+        c->N = c->B;
+    }
+    return LM_OK;
+}
+
+lm_status check_ptrs(const void *const *ptrs, const char *const *names, int n, const char *what,
+                     lm_error *err) {
+    for (int i = 0; i < n; i++) {
+        if (!ptrs[i])
+            return lm_errorf(err, LM_ERR_INVALID, "attention cuda: %s: '%s' is required", what,
+                             names[i]);
+        if ((uintptr_t)ptrs[i] % 16 != 0)
+            return lm_errorf(err, LM_ERR_INVALID,
+                             "attention cuda: %s: '%s' (%p) is not 16-byte aligned", what, names[i],
+                             ptrs[i]);
+    }
+    return LM_OK;
+}
+
+/* Builds the tables of c (documents from cu_seqlens or the B rows) and uploads them
+ * unless the device copy already holds exactly these:
+ *   fwd  per 128-query block (first token, length, q0, 0), heaviest (largest q0) first;
+ *   bwd  per 64-key block (first token, length, block jl, first 64-query block of the
+ *        document in the lock table), by jl ascending: a block's predecessor in the dQ
+ *        order always has a smaller index, hence a smaller ticket;
+ *   cu   document starts as int32 [N+1] (positions for RoPE). */
+lm_status make_plan(lm_cuda_ctx *ctx, AttnState *st, const lm_attention_config *c, Plan *pl,
+                    lm_error *err) {
+    const int N = c->N;
+    std::vector<int> bos(N), len(N), qbase(N);
+    int64_t maxlen = 0;
+    int nqb = 0;
+    for (int n = 0; n < N; n++) {
+        bos[n] = c->cu_seqlens ? (int)c->cu_seqlens[n] : n * c->T;
+        len[n] = c->cu_seqlens ? (int)(c->cu_seqlens[n + 1] - c->cu_seqlens[n]) : c->T;
+        qbase[n] = nqb;
+        nqb += (len[n] + B_BM - 1) / B_BM;
+        maxlen = len[n] > maxlen ? len[n] : maxlen;
+    }
+    std::vector<int> h;
+    const int fmax = (int)((maxlen + F_BM - 1) / F_BM), bmax = (int)((maxlen + B_BN - 1) / B_BN);
+    int nf = 0, nb = 0;
+    for (int b = fmax - 1; b >= 0; b--)
+        for (int n = 0; n < N; n++)
+            if (b * F_BM < len[n]) {
+                h.insert(h.end(), {bos[n], len[n], b * F_BM, 0});
+                nf++;
+            }
+    for (int j = 0; j < bmax; j++)
+        for (int n = 0; n < N; n++)
+            if (j * B_BN < len[n]) {
+                h.insert(h.end(), {bos[n], len[n], j, qbase[n]});
+                nb++;
+            }
+    const size_t cu_off = h.size();
+    for (int n = 0; n < N; n++)
+        h.push_back(bos[n]);
+    h.push_back(N > 0 ? bos[N - 1] + len[N - 1] : 0);
+    while (h.size() % 4)
+        h.push_back(0);
+    if (h.size() > st->tab_cap) {
+        if (st->tab)
+            lm_cuda_ctx_free_mem(ctx, st->tab);
+        st->tab = nullptr;
+        st->tab_cap = 0;
+        st->tab_host.clear();
+        const size_t cap = h.size() + h.size() / 2 + 64;
+        void *p = nullptr;
+        LM_TRY(lm_cuda_ctx_alloc(ctx, &p, cap * sizeof(int), err));
+        st->tab = (int *)p;
+        st->tab_cap = cap;
+    }
+    if (st->tab_host != h) {
+        LM_TRY(lm_cuda_ctx_upload(ctx, st->tab, h.data(), h.size() * sizeof(int), err));
+        st->tab_host = h;
+    }
+    pl->N = N;
+    pl->nfwd = nf;
+    pl->nbwd = nb;
+    pl->nqb = nqb;
+    pl->maxlen = maxlen;
+    pl->fwd = reinterpret_cast<const int4 *>(st->tab);
+    pl->bwd = reinterpret_cast<const int4 *>(st->tab) + nf;
+    pl->cu = st->tab + cu_off;
+    pl->ncu = N + 1;
+    return LM_OK;
+}
+
+/* The (cos, sin) table for positions 0 .. len-1 of (D, theta), rebuilt when D or theta
+ * change and grown (to twice the length) when a longer one is needed. */
+lm_status rope_table(lm_cuda_ctx *ctx, AttnState *st, int D, double theta, int64_t len,
+                     lm_error *err) {
+    if (st->rope && st->rope_D == D && st->rope_theta == theta && st->rope_len >= len)
+        return LM_OK;
+    int64_t want = len > 1024 ? len : 1024;
+    if (st->rope && st->rope_D == D && st->rope_theta == theta && want < 2 * st->rope_len)
+        want = 2 * st->rope_len;
+    const int H2 = D / 2;
+    if (want * H2 > st->rope_cap) {
+        if (st->rope)
+            lm_cuda_ctx_free_mem(ctx, st->rope);
+        st->rope = nullptr;
+        st->rope_cap = 0;
+        st->rope_len = 0;
+        void *p = nullptr;
+        LM_TRY(lm_cuda_ctx_alloc(ctx, &p, (size_t)(want * H2) * sizeof(float2), err));
+        st->rope = (float2 *)p;
+        st->rope_cap = want * H2;
+    }
+    InvFreq inv;
+    memset(&inv, 0, sizeof inv);
+    for (int f = 0; f < H2; f++)
+        inv.v[f] = pow(theta, -2.0 * f / (double)D);
+    attn_rope_table<<<lm_cuda_grid(ctx, want * H2), 256, 0, ctx->stream>>>(st->rope, inv, H2, want);
+    LM_CK_LAUNCH("attn_rope_table");
+    st->rope_len = want;
+    st->rope_D = D;
+    st->rope_theta = theta;
+    return LM_OK;
+}
+
+template <typename K> lm_status opt_in_smem(lm_cuda_ctx *ctx, K kernel, int bytes, lm_error *err) {
+    if (bytes > 48 * 1024 && lm_cuda_ctx_first_use(ctx, (const void *)kernel))
+        LM_CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    return LM_OK;
+}
+
+size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
+
+lm_status launch_rope(lm_cuda_ctx *ctx, const Plan &pl, const AttnState *st, const void *x, void *y,
+                      int H, int D, int64_t tokens, int inverse, lm_error *err) {
+    const int64_t rows = tokens * H;
+    attn_rope<<<lm_cuda_grid(ctx, rows * (D / 4)), 256, 0, ctx->stream>>>(
+        (const bf16 *)x, (bf16 *)y, st->rope, pl.cu, pl.ncu, H, D, rows, inverse);
+    LM_CK_LAUNCH("attn_rope");
+    return LM_OK;
+}
+
+/* With RoPE: q~, k~ (bf16, in scratch A) replace q, k. */
+lm_status rotate_inputs(lm_cuda_ctx *ctx, AttnState *st, const lm_attention_config *c,
+                        const Plan &pl, const void **q, const void **k, lm_error *err) {
+    if (c->position != LM_POS_ROPE)
+        return LM_OK;
+    const int64_t BT = (int64_t)c->B * c->T;
+    LM_TRY(rope_table(ctx, st, c->D, c->rope_theta, pl.maxlen, err));
+    const size_t qb = align256((size_t)(BT * c->Hq * c->D) * 2);
+    const size_t kb = align256((size_t)(BT * c->Hkv * c->D) * 2);
+    void *buf = nullptr;
+    LM_TRY(lm_cuda_ctx_scratch(ctx, LM_SCRATCH_A, qb + kb, &buf, err));
+    bf16 *qr = (bf16 *)buf, *kr = (bf16 *)((char *)buf + qb);
+    LM_TRY(launch_rope(ctx, pl, st, *q, qr, c->Hq, c->D, BT, 0, err));
+    LM_TRY(launch_rope(ctx, pl, st, *k, kr, c->Hkv, c->D, BT, 0, err));
+    *q = qr;
+    *k = kr;
+    return LM_OK;
+}
+
+template <int D>
+lm_status fwd_launch(lm_cuda_ctx *ctx, const lm_attention_config *c, const Plan &pl, const void *q,
+                     const void *k, const void *v, void *o, float *lse, lm_error *err) {
+    FwdP p;
+    p.q = (const bf16 *)q;
+    p.k = (const bf16 *)k;
+    p.v = (const bf16 *)v;
+    p.o = (bf16 *)o;
+    p.lse = lse;
+    p.tab = pl.fwd;
+    p.Hq = c->Hq;
+    p.Hkv = c->Hkv;
+    p.grp = c->Hq / c->Hkv;
+    p.scale_log2 = c->scale * LOG2E;
+    LM_TRY(opt_in_smem(ctx, attn_fwd<D>, fwd_smem<D>(), err));
+    if (pl.nfwd > 65535)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "attention cuda: %d query blocks exceed the grid limit (65535)", pl.nfwd);
+    attn_fwd<D><<<dim3(c->Hq, pl.nfwd), 128, fwd_smem<D>(), ctx->stream>>>(p);
+    LM_CK_LAUNCH("attn_fwd");
+    return LM_OK;
+}
+
+template <int D>
+lm_status bwd_launch(lm_cuda_ctx *ctx, const lm_attention_config *c, const Plan &pl,
+                     const AttnState *st, const void *q, const void *k, const void *v,
+                     const void *o, const float *lse, const void *do_, void *dq, void *dk, void *dv,
+                     lm_error *err) {
+    const int64_t BT = (int64_t)c->B * c->T, rows = BT * c->Hq;
+    const int rope = c->position == LM_POS_ROPE;
+    const int atomic_mode = ctx->deterministic ? 0 : 1;
+    void *acc = nullptr, *aux = nullptr;
+    const size_t acc_b = (size_t)(rows * D) * sizeof(float);
+    const size_t dl_b = align256((size_t)rows * sizeof(float));
+    const size_t lk_b = ((size_t)c->Hq * pl.nqb + 1) * sizeof(int);
+    LM_TRY(lm_cuda_ctx_scratch(ctx, LM_SCRATCH_B, acc_b, &acc, err));
+    LM_TRY(lm_cuda_ctx_scratch(ctx, LM_SCRATCH_C, dl_b + lk_b, &aux, err));
+    float *delta = (float *)aux;
+    int *locks = (int *)((char *)aux + dl_b);
+    LM_CK(cudaMemsetAsync(locks, 0, lk_b, ctx->stream));
+    if (atomic_mode)
+        LM_CK(cudaMemsetAsync(acc, 0, acc_b, ctx->stream));
+    attn_delta<D><<<lm_cuda_grid(ctx, rows * (D / 8)), 256, 0, ctx->stream>>>(
+        (const bf16 *)o, (const bf16 *)do_, delta, rows);
+    LM_CK_LAUNCH("attn_delta");
+    BwdP p;
+    p.q = (const bf16 *)q;
+    p.k = (const bf16 *)k;
+    p.v = (const bf16 *)v;
+    p.dO = (const bf16 *)do_;
+    p.lse = lse;
+    p.delta = delta;
+    p.dqacc = (float *)acc;
+    p.dk = (bf16 *)dk;
+    p.dv = (bf16 *)dv;
+    p.tab = pl.bwd;
+    p.locks = locks;
+    p.counter = (unsigned *)(locks + (size_t)c->Hq * pl.nqb);
+    p.rope = rope ? st->rope : nullptr;
+    p.Hq = c->Hq;
+    p.Hkv = c->Hkv;
+    p.grp = c->Hq / c->Hkv;
+    p.nqb_total = pl.nqb;
+    p.atomic_mode = atomic_mode;
+    p.scale = c->scale;
+    p.scale_log2 = c->scale * LOG2E;
+    LM_TRY(opt_in_smem(ctx, attn_bwd<D>, bwd_smem<D>(), err));
+    const int64_t nblk = (int64_t)pl.nbwd * c->Hkv;
+    if (nblk > INT32_MAX)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED, "attention cuda: too many key blocks (%lld)",
+                         (long long)nblk);
+    attn_bwd<D><<<(unsigned)nblk, 128, bwd_smem<D>(), ctx->stream>>>(p);
+    LM_CK_LAUNCH("attn_bwd");
+    attn_dq_final<<<lm_cuda_grid(ctx, rows * (D / 4)), 256, 0, ctx->stream>>>(
+        (const float *)acc, (bf16 *)dq, rope ? st->rope : nullptr, pl.cu, pl.ncu, c->Hq, D, rows,
+        c->scale);
+    LM_CK_LAUNCH("attn_dq_final");
+    return LM_OK;
+}
+
+template <int D>
+lm_status decode_launch(lm_cuda_ctx *ctx, const lm_attention_config *c, const AttnState *st,
+                        int64_t Tmax, int64_t pos, const void *q, const void *kc, const void *vc,
+                        void *o, float *lse, lm_error *err) {
+    const int grp = c->Hq / c->Hkv, zdim = (grp + DEC_GH - 1) / DEC_GH;
+    const int L = (int)(pos + 1);
+    const int64_t base = (int64_t)c->B * c->Hkv * zdim;
+    const int64_t want = 4 * (int64_t)ctx->sm_count;
+    int64_t S = (want + base - 1) / base;
+    const int64_t smax = (L + DEC_BK - 1) / DEC_BK;
+    S = S < 1 ? 1 : (S > smax ? smax : S);
+    const int64_t per = (L + S - 1) / S;
+    const int chunk = (int)(((per + DEC_BK - 1) / DEC_BK) * DEC_BK);
+    S = (L + chunk - 1) / chunk;
+    const int64_t BH = (int64_t)c->B * c->Hq;
+    const size_t ml_b = align256((size_t)(BH * S * 2) * sizeof(float));
+    void *buf = nullptr;
+    LM_TRY(lm_cuda_ctx_scratch(ctx, LM_SCRATCH_A, ml_b + (size_t)(BH * S * D) * sizeof(float), &buf,
+                               err));
+    DecP p;
+    p.q = (const bf16 *)q;
+    p.kc = (const bf16 *)kc;
+    p.vc = (const bf16 *)vc;
+    p.pml = (float *)buf;
+    p.pacc = (float *)((char *)buf + ml_b);
+    p.rope = c->position == LM_POS_ROPE ? st->rope : nullptr;
+    p.Hq = c->Hq;
+    p.Hkv = c->Hkv;
+    p.grp = grp;
+    p.S = (int)S;
+    p.chunk = chunk;
+    p.L = L;
+    p.pos = (int)pos;
+    p.Tmax = Tmax;
+    p.scale_log2 = c->scale * LOG2E;
+    if (c->B * c->Hkv > 65535 || zdim > 65535)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "attention cuda: decode: B*Hkv = %d exceeds the grid limit (65535)",
+                         c->B * c->Hkv);
+    LM_TRY(opt_in_smem(ctx, attn_decode<D>, dec_smem<D>(), err));
+    attn_decode<D><<<dim3((unsigned)S, c->B * c->Hkv, zdim), 128, dec_smem<D>(), ctx->stream>>>(p);
+    LM_CK_LAUNCH("attn_decode");
+    attn_decode_merge<<<(unsigned)BH, D / 2, 0, ctx->stream>>>(p.pml, p.pacc, (bf16 *)o, lse,
+                                                               (int)S, D);
+    LM_CK_LAUNCH("attn_decode_merge");
+    return LM_OK;
+}
+
+lm_status check_cache(lm_attention_config *c, int64_t Tmax, int64_t pos, int64_t need,
+                      const char *what, lm_error *err) {
+    LM_TRY(check_config(c, what, err));
+    if (c->cu_seqlens)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attention cuda: %s: cu_seqlens must be NULL (one position per batch "
+                         "row)",
+                         what);
+    if (Tmax < 1 || Tmax >= ((int64_t)1 << 31))
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attention cuda: %s: Tmax = %lld must be in [1, 2^31)", what,
+                         (long long)Tmax);
+    if (pos < 0 || pos > Tmax - need)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attention cuda: %s: pos = %lld with %lld token(s) does not fit a cache "
+                         "of Tmax = %lld positions",
+                         what, (long long)pos, (long long)need, (long long)Tmax);
+    if ((int64_t)c->B * Tmax * c->Hkv * c->D > ((int64_t)1 << 40))
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attention cuda: %s: cache too large (B*Tmax*Hkv*D > 2^40)", what);
+    return LM_OK;
+}
+
+} // namespace
+
+/* ---------------------------------------------------------------- entry points */
+
+extern "C" lm_status lm_cuda_attention_forward(lm_cuda_ctx *ctx, lm_attention_config *c,
+                                               const void *q, const void *k, const void *v, void *o,
+                                               float *lse, lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    LM_TRY(check_config(c, "forward", err));
+    const void *ptrs[] = {q, k, v, o};
+    const char *names[] = {"q", "k", "v", "o"};
+    LM_TRY(check_ptrs(ptrs, names, 4, "forward", err));
+    if ((uintptr_t)lse % 4 != 0)
+        return lm_errorf(err, LM_ERR_INVALID, "attention cuda: forward: 'lse' (%p) is misaligned",
+                         (void *)lse);
+    AttnState *st = lm_cuda_ctx_get<AttnState>(ctx, LM_SLOT_ATTENTION);
+    Plan pl;
+    LM_TRY(make_plan(ctx, st, c, &pl, err));
+    LM_TRY(rotate_inputs(ctx, st, c, pl, &q, &k, err));
+    if (st->impl != LM_CUDA_ATTN_OWN) {
+        lm_status s = LM_ERR_UNSUPPORTED;
+        if (c->cu_seqlens) {
+            s = lm_errorf(err, LM_ERR_UNSUPPORTED,
+                          "attention cuda: the cuDNN forward takes dense [B, T] batches only "
+                          "(cu_seqlens given)");
+        } else {
+            const int64_t ns = (int64_t)c->B * c->Hq * c->T;
+            void *stats = nullptr;
+            LM_TRY(lm_cuda_ctx_scratch(ctx, LM_SCRATCH_C, (size_t)ns * sizeof(float), &stats, err));
+            s = lm_attn_cudnn_forward(ctx, &st->cudnn, c->B, c->T, c->Hq, c->Hkv, c->D, c->scale, q,
+                                      k, v, o, (float *)stats, err);
+            if (s == LM_OK && lse) {
+                attn_stats_to_lse<<<lm_cuda_grid(ctx, ns), 256, 0, ctx->stream>>>(
+                    (const float *)stats, lse, c->T, c->Hq, ns);
+                LM_CK_LAUNCH("attn_stats_to_lse");
+            }
+        }
+        if (s == LM_OK)
+            st->last_impl = LM_CUDA_ATTN_CUDNN;
+        if (s == LM_OK || s != LM_ERR_UNSUPPORTED || st->impl == LM_CUDA_ATTN_CUDNN)
+            return s;
+        if (err) { /* AUTO: the refusal is not an error, our kernel runs */
+            err->status = LM_OK;
+            err->msg[0] = '\0';
+        }
+    }
+    st->last_impl = LM_CUDA_ATTN_OWN;
+    if (c->D == 64)
+        return fwd_launch<64>(ctx, c, pl, q, k, v, o, lse, err);
+    return fwd_launch<128>(ctx, c, pl, q, k, v, o, lse, err);
+}
+
+extern "C" lm_status lm_cuda_attention_set_impl(lm_cuda_ctx *ctx, int impl, lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    if (impl != LM_CUDA_ATTN_AUTO && impl != LM_CUDA_ATTN_OWN && impl != LM_CUDA_ATTN_CUDNN)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attention cuda: set_impl: unknown implementation %d (AUTO 0, OWN 1, "
+                         "CUDNN 2)",
+                         impl);
+    lm_cuda_ctx_get<AttnState>(ctx, LM_SLOT_ATTENTION)->impl = impl;
+    return LM_OK;
+}
+
+extern "C" int lm_cuda_attention_last_impl(lm_cuda_ctx *ctx) {
+    if (!ctx)
+        return 0;
+    return lm_cuda_ctx_get<AttnState>(ctx, LM_SLOT_ATTENTION)->last_impl;
+}
+
+extern "C" lm_status lm_cuda_attention_backward(lm_cuda_ctx *ctx, lm_attention_config *c,
+                                                const void *q, const void *k, const void *v,
+                                                const void *o, const float *lse, const void *do_,
+                                                void *dq, void *dk, void *dv, lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    LM_TRY(check_config(c, "backward", err));
+    const void *ptrs[] = {q, k, v, o, do_, dq, dk, dv};
+    const char *names[] = {"q", "k", "v", "o", "do", "dq", "dk", "dv"};
+    LM_TRY(check_ptrs(ptrs, names, 8, "backward", err));
+    if (!lse || (uintptr_t)lse % 4 != 0)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attention cuda: backward: 'lse' (%p) is required (4-byte aligned)",
+                         (const void *)lse);
+    AttnState *st = lm_cuda_ctx_get<AttnState>(ctx, LM_SLOT_ATTENTION);
+    Plan pl;
+    LM_TRY(make_plan(ctx, st, c, &pl, err));
+    LM_TRY(rotate_inputs(ctx, st, c, pl, &q, &k, err));
+    if (c->D == 64)
+        return bwd_launch<64>(ctx, c, pl, st, q, k, v, o, lse, do_, dq, dk, dv, err);
+    return bwd_launch<128>(ctx, c, pl, st, q, k, v, o, lse, do_, dq, dk, dv, err);
+}
+
+extern "C" lm_status lm_cuda_attention_rope(lm_cuda_ctx *ctx, lm_attention_config *c, int H,
+                                            const void *x, void *y, int inverse, lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    if (!c)
+        return lm_errorf(err, LM_ERR_INVALID, "attention cuda: rope: config is required");
+    lm_attention_config cc = *c;
+    cc.position = LM_POS_ROPE;
+    LM_TRY(check_config(&cc, "rope", err));
+    c->N = cc.N;
+    if (H < 1)
+        return lm_errorf(err, LM_ERR_INVALID, "attention cuda: rope: H = %d must be >= 1", H);
+    const void *ptrs[] = {x, y};
+    const char *names[] = {"x", "y"};
+    LM_TRY(check_ptrs(ptrs, names, 2, "rope", err));
+    AttnState *st = lm_cuda_ctx_get<AttnState>(ctx, LM_SLOT_ATTENTION);
+    Plan pl;
+    LM_TRY(make_plan(ctx, st, &cc, &pl, err));
+    LM_TRY(rope_table(ctx, st, cc.D, cc.rope_theta, pl.maxlen, err));
+    return launch_rope(ctx, pl, st, x, y, H, cc.D, (int64_t)cc.B * cc.T, inverse ? 1 : 0, err);
+}
+
+extern "C" lm_status lm_cuda_attention_cache_write(lm_cuda_ctx *ctx, lm_attention_config *c,
+                                                   int64_t Tmax, int64_t pos, const void *k,
+                                                   const void *v, void *k_cache, void *v_cache,
+                                                   lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    if (!c)
+        return lm_errorf(err, LM_ERR_INVALID, "attention cuda: cache_write: config is required");
+    LM_TRY(check_cache(c, Tmax, pos, c->T, "cache_write", err));
+    const void *ptrs[] = {k, v, k_cache, v_cache};
+    const char *names[] = {"k", "v", "k_cache", "v_cache"};
+    LM_TRY(check_ptrs(ptrs, names, 4, "cache_write", err));
+    AttnState *st = lm_cuda_ctx_get<AttnState>(ctx, LM_SLOT_ATTENTION);
+    const int rope = c->position == LM_POS_ROPE;
+    if (rope)
+        LM_TRY(rope_table(ctx, st, c->D, c->rope_theta, pos + c->T, err));
+    const int64_t rows = (int64_t)c->B * c->T * c->Hkv;
+    attn_cache_write<<<lm_cuda_grid(ctx, rows * (c->D / 2)), 256, 0, ctx->stream>>>(
+        (const bf16 *)k, (const bf16 *)v, (bf16 *)k_cache, (bf16 *)v_cache,
+        rope ? st->rope : nullptr, c->T, c->Hkv, c->D, Tmax, pos, rows);
+    LM_CK_LAUNCH("attn_cache_write");
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_attention_decode(lm_cuda_ctx *ctx, lm_attention_config *c,
+                                              int64_t Tmax, int64_t pos, const void *q,
+                                              const void *k_cache, const void *v_cache, void *o,
+                                              float *lse, lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    if (!c)
+        return lm_errorf(err, LM_ERR_INVALID, "attention cuda: decode: config is required");
+    if (c->T != 1)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attention cuda: decode: T = %d (a decode step takes one token, q "
+                         "[B,1,Hq,D])",
+                         c->T);
+    LM_TRY(check_cache(c, Tmax, pos, 1, "decode", err));
+    const void *ptrs[] = {q, k_cache, v_cache, o};
+    const char *names[] = {"q", "k_cache", "v_cache", "o"};
+    LM_TRY(check_ptrs(ptrs, names, 4, "decode", err));
+    AttnState *st = lm_cuda_ctx_get<AttnState>(ctx, LM_SLOT_ATTENTION);
+    if (c->position == LM_POS_ROPE)
+        LM_TRY(rope_table(ctx, st, c->D, c->rope_theta, pos + 1, err));
+    if (c->D == 64)
+        return decode_launch<64>(ctx, c, st, Tmax, pos, q, k_cache, v_cache, o, lse, err);
+    return decode_launch<128>(ctx, c, st, Tmax, pos, q, k_cache, v_cache, o, lse, err);
+}
