@@ -6,6 +6,8 @@
 #include "linmoe/attnres.h"
 #include "linmoe/cuda_bench.h"
 #include "linmoe/kda.h"
+#include "linmoe/layers.h"
+#include "linmoe/moe.h"
 
 static const char *const OP_NAMES[LM_OP_COUNT] = {
     "embedding", "rmsnorm", "gated_rmsnorm", "short_conv",    "gemm",   "attention",
@@ -47,6 +49,33 @@ static lm_status cuda_attnres(const lm_attnres_config *c, lm_error *err) {
     return LM_OK;
 }
 
+static lm_status cuda_short_conv(const lm_short_conv_config *c, lm_error *err) {
+    if (c->W > 8)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "short_conv on cuda: conv_size %d is not supported (at most 8)", c->W);
+    return LM_OK;
+}
+
+static lm_status cuda_moe(const lm_moe_config *c, lm_error *err) {
+    if (c->hidden_size % 8 != 0)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "moe on cuda: hidden_size %d is not supported (a multiple of 8)",
+                         c->hidden_size);
+    if (c->moe_intermediate_size % 8 != 0)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "moe on cuda: moe_intermediate_size %d is not supported (a multiple of 8)",
+                         c->moe_intermediate_size);
+    if (c->router.num_experts > 1024)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "moe on cuda: num_experts %d is not supported (at most 1024)",
+                         c->router.num_experts);
+    if (c->router.num_experts_per_tok > 32)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "moe on cuda: num_experts_per_tok %d is not supported (at most 32)",
+                         c->router.num_experts_per_tok);
+    return LM_OK;
+}
+
 lm_status lm_backend_supports(lm_device dev, lm_op op, const void *config, lm_error *err) {
     if (op < 0 || op >= LM_OP_COUNT)
         return lm_errorf(err, LM_ERR_INVALID, "backend: unknown op %d", (int)op);
@@ -63,6 +92,10 @@ lm_status lm_backend_supports(lm_device dev, lm_op op, const void *config, lm_er
         return config ? cuda_kda((const lm_kda_config *)config, err) : LM_OK;
     case LM_OP_ATTENTION:
         return config ? cuda_attention((const lm_attention_config *)config, err) : LM_OK;
+    case LM_OP_SHORT_CONV:
+        return config ? cuda_short_conv((const lm_short_conv_config *)config, err) : LM_OK;
+    case LM_OP_MOE:
+        return config ? cuda_moe((const lm_moe_config *)config, err) : LM_OK;
     case LM_OP_ATTNRES:
         return config ? cuda_attnres((const lm_attnres_config *)config, err) : LM_OK;
     default:
