@@ -173,27 +173,6 @@ int lm_kda_cuda_decode_flat(lm_cuda_ctx *ctx, int B, int H, int HV, int K, int V
                             const void *v, const void *g, const void *beta, const float *A_log,
                             const float *dt_bias, float *state, void *o, char *errbuf, int errlen);
 
-/* Launch shapes of the decode kernel kept for tuning: variant 0 is the one
- * lm_kda_cuda_decode_step uses; the others are the alternatives measured against it
- * (threads and columns per CTA, cache hints; the table and the measurements are in
- * src/ops/cuda/kda_decode.cu). */
-#define LM_KDA_CUDA_DECODE_NVARIANT 8
-
-/* Timing of the decode step (tests and benchmarks): runs `warmup` + `iters` steps of
- * launch shape `variant` (0 <= variant < LM_KDA_CUDA_DECODE_NVARIANT) on the same
- * inputs, updating `state` in place each step (the same recurrence as that many
- * tokens with identical inputs), each timed with CUDA events; *ms gets the median
- * step time in milliseconds. When copy_gbs is not NULL, also measures the copy
- * bandwidth of this device in the same call: cudaMemcpyAsync device-to-device of 1 GiB
- * on ctx's stream (after one warm-up copy, median of max(iters, 5) copies), counted as
- * 2 GiB of traffic (read + write), in 1e9 bytes/s; it allocates 2 GiB for that
- * (lm_cuda_ctx_alloc) and frees it. Everything on ctx's stream; synchronous (waits for
- * its events). Errors as lm_kda_cuda_decode_step, plus LM_ERR_INVALID for a bad
- * variant / count / NULL ms and LM_ERR_NOMEM when the copy buffers do not fit. */
-lm_status lm_kda_cuda_decode_bench(lm_cuda_ctx *ctx, lm_kda_config *c, const lm_kda_cuda_inputs *in,
-                                   float *state, void *o, int variant, int warmup, int iters,
-                                   double *ms, double *copy_gbs, lm_error *err);
-
 /* ------------------------------------------------------- training forward / backward */
 /* The training forward and its backward (src/ops/cuda/kda_train.cu; the math is
  * docs/kda-math.md "Backward of one chunk", the kernel split follows reference/kda.md

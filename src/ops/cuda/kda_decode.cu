@@ -23,16 +23,18 @@
  *   every thread writes its rows of the new state from registers.
  *   V % 4 != 0 or a state pointer that is not 16-byte aligned takes the scalar
  *   (VEC = 1) instance of the same kernel.
- * The launch shapes (threads per CTA, columns per CTA, cache hints) are a small
- * table; variant 0 is the default, the rest are kept for the measurements
- * (lm_kda_cuda_decode_bench times any of them; tests/test_kda_decode_cuda.c prints
- * them all on a GPU).
+ * Launch shape (chosen by A/B measurement): 128 threads per CTA, 64 value columns per
+ * CTA (16 x 8 threads at V >= 64: K / 8 rows per thread), streaming cache hints
+ * (ld.global.cs / st.global.cs) on the state; the scalar path takes 256 threads and
+ * 32 columns without hints.
  *
  * Measured on the H200 (B = 64, H = HV = 32, K = V = 128, KDA softplus gate with
  * l2norm and sigmoid in the kernel; 268 MB of state traffic per step; cudaMemcpy
- * device-to-device 4210-4219 GB/s in the same binary; median of 200 steps):
+ * device-to-device 4210-4219 GB/s in the same binary; median of 200 steps). The
+ * alternatives that lost, their kernel instances and the timing harness live in
+ * dev/kda_decode_variants.cu (it includes this file; build command at its top):
  *   threads  cols/CTA  hints   us/step      of copy
- *   128      64        .cs     73.8, 73.8   0.86     (default: best or tied at B = 1, 16, 64)
+ *   128      64        .cs     73.8, 73.8   0.86     (chosen: best or tied at B = 1, 16, 64)
  *   128      64        -       74.7, 74.7   0.85
  *   128      128       .cs     74.7, 73.5   0.85-0.87
  *   128      128       -       73.6-74.1    0.86
@@ -40,9 +42,9 @@
  *   256      128       -       77.5-77.9    0.82
  *   256      64        .cs/-   74.8 / 77.1  0.85 / 0.83
  *   512      128       -       81.3-82.9    0.77-0.78
- *   128      32        -       82.8         0.77     (dropped from the table)
- *   256      32        -       112          0.57     (dropped)
- * Copy-bandwidth floor for this traffic: 63.7 us. At B = 16 the default takes
+ *   128      32        -       82.8         0.77
+ *   256      32        -       112          0.57
+ * Copy-bandwidth floor for this traffic: 63.7 us. At B = 16 the chosen shape takes
  * 17.8 us; at B = 1 (32 CTAs) 6.4 us, latency-bound.
  */
 #include <cuda_bf16.h>
@@ -50,7 +52,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "linmoe/kda_cuda.h"
@@ -302,19 +303,6 @@ __global__ void __launch_bounds__(NT, dec_min_blocks(NT, VEC *R)) kda_decode(Dec
     }
 }
 
-/* One launch shape: threads per CTA, value columns per CTA (VEC = 4 path), streaming
- * cache hints (ld.global.cs / st.global.cs) on the state. */
-struct DecVariant {
-    int nt, vs, stream;
-};
-const DecVariant DEC_VARIANTS[] = {
-    {128, 64, 1}, /* 0: the default, 73.8 us (0.86 of copy) at B=64, H=32, K=V=128 */
-    {128, 128, 0}, {128, 64, 0}, {128, 128, 1}, {256, 128, 1},
-    {256, 128, 0}, {256, 64, 1}, {512, 128, 0},
-};
-static_assert(sizeof DEC_VARIANTS / sizeof DEC_VARIANTS[0] == LM_KDA_CUDA_DECODE_NVARIANT,
-              "LM_KDA_CUDA_DECODE_NVARIANT in kda_cuda.h must match the variant table");
-
 template <int NT, int VEC, bool ST, bool FULL>
 void launch_r(int R, dim3 grid, size_t smem, cudaStream_t s, const DecParams &p) {
     switch (R) {
@@ -398,19 +386,22 @@ lm_status dec_check(lm_kda_config *c, const lm_kda_cuda_inputs *in, const float 
     return LM_OK;
 }
 
-/* Launch one step with launch shape `variant` (checked config) on ctx's stream. */
-lm_status dec_launch(lm_cuda_ctx *ctx, const lm_kda_config *c, const lm_kda_cuda_inputs *in,
-                     float *state, void *o, int variant, lm_error *err) {
-    const DecVariant var = DEC_VARIANTS[variant];
-    const int vec = (c->V % 4 == 0 && ((uintptr_t)state & 15) == 0) ? 4 : 1;
-    int nt = vec == 4 ? var.nt : 256;
-    const int stream = vec == 4 ? var.stream : 0;
-    const int cols = vec == 4 ? (var.vs < c->V ? var.vs : c->V) : 32;
+/* A launch of kda_decode: its parameters, grid, dynamic shared memory, rows per
+ * thread R (a power of two) and whether the FULL instance applies. */
+struct DecLaunch {
+    DecParams p;
+    dim3 grid;
+    size_t smem;
+    int R;
+    bool full;
+};
+
+/* Fills *L for a checked config with `nt` threads per CTA, `cols` value columns per
+ * CTA and VEC = vec columns per thread. LM_ERR_UNSUPPORTED when K needs more than
+ * DEC_RMAX rows per thread with that shape. */
+lm_status dec_setup(const lm_kda_config *c, const lm_kda_cuda_inputs *in, float *state, void *o,
+                    int vec, int nt, int cols, DecLaunch *L, lm_error *err) {
     const int TX = (cols + vec - 1) / vec;
-    /* a K too tall for R <= 32 rows per thread takes 256 threads (8 row groups at
-     * least, so K <= 256 always fits) */
-    if (nt < 256 && (c->K + nt / TX - 1) / (nt / TX) > DEC_RMAX)
-        nt = 256;
     const int TY = nt / TX;
     const int rneed = (c->K + TY - 1) / TY;
     int R = 1;
@@ -418,10 +409,10 @@ lm_status dec_launch(lm_cuda_ctx *ctx, const lm_kda_config *c, const lm_kda_cuda
         R *= 2;
     if (R > DEC_RMAX)
         return lm_errorf(err, LM_ERR_UNSUPPORTED,
-                         "kda cuda decode: K = %d needs %d rows per thread with launch shape %d "
-                         "(at most %d)",
-                         c->K, rneed, variant, DEC_RMAX);
-    DecParams p;
+                         "kda cuda decode: K = %d needs %d rows per thread with %d threads and "
+                         "%d columns per CTA (at most %d)",
+                         c->K, rneed, nt, cols, DEC_RMAX);
+    DecParams &p = L->p;
     memset(&p, 0, sizeof p);
     p.q = (const __nv_bfloat16 *)in->q;
     p.k = (const __nv_bfloat16 *)in->k;
@@ -446,70 +437,45 @@ lm_status dec_launch(lm_cuda_ctx *ctx, const lm_kda_config *c, const lm_kda_cuda
     p.TY = TY;
     p.VS = TX * vec;
     p.KP = (c->K + 3) & ~3;
-    const dim3 grid((unsigned)(c->B * c->HV), (unsigned)((c->V + p.VS - 1) / p.VS));
-    const size_t smem = sizeof(float) * (size_t)(5 * p.KP + 2 * p.VS + 4 + 2 * TY * p.VS);
-    const bool full = c->K == TY * R && c->V % p.VS == 0 && TX * TY == nt;
+    L->grid = dim3((unsigned)(c->B * c->HV), (unsigned)((c->V + p.VS - 1) / p.VS));
+    L->smem = sizeof(float) * (size_t)(5 * p.KP + 2 * p.VS + 4 + 2 * TY * p.VS);
+    L->R = R;
+    L->full = c->K == TY * R && c->V % p.VS == 0 && TX * TY == nt;
+    return LM_OK;
+}
+
+/* the launch shape of the vectorised path (threads, columns per CTA) and of the
+ * scalar one */
+constexpr int DEC_NT = 128, DEC_VS = 64, DEC_NT_SCALAR = 256, DEC_VS_SCALAR = 32;
+
+/* Launch one step (checked config) on ctx's stream. With VEC = 4 TX <= 16, so
+ * TY >= 8 and K <= DEC_KMAX fits R <= DEC_RMAX; the scalar path has TY = 8. */
+lm_status dec_launch(lm_cuda_ctx *ctx, const lm_kda_config *c, const lm_kda_cuda_inputs *in,
+                     float *state, void *o, lm_error *err) {
+    const bool vec4 = c->V % 4 == 0 && ((uintptr_t)state & 15) == 0;
+    DecLaunch L{};
     cudaStream_t s = ctx->stream;
-    if (vec == 1)
-        launch_r<256, 1, false, false>(R, grid, smem, s, p);
-    else if (nt == 128 && !stream)
-        launch_full<128, 4, false>(full, R, grid, smem, s, p);
-    else if (nt == 128)
-        launch_full<128, 4, true>(full, R, grid, smem, s, p);
-    else if (nt == 256 && !stream)
-        launch_full<256, 4, false>(full, R, grid, smem, s, p);
-    else if (nt == 512 && !stream)
-        launch_full<512, 4, false>(full, R, grid, smem, s, p);
-    else if (nt == 256)
-        launch_full<256, 4, true>(full, R, grid, smem, s, p);
-    else
-        LM_CHECK(!"decode variant without a kernel instance");
+    if (vec4) {
+        LM_TRY(dec_setup(c, in, state, o, 4, DEC_NT, c->V < DEC_VS ? c->V : DEC_VS, &L, err));
+        launch_full<DEC_NT, 4, true>(L.full, L.R, L.grid, L.smem, s, L.p);
+    } else {
+        LM_TRY(dec_setup(c, in, state, o, 1, DEC_NT_SCALAR, DEC_VS_SCALAR, &L, err));
+        launch_r<DEC_NT_SCALAR, 1, false, false>(L.R, L.grid, L.smem, s, L.p);
+    }
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess)
         return dec_cuda_err(err, e, "kda_decode launch");
     return LM_OK;
 }
 
-int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* CUDA events and buffers of one benchmark call, released on every return path (the
- * buffers after a synchronisation of the context's stream, lm_cuda_ctx_free_mem). */
-struct BenchRes {
-    lm_cuda_ctx *ctx = nullptr;
-    cudaEvent_t *ev = nullptr;
-    int nev = 0;
-    void *src = nullptr, *dst = nullptr;
-    double *t = nullptr;
-    ~BenchRes() {
-        if (ctx)
-            cudaStreamSynchronize(ctx->stream); /* an early return may leave work queued */
-        for (int i = 0; i < nev; i++)
-            cudaEventDestroy(ev[i]);
-        free(ev);
-        free(t);
-        lm_cuda_ctx_free_mem(ctx, src);
-        lm_cuda_ctx_free_mem(ctx, dst);
-    }
-};
-
 } // namespace
-
-#define CKD(call)                                                                                  \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess)                                                                     \
-            return dec_cuda_err(err, e_, #call);                                                   \
-    } while (0)
 
 extern "C" lm_status lm_kda_cuda_decode_step(lm_cuda_ctx *ctx, lm_kda_config *c,
                                              const lm_kda_cuda_inputs *in, float *state, void *o,
                                              lm_error *err) {
     LM_TRY(lm_cuda_ctx_enter(ctx, err));
     LM_TRY(dec_check(c, in, state, o, err));
-    return dec_launch(ctx, c, in, state, o, 0, err);
+    return dec_launch(ctx, c, in, state, o, err);
 }
 
 extern "C" int lm_kda_cuda_decode_flat(lm_cuda_ctx *ctx, int B, int H, int HV, int K, int V,
@@ -542,62 +508,4 @@ extern "C" int lm_kda_cuda_decode_flat(lm_cuda_ctx *ctx, int B, int H, int HV, i
     if (st != LM_OK && errbuf && errlen > 0)
         snprintf(errbuf, (size_t)errlen, "%s", err.msg);
     return (int)st;
-}
-
-extern "C" lm_status lm_kda_cuda_decode_bench(lm_cuda_ctx *ctx, lm_kda_config *c,
-                                              const lm_kda_cuda_inputs *in, float *state, void *o,
-                                              int variant, int warmup, int iters, double *ms,
-                                              double *copy_gbs, lm_error *err) {
-    LM_TRY(lm_cuda_ctx_enter(ctx, err));
-    if (variant < 0 || variant >= LM_KDA_CUDA_DECODE_NVARIANT || warmup < 0 || iters < 1 || !ms)
-        return lm_errorf(err, LM_ERR_INVALID,
-                         "kda cuda decode bench: variant = %d (0..%d), warmup = %d, iters = %d, "
-                         "ms %s",
-                         variant, LM_KDA_CUDA_DECODE_NVARIANT - 1, warmup, iters,
-                         ms ? "given" : "NULL");
-    LM_TRY(dec_check(c, in, state, o, err));
-    BenchRes r;
-    r.ctx = ctx;
-    cudaStream_t s = ctx->stream;
-    const int nrep = iters > 5 ? iters : 5;
-    r.ev = (cudaEvent_t *)calloc((size_t)nrep + 1, sizeof(cudaEvent_t));
-    r.t = (double *)calloc((size_t)nrep, sizeof(double));
-    if (!r.ev || !r.t)
-        return lm_errorf(err, LM_ERR_NOMEM, "kda cuda decode bench: %d events", nrep + 1);
-    for (; r.nev < nrep + 1; r.nev++)
-        CKD(cudaEventCreate(&r.ev[r.nev]));
-    for (int i = 0; i < warmup; i++)
-        LM_TRY(dec_launch(ctx, c, in, state, o, variant, err));
-    CKD(cudaEventRecord(r.ev[0], s));
-    for (int i = 0; i < iters; i++) {
-        LM_TRY(dec_launch(ctx, c, in, state, o, variant, err));
-        CKD(cudaEventRecord(r.ev[i + 1], s));
-    }
-    CKD(cudaEventSynchronize(r.ev[iters]));
-    for (int i = 0; i < iters; i++) {
-        float t = 0;
-        CKD(cudaEventElapsedTime(&t, r.ev[i], r.ev[i + 1]));
-        r.t[i] = t;
-    }
-    qsort(r.t, (size_t)iters, sizeof(double), cmp_double);
-    *ms = r.t[iters / 2];
-    if (copy_gbs) {
-        const size_t bytes = (size_t)1 << 30;
-        LM_TRY(lm_cuda_ctx_alloc(ctx, &r.src, bytes, err));
-        LM_TRY(lm_cuda_ctx_alloc(ctx, &r.dst, bytes, err));
-        CKD(cudaMemsetAsync(r.src, 0, bytes, s));
-        CKD(cudaMemcpyAsync(r.dst, r.src, bytes, cudaMemcpyDeviceToDevice, s));
-        for (int i = 0; i < nrep; i++) {
-            CKD(cudaEventRecord(r.ev[i], s));
-            CKD(cudaMemcpyAsync(r.dst, r.src, bytes, cudaMemcpyDeviceToDevice, s));
-            CKD(cudaEventRecord(r.ev[i + 1], s));
-            CKD(cudaEventSynchronize(r.ev[i + 1]));
-            float t = 0;
-            CKD(cudaEventElapsedTime(&t, r.ev[i], r.ev[i + 1]));
-            r.t[i] = t;
-        }
-        qsort(r.t, (size_t)nrep, sizeof(double), cmp_double);
-        *copy_gbs = 2.0 * (double)bytes / (r.t[nrep / 2] * 1e-3) / 1e9;
-    }
-    return LM_OK;
 }

@@ -92,11 +92,3 @@ int lm_kda_cuda_decode_flat(lm_cuda_ctx *ctx, int B, int H, int HV, int K, int V
     (void)A_log, (void)dt_bias, (void)state, (void)o;
     return no_cuda_flat(errbuf, errlen, "kda cuda decode");
 }
-
-lm_status lm_kda_cuda_decode_bench(lm_cuda_ctx *ctx, lm_kda_config *c, const lm_kda_cuda_inputs *in,
-                                   float *state, void *o, int variant, int warmup, int iters,
-                                   double *ms, double *copy_gbs, lm_error *err) {
-    (void)ctx, (void)c, (void)in, (void)state, (void)o, (void)variant, (void)warmup;
-    (void)iters, (void)ms, (void)copy_gbs;
-    return no_cuda(err, "kda cuda decode");
-}
