@@ -53,6 +53,7 @@ void lm_bench_ops_row(lm_bench_ops_env *env, const char *op, const char *shape, 
     fflush(stdout);
     cJSON *r = cJSON_CreateObject();
     cJSON_AddStringToObject(r, "name", op);
+    cJSON_AddStringToObject(r, "family", env->family ? env->family : "");
     cJSON_AddStringToObject(r, "shape", shape);
     cJSON_AddStringToObject(r, "pass", pass);
     cJSON_AddNumberToObject(r, "ms", ms);
@@ -118,6 +119,7 @@ int lm_bench_ops_run(const char *families, const char *json_path, int quick) {
             printf("%-22s not built\n", fams[i].name);
             continue;
         }
+        env.family = fams[i].name;
         rc |= fams[i].fn(&env);
     }
     if (json_path) {

@@ -25,6 +25,7 @@ typedef struct {
     int repeat, warmup;
     int quick;
     cJSON *records; /* JSON array the rows are appended to */
+    const char *family; /* the family being run (recorded with each row) */
 } lm_bench_ops_env;
 
 /* The timed body: enqueue the op on env->ctx's stream; return 0, non-zero on error. */
