@@ -12,9 +12,20 @@
  *    alone;
  *  - inference: prefill + 64 greedy decode steps with the caches give the logits of
  *    one full forward at every position;
+ *  - inference vs fp64: on the weights and inputs of the fp64 reference fixture
+ *    (tests/fixtures/model_tiny.safetensors, test_model_parity.c), the full forward and
+ *    prefill + teacher-forced decode (several prefill lengths) each against the fp64
+ *    logits;
  *  - standard and full AttnRes residuals run forward/backward (finite differences on
  *    a smaller sample), tied embeddings, thread-count independence, bad input.
  * Parameters are drawn so that every path is non-trivial (see randomize()).
+ *
+ * Tolerances of comparisons between fp32 results (see "fp32 rounding" below): the
+ * inference, packing and fixture comparisons are scaled by each position's measured
+ * sensitivity to a relative perturbation of u = 2^-24, not a fixed 1e-5, because
+ * two fp32 paths with different summation orders (chunked vs recurrent KDA, other
+ * OpenBLAS kernels on Intel and AMD) differ by the rounding noise of the model, and
+ * that noise varies by 60x between positions of the same batch.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -28,6 +39,7 @@
 #include <cmocka.h>
 
 #include "linmoe/model.h"
+#include "linmoe/safetensors.h"
 #include "test_util.h"
 
 #ifndef LM_SOURCE_DIR
@@ -73,6 +85,105 @@ static void fill_ids(int32_t *ids, int64_t n, int V, uint64_t seed) {
     lm_rng r;
     lm_rng_init(&r, seed);
     for (int64_t i = 0; i < n; i++) ids[i] = (int32_t)(lm_rng_u32(&r) % (uint32_t)V);
+}
+
+/* ---------------------------------------------------------------- fp32 rounding */
+
+/* Error model of the comparisons between fp32 logits (inference, packing, fixture).
+ * An fp32 evaluation returns the exact result of slightly perturbed data: every
+ * rounding is a relative perturbation of at most u = 2^-24 of an intermediate
+ * (backward error analysis, Higham, "Accuracy and Stability of Numerical Algorithms"
+ * §2-3; the probabilistic form, sqrt(n) u instead of n u, Higham & Mary 2019). How
+ * much such perturbations move the logits of one position is its condition, which
+ * here varies by 60x between positions (near-cancelling logits, sharp softmaxes,
+ * decays close to the bound). It is measured, not guessed: S[pos] is the largest
+ * relative change of the position's logits over SENS_REPS fp32 forwards with every
+ * trainable parameter multiplied by (1 +- u) (random signs), i.e. u x condition.
+ * The rounding errors of a whole forward act like SENS_DEPTH ~ 2L x 5 such
+ * independent perturbations (one per rounded intermediate stage: norm, projections,
+ * op, gate, residual/mix per sublayer), so one fp32 path is within
+ *     c sqrt(SENS_DEPTH) S[pos],   c = 3 (tail of the sum of random terms)
+ * of the exact logits, and two fp32 paths within twice that. Measured on an AMD EPYC
+ * (Zen 4, OpenBLAS 0.3.21): error / S <= 1.6 (median ~0.7) against the fp64 fixture,
+ * <= 2.2 between prefill + decode and the full forward; bounds 9.5 and 19. The
+ * bound is capped at SENS_CAP, so a position whose selection flips under a 1-ulp
+ * perturbation (an MoE near-tie: discontinuous, not rounding) still fails. Any real
+ * defect (a wrong position, a stale state, a missing term) moves the logits by
+ * 1e-3..1 relative, far above the bound, which is 1e-7..1e-4. */
+#define U_F32 5.9604644775390625e-8 /* 2^-24 */
+#define SENS_REPS 3
+#define SENS_DEPTH 10.0
+#define SENS_C 3.0
+#define SENS_CAP 1e-4
+
+/* Tolerance of one fp32 path against the exact logits at sensitivity S. */
+static double tol_fp32(double S) {
+    const double t = SENS_C * sqrt(SENS_DEPTH) * S;
+    return t < SENS_CAP ? t : SENS_CAP;
+}
+
+/* S[r] (r < B*T rows of V logits) of the forward of batch b on ids around `base`
+ * (its logits for the unperturbed parameters). Parameters restored on return. */
+static void logit_sensitivity(lm_model *m, const lm_model_batch *b, const int32_t *ids,
+                              const float *base, double *S) {
+    lm_params *p = lm_model_params(m);
+    const int64_t rows = (int64_t)b->B * b->T, V = p->cfg.vocab_size;
+    float *save = malloc(sizeof(float) * (size_t)p->numel);
+    float *lg = malloc(sizeof(float) * (size_t)(rows * V));
+    memcpy(save, p->data, sizeof(float) * (size_t)p->numel);
+    for (int64_t r = 0; r < rows; r++)
+        S[r] = 0;
+    lm_rng rng;
+    lm_rng_init(&rng, 0x5e45ULL);
+    for (int rep = 0; rep < SENS_REPS; rep++) {
+        for (int t = 0; t < p->n; t++) {
+            if (p->t[t].buffer)
+                continue;
+            float *w = p->data + p->t[t].offset;
+            for (int64_t i = 0; i < p->t[t].numel; i++)
+                w[i] = save[p->t[t].offset + i] *
+                       (float)(1.0 + ((lm_rng_u32(&rng) & 1) ? U_F32 : -U_F32));
+        }
+        lm_error err = {0};
+        assert_int_equal(lm_model_forward(m, b, ids, NULL, 0, lg, NULL, NULL, &err), LM_OK);
+        for (int64_t r = 0; r < rows; r++) {
+            double num = 0, den = 0;
+            for (int64_t v = 0; v < V; v++) {
+                const double a = base[r * V + v], dd = (double)lg[r * V + v] - a;
+                num += dd * dd;
+                den += a * a;
+            }
+            const double rel = den > 0 ? sqrt(num / den) : 0;
+            if (rel > S[r])
+                S[r] = rel;
+        }
+    }
+    memcpy(p->data, save, sizeof(float) * (size_t)p->numel);
+    free(save);
+    free(lg);
+}
+
+/* Rows r < n of V values of out against ref (fp64) at tolerance scale * tol_fp32(S[r]);
+ * returns the number of failing rows, the worst error / S in *worst_ratio and the
+ * worst rel RMS in *worst. */
+static int check_rows_sens(const char *what, const float *out, const double *ref, int64_t n,
+                           int64_t V, const double *S, double scale, double *worst,
+                           double *worst_ratio) {
+    int fails = 0;
+    for (int64_t r = 0; r < n; r++) {
+        const double tol = scale * tol_fp32(S[r]);
+        lm_cmp c = lm_compare_f32(out + r * V, ref + r * V, V, tol);
+        if (c.rel_rms > *worst)
+            *worst = c.rel_rms;
+        if (S[r] > 0 && c.rel_rms / S[r] > *worst_ratio)
+            *worst_ratio = c.rel_rms / S[r];
+        if (!c.pass) {
+            fprintf(stderr, "  %s: row %lld rel RMS %.3e > tol %.3e (S = %.3e)\n", what,
+                    (long long)r, c.rel_rms, tol, S[r]);
+            fails++;
+        }
+    }
+    return fails;
 }
 
 /* labels = next id within each row (or document), LM_MODEL_IGNORE at the ends */
@@ -127,10 +238,19 @@ static double fd_loss(void *vctx) {
     return loss;
 }
 
-/* The loss is an fp32 computation (accumulated in fp64 at the end): its rounding
- * noise is ~1e-6 relative, i.e. ~1e-5 absolute for losses of 5..20, so a central
- * difference with step 1e-2 carries ~5e-4 x 1e-1 = 5e-5 of noise. */
-#define FD_ABS_FLOOR 5e-5
+/* Rounding noise of the difference quotient. The loss is an fp32 computation (the
+ * per-token cross-entropies are fp32 values of the size of the loss, their mean is
+ * taken in fp64): an evaluation returns L + delta with |delta| <= FD_NOISE_C u |L| / 2
+ * (u = 2^-24; measured |delta| <= 0.4 u |L| on tiny.json from the 1/step growth of
+ * the difference-quotient error at steps 1e-1 .. 3e-4), and a central difference
+ * with step h carries |delta+ - delta-| / (2h) <= FD_NOISE_C u |L| / (2h) of noise,
+ * bounded here by FD_NOISE_C u |L| / h (2.5e-4 at L = 20.75, h = 1e-2; the fixed
+ * 5e-5 floor this test had is below the noise there, which is why it failed for the
+ * tied-embedding case on a Zen 4 EPYC). A tensor passes when
+ *     rms(analytic - fd) <= tol rms(fd) + FD_NOISE_C u |L| / h
+ * (relative truncation error plus the noise floor). A wrong gradient is off by
+ * O(|gradient|), 1e-3 .. 1e-1 here, far above the floor (1e-4 .. 2.5e-4). */
+#define FD_NOISE_C 2.0
 
 /* FD over every tensor of the model (samples per tensor), with a per-tensor tol. */
 static void fd_model(lm_model_config *cfg, int B, int T, int samples, double step, double tol) {
@@ -153,6 +273,7 @@ static void fd_model(lm_model_config *cfg, int B, int T, int samples, double ste
     collect_sel(m, c.sel0);
     float *g = malloc(sizeof(float) * (size_t)p.numel);
     memcpy(g, lm_model_grads(m), sizeof(float) * (size_t)p.numel);
+    const double floor_abs = FD_NOISE_C * U_F32 * fabs(loss) / step;
     /* Own sampling loop: an entry whose +-step changes any MoE selection makes the
      * loss non-differentiable there; it is skipped (counted) and another drawn, so
      * every compared difference has the selections of the base point. */
@@ -193,22 +314,30 @@ static void fd_model(lm_model_config *cfg, int B, int T, int samples, double ste
         if (got == 0) continue;
         char label[160];
         snprintf(label, sizeof label, "  FD %s", in->name);
-        /* pass: rel RMS <= tol, or every difference below the fp32 noise floor of
-         * the difference quotient (FD_ABS_FLOOR) */
-        lm_cmp cm = lm_compare_f32(an, fd, got, tol);
-        if (!cm.pass && !(cm.n_nonfinite == 0 && cm.max_abs <= FD_ABS_FLOOR)) {
-            lm_check_f32(label, an, fd, got, tol);
+        /* pass: rms(an - fd) <= tol rms(fd) + noise floor (FD_NOISE_C above) */
+        double sd = 0, sf = 0;
+        int finite = 1;
+        for (int j = 0; j < got; j++) {
+            finite &= isfinite(an[j]) && isfinite(fd[j]);
+            sd += ((double)an[j] - fd[j]) * ((double)an[j] - fd[j]);
+            sf += fd[j] * fd[j];
+        }
+        const double rms_d = sqrt(sd / got), rms_f = sqrt(sf / got);
+        const double bound = tol * rms_f + floor_abs;
+        if (!finite || !(rms_d <= bound)) {
+            printf("%s: n=%d rms(an - fd) = %.3e > tol %.0e x rms(fd) %.3e + floor %.3e FAIL\n",
+                   label, got, rms_d, tol, rms_f, floor_abs);
             fails++;
         }
-        if (cm.max_abs > 1e-6 && cm.rel_rms > worst) {
-            worst = cm.rel_rms;
+        if (rms_d / bound > worst) {
+            worst = rms_d / bound;
             worst_name = in->name;
         }
     }
-    printf("  model FD (step %.0e, tol %.0e rel RMS per tensor): loss %.6f, %d tensors, %d "
-           "entries compared, %d failed tensors, %d entries skipped for a selection change; "
-           "worst %.2e (%s)\n",
-           step, tol, loss, p.n, compared, fails, skipped, worst, worst_name);
+    printf("  model FD (step %.0e, tol %.0e rel RMS per tensor + noise floor %.2e): loss %.6f, "
+           "%d tensors, %d entries compared, %d failed tensors, %d entries skipped for a "
+           "selection change; worst error / bound %.2f (%s)\n",
+           step, tol, floor_abs, loss, p.n, compared, fails, skipped, worst, worst_name);
     assert_int_equal(fails, 0);
     free(g);
     free(c.sel0);
@@ -317,7 +446,10 @@ static void test_packing(void **state) {
     float *lp = malloc(sizeof(float) * (size_t)T * V), *l1 = malloc(sizeof(float) * (size_t)T * V);
     lm_model_batch b = {1, T, cu, ncu};
     assert_int_equal(lm_model_forward(m, &b, ids, NULL, 0, lp, NULL, NULL, &err), LM_OK);
-    double worst = 0;
+    double S[45];
+    logit_sensitivity(m, &b, ids, lp, S);
+    double worst = 0, ratio = 0;
+    int fails = 0;
     for (int j = 0; j + 1 < ncu; j++) {
         const int len = (int)(cu[j + 1] - cu[j]);
         if (len == 0) continue;
@@ -325,12 +457,15 @@ static void test_packing(void **state) {
         assert_int_equal(lm_model_forward(m, &bj, ids + cu[j], NULL, 0, l1, NULL, NULL, &err),
                          LM_OK);
         double *ref = lm_to_f64(l1, (int64_t)len * V);
-        lm_cmp c = lm_compare_f32(lp + cu[j] * V, ref, (int64_t)len * V, 1e-5);
-        if (c.rel_rms > worst) worst = c.rel_rms;
-        assert_true(c.pass);
+        /* two fp32 paths (other BLAS blocks, other chunk boundaries): twice the bound */
+        fails += check_rows_sens("packed vs alone", lp + cu[j] * V, ref, len, V, S + cu[j], 2.0,
+                                 &worst, &ratio);
         free(ref);
     }
-    printf("  packed vs alone: worst rel RMS %.2e over %d documents\n", worst, ncu - 1);
+    printf("  packed vs alone: worst rel RMS %.2e per position over %d documents, worst "
+           "error / S %.2f (bound %.1f)\n",
+           worst, ncu - 1, ratio, 2 * SENS_C * sqrt(SENS_DEPTH));
+    assert_int_equal(fails, 0);
     free(lp);
     free(l1);
     lm_model_free(m);
@@ -382,18 +517,23 @@ static void infer_case(lm_model_config *cfg, int B, int P, int steps) {
     lm_model_batch bb = {B, T, NULL, 0};
     assert_int_equal(lm_model_forward(m, &bb, ids, NULL, 0, full, NULL, NULL, &err), LM_OK);
     double *ref = lm_to_f64(full, (int64_t)B * T * V);
-    double worst = 0;
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            lm_cmp c = lm_compare_f32(inc + ((size_t)b * T + t) * V, ref + ((size_t)b * T + t) * V,
-                                      V, 1e-5);
-            if (c.rel_rms > worst) worst = c.rel_rms;
-            if (!c.pass) fprintf(stderr, "  row %d position %d: rel RMS %.3e\n", b, t, c.rel_rms);
-            assert_true(c.pass);
-        }
-    printf("  prefill %d + %d decode steps (B = %d) vs full forward: worst rel RMS %.2e per "
-           "position\n",
-           P, steps, B, worst);
+    /* Two fp32 paths (chunked vs recurrent KDA, cached vs full attention) of the same
+     * function: within twice the fp32 bound of each other, position by position
+     * (row r = b * T + t; "fp32 rounding" above). */
+    double *S = malloc(sizeof(double) * (size_t)B * T);
+    logit_sensitivity(m, &bb, ids, full, S);
+    double worst = 0, ratio = 0;
+    const int fails = check_rows_sens("prefill + decode vs full forward", inc, ref, (int64_t)B * T,
+                                      V, S, 2.0, &worst, &ratio);
+    /* and the whole sequence within twice DESIGN.md's bar for one fp32 path vs fp64
+     * (each path meets it on the fp64 fixture: test_inference_vs_fp64) */
+    lm_cmp whole = lm_compare_f32(inc, ref, (int64_t)B * T * V, 2 * TOL_FWD_F32);
+    printf("  prefill %d + %d decode steps (B = %d) vs full forward: rel RMS %.2e, worst "
+           "position %.2e, worst error / S %.2f (bound %.1f)\n",
+           P, steps, B, whole.rel_rms, worst, ratio, 2 * SENS_C * sqrt(SENS_DEPTH));
+    assert_int_equal(fails, 0);
+    assert_true(whole.pass);
+    free(S);
     free(ref);
     free(full);
     free(pre);
@@ -506,12 +646,120 @@ static void test_bad_input(void **state) {
     lm_params_free(&p);
 }
 
+/* ---------------------------------------------------------------- vs fp64 */
+
+#define FIXTURE LM_SOURCE_DIR "/tests/fixtures/model_tiny.safetensors"
+
+/* Prefill + decode and the full forward each against the fp64 reference logits of
+ * the fixture (PyTorch, float64 from the same fp32 weights; test_model_parity.c):
+ * the whole [B, T, V] within TOL_FWD_F32 (DESIGN.md's bar for an fp32 path vs fp64),
+ * every position within the fp32 bound of its measured sensitivity ("fp32
+ * rounding" above). Decode steps are teacher-forced (the fixture's ids). */
+static void test_inference_vs_fp64(void **state) {
+    (void)state;
+    lm_error err = {0};
+    lm_safetensors st;
+    lm_status s = lm_st_read(FIXTURE, &st, &err);
+    if (s != LM_OK)
+        fprintf(stderr, "%s\n", err.msg);
+    assert_int_equal(s, LM_OK);
+    const char *json = lm_st_meta(&st, "config");
+    assert_non_null(json);
+    lm_model_config cfg;
+    char warn[512];
+    assert_int_equal(
+        lm_model_config_from_string(&cfg, json, FIXTURE ":config", warn, sizeof warn, &err), LM_OK);
+    lm_params p;
+    assert_int_equal(lm_params_init(&p, &cfg, &err), LM_OK);
+    for (int t = 0; t < p.n; t++) {
+        float *w = NULL;
+        assert_int_equal(lm_st_to_f32(&st, p.t[t].name, &w, &err), LM_OK);
+        memcpy(p.data + p.t[t].offset, w, sizeof(float) * (size_t)p.t[t].numel);
+        free(w);
+    }
+    const lm_st_entry *ie = lm_st_find(&st, "input_ids");
+    assert_non_null(ie);
+    const int B = (int)ie->shape[0], T = (int)ie->shape[1], V = cfg.vocab_size;
+    const int64_t N = (int64_t)B * T;
+    int64_t *ids64;
+    assert_int_equal(lm_st_to_i64(&st, "input_ids", &ids64, &err), LM_OK);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)N);
+    for (int64_t i = 0; i < N; i++)
+        ids[i] = (int32_t)ids64[i];
+    double *ref;
+    assert_int_equal(lm_st_to_f64(&st, "logits", &ref, &err), LM_OK);
+    lm_model *m;
+    assert_int_equal(lm_model_new(&m, &p, N, &err), LM_OK);
+    float *lg = malloc(sizeof(float) * (size_t)(N * V));
+    float *full = malloc(sizeof(float) * (size_t)(N * V));
+    double *S = malloc(sizeof(double) * (size_t)N);
+    lm_model_batch bb = {B, T, NULL, 0};
+    assert_int_equal(lm_model_forward(m, &bb, ids, NULL, 0, full, NULL, NULL, &err), LM_OK);
+    logit_sensitivity(m, &bb, ids, full, S);
+    double worst = 0, ratio = 0;
+    int fails = check_rows_sens("full forward vs fp64", full, ref, N, V, S, 1.0, &worst, &ratio);
+    lm_cmp whole = lm_compare_f32(full, ref, N * V, TOL_FWD_F32);
+    printf("  full forward vs fp64: rel RMS %.2e, worst position %.2e, worst error / S %.2f "
+           "(bound %.1f)\n",
+           whole.rel_rms, worst, ratio, SENS_C * sqrt(SENS_DEPTH));
+    assert_true(whole.pass);
+    lm_model_cache *kc;
+    assert_int_equal(lm_model_cache_new(&kc, m, B, T, &err), LM_OK);
+    /* prefill lengths: one token, inside the first chunk, one chunk (16), one past it,
+     * the whole sequence */
+    const int Ps[] = {1, 13, 16, 17, 40};
+    int32_t *buf = malloc(sizeof(int32_t) * (size_t)N);
+    float *pre = malloc(sizeof(float) * (size_t)(N * V));
+    for (size_t pi = 0; pi < sizeof Ps / sizeof Ps[0]; pi++) {
+        const int P = Ps[pi] < T ? Ps[pi] : T;
+        lm_model_cache_reset(kc);
+        for (int b = 0; b < B; b++)
+            memcpy(buf + b * P, ids + b * T, sizeof(int32_t) * (size_t)P);
+        assert_int_equal(lm_model_infer(m, kc, buf, P, 0, pre, &err), LM_OK);
+        for (int b = 0; b < B; b++)
+            memcpy(lg + (size_t)b * T * V, pre + (size_t)b * P * V, sizeof(float) * (size_t)P * V);
+        for (int t = P; t < T; t++) {
+            for (int b = 0; b < B; b++)
+                buf[b] = ids[b * T + t];
+            assert_int_equal(lm_model_infer(m, kc, buf, 1, 1, pre, &err), LM_OK);
+            for (int b = 0; b < B; b++)
+                memcpy(lg + ((size_t)b * T + t) * V, pre + (size_t)b * V, sizeof(float) * V);
+        }
+        worst = ratio = 0;
+        char what[64];
+        snprintf(what, sizeof what, "prefill %d + decode vs fp64", P);
+        fails += check_rows_sens(what, lg, ref, N, V, S, 1.0, &worst, &ratio);
+        whole = lm_compare_f32(lg, ref, N * V, TOL_FWD_F32);
+        printf("  prefill %2d + %2d decode steps vs fp64: rel RMS %.2e, worst position %.2e, "
+               "worst error / S %.2f\n",
+               P, T - P, whole.rel_rms, worst, ratio);
+        assert_true(whole.pass);
+    }
+    assert_int_equal(fails, 0);
+    free(buf);
+    free(pre);
+    lm_model_cache_free(kc);
+    lm_model_free(m);
+    free(S);
+    free(full);
+    free(lg);
+    free(ids);
+    free(ids64);
+    free(ref);
+    lm_params_free(&p);
+    lm_st_free(&st);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_bad_input),          cmocka_unit_test(test_attnres_two_sources),
-        cmocka_unit_test(test_packing),            cmocka_unit_test(test_inference),
-        cmocka_unit_test(test_threads),            cmocka_unit_test(test_fd_tiny),
+        cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_attnres_two_sources),
+        cmocka_unit_test(test_packing),
+        cmocka_unit_test(test_inference),
+        cmocka_unit_test(test_threads),
+        cmocka_unit_test(test_fd_tiny),
         cmocka_unit_test(test_fd_standard_full_tied),
+        cmocka_unit_test(test_inference_vs_fp64),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -38,6 +38,21 @@
  * LM_MODEL_IGNORE = -100 for "no target"); logits [B, T, V] fp32; gradients in one
  * buffer with the layout of the parameter buffer (params.h offsets).
  *
+ * Memory (DESIGN.md "Devices, memory and scale"; CONVENTIONS.md "Memory and
+ * errors"): lm_model_mem_plan gives, for (config, micro-batch B, sequence length T),
+ * the bytes of each memory class: parameters, gradients, optimizer state (AdamW's m
+ * and v), activations saved for the backward, scratch. lm_model_new allocates the
+ * gradient, activation and scratch classes once each and hands views of them to the
+ * layers, norms and the cross-entropy; a training step (forward + backward) then
+ * allocates nothing in this module (tests/test_mem_plan.c counts). Gradients
+ * accumulate in place: a backward with accumulate = 1 adds into the one gradient
+ * buffer (GEMMs with beta = 1); ops that can only overwrite a weight gradient write
+ * into a stage in the scratch class (sized for the largest such tensor, e.g. the LM
+ * head), which is then added. Not in the table: the MoE layers' routing and expert
+ * buffers and the attention / AttnRes workspaces, which their ops allocate at
+ * lm_model_new or on first use (moe.h, attention.h, attnres.h), and the inference
+ * caches (lm_model_cache_new).
+ *
  * Threads: OpenMP (lm_set_num_threads); every op below is bitwise thread-count
  * independent, so are the model's outputs and gradients.
  *
@@ -67,14 +82,53 @@ typedef struct {
 
 typedef struct lm_model lm_model;
 
+/* ---------------------------------------------------------------- memory plan */
+
+typedef enum {
+    LM_MEM_PARAMS = 0, /* fp32 parameters (lm_params; allocated by its owner) */
+    LM_MEM_GRADS,      /* fp32 gradients, the parameter layout (the model's) */
+    LM_MEM_OPTIM,      /* AdamW first and second moments, fp32 (the trainer's) */
+    LM_MEM_ACTS,       /* activations the forward saves for the backward (the model's) */
+    LM_MEM_SCRATCH,    /* backward accumulators, layer scratch, op workspaces, the
+                          gradient stage (the model's) */
+    LM_MEM_N_CLASSES
+} lm_mem_class;
+
+/* The size table for batches of B rows of T tokens (or B*T packed tokens in
+ * documents of up to T tokens) on `threads` OpenMP threads. bytes[] per class,
+ * 64-byte aligned slices included; total = their sum. */
+typedef struct {
+    int B, T, threads;
+    int64_t numel; /* parameter elements (p->numel) */
+    int64_t bytes[LM_MEM_N_CLASSES];
+    int64_t total;
+    int64_t kda_workspace_bytes; /* part of scratch: the KDA op's (shared by KDA layers) */
+} lm_mem_plan;
+
+/* The plan of `cfg` for B x T (B, T >= 1, B*T <= 2^30) at the current OpenMP thread
+ * count (lm_get_num_threads: the per-thread scratch of the KDA op and the
+ * cross-entropy scale with it). Pure: allocates nothing lasting. Errors:
+ * LM_ERR_INVALID for a bad config (named), B or T. */
+lm_status lm_model_mem_plan(const lm_model_config *cfg, int B, int T, lm_mem_plan *out,
+                            lm_error *err);
+/* "parameters", "gradients", "optimizer state", "activations", "scratch". */
+const char *lm_mem_class_name(lm_mem_class k);
+/* One line "memory plan (B = .., T = .., N threads): parameters X MiB, ...; total Y
+ * MiB" into buf (snprintf semantics: returns the length it needed). */
+int lm_mem_plan_format(const lm_mem_plan *p, char *buf, size_t size);
+
 /* Build the runtime around the parameters `p` (borrowed: it must outlive the model
  * and keep its buffer): per-layer contexts, one router state per MoE layer whose
  * selection bias IS p's mlp.gate.e_score_correction_bias buffer (updates land in the
- * checkpoint), activation storage for batches of up to max_tokens = B*T tokens, and
- * a gradient buffer of p->numel floats. Errors: LM_ERR_INVALID (max_tokens < 1, an
- * invalid config), LM_ERR_NOMEM. */
+ * checkpoint), and the memory plan for batches of up to max_tokens = B*T tokens
+ * (planned as B = 1, T = max_tokens, the worst case of every B*T <= max_tokens): the
+ * gradient buffer of p->numel floats, the activation and the scratch class, one
+ * allocation each. Errors: LM_ERR_INVALID (max_tokens < 1, an invalid config),
+ * LM_ERR_NOMEM (naming the class sizes). */
 lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_error *err);
 void lm_model_free(lm_model *m);
+/* The plan lm_model_new allocated (B = 1, T = max_tokens, the thread count then). */
+const lm_mem_plan *lm_model_plan(const lm_model *m);
 
 lm_params *lm_model_params(lm_model *m);
 /* The max_tokens given to lm_model_new (largest B*T per forward / infer call). */
@@ -108,7 +162,8 @@ lm_status lm_model_forward(lm_model *m, const lm_model_batch *b, const int32_t *
                            int64_t *n_labels, lm_error *err);
 
 /* Backward of loss_scale * loss of the last forward (which must have had labels).
- * accumulate = 0 overwrites the gradient buffer, 1 adds to it (micro-batches). */
+ * accumulate = 0 overwrites the gradient buffer, 1 adds to it in place (micro-
+ * batches; no second gradient buffer: see "Memory" above). */
 lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_error *err);
 
 /* Inspection (tests, evals) of the last forward or infer call, NULL for a bad l:

@@ -11,6 +11,9 @@
 struct lm_attn_layer_ctx {
     float *buf;
     int64_t cap; /* floats in buf */
+    /* caller-owned buffers for up to bound_N tokens (the model's memory plan), or NULL */
+    float *bound_acts, *bound_scratch;
+    int64_t bound_N;
     lm_attention_workspace *ws;
     /* the last forward */
     int have_fwd;
@@ -123,31 +126,68 @@ static lm_status validate(const lm_attn_layer_config *c, const lm_attn_layer_bat
     return LM_OK;
 }
 
-/* Size the context for N tokens and carve the buffers (allocates only on growth). */
+#define PAD16(n) ((((n) + 15) / 16) * 16) /* 64-byte aligned slices */
+
+int64_t lm_attn_layer_act_floats(const lm_attn_layer_config *c, int64_t N) {
+    const int64_t Cq = (int64_t)c->Hq * c->Dh, Ckv = (int64_t)c->Hkv * c->Dh;
+    return 2 * PAD16(N * Cq) + 2 * PAD16(N * Ckv) + PAD16(N * c->Hq);
+}
+
+int64_t lm_attn_layer_scratch_floats(const lm_attn_layer_config *c, int64_t N) {
+    const int64_t Cq = (int64_t)c->Hq * c->Dh, Ckv = (int64_t)c->Hkv * c->Dh;
+    return 2 * PAD16(N * Cq) + 2 * PAD16(N * Ckv);
+}
+
+void lm_attn_layer_ctx_bind(lm_attn_layer_ctx *ctx, int64_t N, float *acts, float *scratch) {
+    ctx->bound_N = N;
+    ctx->bound_acts = acts;
+    ctx->bound_scratch = scratch;
+}
+
+/* Carve the saved activations and the backward scratch for N tokens from the
+ * caller's buffers (lm_attn_layer_ctx_bind, N within the bound) or the context's own
+ * grow-only buffer (allocates only on growth). */
 static void ctx_carve(lm_attn_layer_ctx *x, int64_t N, int64_t Cq, int64_t Ckv, int64_t Hq) {
-    const int64_t need = 4 * N * Cq + 4 * N * Ckv + N * Hq + 9 * 16;
-    if (need > x->cap) {
-        free(x->buf);
-        x->buf = LM_MALLOC((size_t)need * sizeof(float));
-        x->cap = need;
+    lm_attn_layer_config dims;
+    memset(&dims, 0, sizeof dims);
+    dims.Hq = (int)Hq;
+    dims.Hkv = (int)(Ckv / (Cq / Hq));
+    dims.Dh = (int)(Cq / Hq);
+    LM_CHECK((int64_t)dims.Hkv * dims.Dh == Ckv);
+    float *pa, *ps;
+    if (x->bound_acts && x->bound_scratch && N <= x->bound_N) {
+        pa = x->bound_acts;
+        ps = x->bound_scratch;
+    } else {
+        const int64_t na = lm_attn_layer_act_floats(&dims, N);
+        const int64_t need = na + lm_attn_layer_scratch_floats(&dims, N);
+        if (need > x->cap) {
+            free(x->buf);
+            x->buf = LM_MALLOC((size_t)need * sizeof(float));
+            x->cap = need;
+        }
+        pa = x->buf;
+        ps = x->buf + na;
     }
-    float *p = x->buf;
+    float *p = pa;
 #define TAKE(f, n)                                                                                 \
     do {                                                                                           \
         x->f = p;                                                                                  \
-        p += (((n) + 15) / 16) * 16; /* 64 B align */                                              \
+        p += PAD16(n); /* 64 B align */                                                            \
     } while (0)
     TAKE(q, N * Cq);
     TAKE(k, N * Ckv);
     TAKE(v, N * Ckv);
     TAKE(o, N * Cq);
     TAKE(lse, N * Hq);
+    LM_CHECK(p == pa + lm_attn_layer_act_floats(&dims, N));
+    p = ps;
     TAKE(d_o, N * Cq);
     TAKE(dq, N * Cq);
     TAKE(dk, N * Ckv);
     TAKE(dv, N * Ckv);
+    LM_CHECK(p == ps + lm_attn_layer_scratch_floats(&dims, N));
 #undef TAKE
-    LM_CHECK(p <= x->buf + x->cap);
 }
 
 static void attn_cfg(const lm_attn_layer_config *c, const lm_attn_layer_batch *b,
@@ -204,6 +244,14 @@ lm_status lm_attn_layer_backward(const lm_attn_layer_config *c, const lm_attn_la
                                  const lm_attn_layer_weights *w, const float *x, const float *dout,
                                  float *dx, const lm_attn_layer_grads *g, lm_attn_layer_ctx *ctx,
                                  lm_error *err) {
+    return lm_attn_layer_backward_acc(c, b, w, x, dout, dx, g, 0, ctx, err);
+}
+
+lm_status lm_attn_layer_backward_acc(const lm_attn_layer_config *c, const lm_attn_layer_batch *b,
+                                     const lm_attn_layer_weights *w, const float *x,
+                                     const float *dout, float *dx, const lm_attn_layer_grads *g,
+                                     int accumulate, lm_attn_layer_ctx *ctx, lm_error *err) {
+    const int acc = accumulate ? 1 : 0; /* weight gradients: GEMM beta = acc */
     LM_TRY(validate(c, b, w, x, "backward", err));
     if (!ctx || !g)
         return lm_errorf(err, LM_ERR_INVALID,
@@ -231,7 +279,7 @@ lm_status lm_attn_layer_backward(const lm_attn_layer_config *c, const lm_attn_la
 
     /* out = o Wo^T */
     lm_model_mm(0, 0, N, Cq, d, dout, d, w->o_proj, Cq, 0, ctx->d_o, Cq);
-    lm_model_mm(1, 0, d, Cq, N, dout, d, ctx->o, Cq, 0, g->o_proj, Cq);
+    lm_model_mm(1, 0, d, Cq, N, dout, d, ctx->o, Cq, acc, g->o_proj, Cq);
 
     /* the attention op */
     lm_attention_config ac;
@@ -241,9 +289,9 @@ lm_status lm_attn_layer_backward(const lm_attn_layer_config *c, const lm_attn_la
     LM_TRY(lm_attention_backward(&ac, &in, ctx->o, ctx->lse, &ag, err));
 
     /* q, k, v projections */
-    lm_model_mm(1, 0, Cq, d, N, ctx->dq, Cq, x, d, 0, g->q_proj, d);
-    lm_model_mm(1, 0, Ckv, d, N, ctx->dk, Ckv, x, d, 0, g->k_proj, d);
-    lm_model_mm(1, 0, Ckv, d, N, ctx->dv, Ckv, x, d, 0, g->v_proj, d);
+    lm_model_mm(1, 0, Cq, d, N, ctx->dq, Cq, x, d, acc, g->q_proj, d);
+    lm_model_mm(1, 0, Ckv, d, N, ctx->dk, Ckv, x, d, acc, g->k_proj, d);
+    lm_model_mm(1, 0, Ckv, d, N, ctx->dv, Ckv, x, d, acc, g->v_proj, d);
     if (dx) {
         lm_model_mm(0, 0, N, d, Cq, ctx->dq, Cq, w->q_proj, d, 0, dx, d);
         lm_model_mm(0, 0, N, d, Ckv, ctx->dk, Ckv, w->k_proj, d, 1, dx, d);

@@ -13,6 +13,12 @@ struct lm_kda_layer_ctx {
     float *buf;
     int64_t cap; /* floats in buf */
     lm_kda_workspace *ws;
+    int own_ws; /* ws is this context's (else the model's, lm_kda_layer_ctx_bind) */
+    /* caller-owned buffers for up to bound_N tokens (the model's memory plan), or NULL */
+    float *bound_acts, *bound_scratch, *stage;
+    int64_t bound_N;
+    float *h0_buf; /* inference state copy, own, grow-only */
+    int64_t h0_cap;
     /* the last forward */
     int have_fwd;
     int B, T, d, H, Dh, W;
@@ -40,14 +46,52 @@ void lm_kda_layer_config_default(lm_kda_layer_config *c, int d, int H, int Dh) {
 lm_kda_layer_ctx *lm_kda_layer_ctx_new(void) {
     lm_kda_layer_ctx *x = LM_CALLOC(1, sizeof(*x));
     x->ws = lm_kda_workspace_new();
+    x->own_ws = 1;
     return x;
 }
 
 void lm_kda_layer_ctx_free(lm_kda_layer_ctx *ctx) {
     if (!ctx) return;
-    lm_kda_workspace_free(ctx->ws);
+    if (ctx->own_ws)
+        lm_kda_workspace_free(ctx->ws);
     free(ctx->buf);
+    free(ctx->h0_buf);
     free(ctx);
+}
+
+/* 64-byte aligned slices: every buffer is rounded up to 16 floats */
+#define PAD16(n) ((((n) + 15) / 16) * 16)
+
+int64_t lm_kda_layer_act_floats(const lm_kda_layer_config *c, int64_t N) {
+    const int64_t C = (int64_t)c->H * c->Dh;
+    return 10 * PAD16(N * C) + 2 * PAD16(N * c->Dh) + 2 * PAD16(N * c->H);
+}
+
+int64_t lm_kda_layer_scratch_floats(const lm_kda_layer_config *c, int64_t N) {
+    const int64_t C = (int64_t)c->H * c->Dh;
+    return 7 * PAD16(N * C) + PAD16(N * c->H) + PAD16(N * c->Dh);
+}
+
+int64_t lm_kda_layer_stage_floats(const lm_kda_layer_config *c) {
+    /* the largest weight gradient an overwriting op writes: a conv kernel [C, W],
+     * dt_bias [C] + A_log [H], o_norm [Dh] */
+    const int64_t C = (int64_t)c->H * c->Dh, a = C * c->W, b = C + c->H;
+    const int64_t m = a > b ? a : b;
+    return m > c->Dh ? m : c->Dh;
+}
+
+void lm_kda_layer_ctx_bind(lm_kda_layer_ctx *ctx, int64_t N, float *acts, float *scratch,
+                           float *stage, lm_kda_workspace *ws) {
+    ctx->bound_N = N;
+    ctx->bound_acts = acts;
+    ctx->bound_scratch = scratch;
+    ctx->stage = stage;
+    if (ws) {
+        if (ctx->own_ws)
+            lm_kda_workspace_free(ctx->ws);
+        ctx->ws = ws;
+        ctx->own_ws = 0;
+    }
 }
 
 /* Config and token-count checks shared by forward, backward and infer. */
@@ -124,21 +168,43 @@ static lm_status validate(const lm_kda_layer_config *c, const lm_kda_layer_batch
     return LM_OK;
 }
 
-/* Size the context for N tokens (and n_h0 floats of state copy, inference only) and
- * carve the buffers (allocates only on growth). */
+/* Carve the saved activations and the backward scratch for N tokens from the
+ * caller's buffers (lm_kda_layer_ctx_bind, N within the bound) or the context's own
+ * grow-only buffer, and n_h0 floats of state copy (inference only) from its own
+ * grow-only buffer. Allocates only on growth of an own buffer. */
 static void ctx_carve(lm_kda_layer_ctx *x, int64_t N, int64_t C, int64_t Dh, int64_t H,
                       int64_t n_h0) {
-    const int64_t need = 17 * N * C + 3 * N * Dh + 3 * N * H + n_h0 + 16 * 32;
-    if (need > x->cap) {
-        free(x->buf);
-        x->buf = LM_MALLOC((size_t)need * sizeof(float));
-        x->cap = need;
+    lm_kda_layer_config dims;
+    memset(&dims, 0, sizeof dims);
+    dims.H = (int)H;
+    dims.Dh = (int)Dh;
+    LM_CHECK(C == H * Dh);
+    float *pa, *ps;
+    if (x->bound_acts && x->bound_scratch && N <= x->bound_N) {
+        pa = x->bound_acts;
+        ps = x->bound_scratch;
+    } else {
+        const int64_t na = lm_kda_layer_act_floats(&dims, N);
+        const int64_t need = na + lm_kda_layer_scratch_floats(&dims, N);
+        if (need > x->cap) {
+            free(x->buf);
+            x->buf = LM_MALLOC((size_t)need * sizeof(float));
+            x->cap = need;
+        }
+        pa = x->buf;
+        ps = x->buf + na;
     }
-    float *p = x->buf;
-#define TAKE(f, n)                                  \
-    do {                                            \
-        x->f = p;                                   \
-        p += (((n) + 15) / 16) * 16; /* 64 B align */ \
+    if (n_h0 > x->h0_cap) {
+        free(x->h0_buf);
+        x->h0_buf = LM_MALLOC((size_t)n_h0 * sizeof(float));
+        x->h0_cap = n_h0;
+    }
+    x->h0 = x->h0_buf;
+    float *p = pa;
+#define TAKE(f, n)                                                                                 \
+    do {                                                                                           \
+        x->f = p;                                                                                  \
+        p += PAD16(n); /* 64 B align */                                                            \
     } while (0)
     TAKE(pq, N * C);
     TAKE(pk, N * C);
@@ -154,6 +220,8 @@ static void ctx_carve(lm_kda_layer_ctx *x, int64_t N, int64_t C, int64_t Dh, int
     TAKE(gate, N * C);
     TAKE(rstd, N * H);
     TAKE(y, N * C);
+    LM_CHECK(p == pa + lm_kda_layer_act_floats(&dims, N));
+    p = ps;
     TAKE(dy, N * C);
     TAKE(d_o, N * C);
     TAKE(dgate, N * C);
@@ -163,9 +231,8 @@ static void ctx_carve(lm_kda_layer_ctx *x, int64_t N, int64_t C, int64_t Dh, int
     TAKE(dg, N * C);
     TAKE(dbeta, N * H);
     TAKE(dlow, N * Dh);
-    TAKE(h0, n_h0);
+    LM_CHECK(p == ps + lm_kda_layer_scratch_floats(&dims, N));
 #undef TAKE
-    LM_CHECK(p <= x->buf + x->cap);
 }
 
 static void kda_cfg(const lm_kda_layer_config *c, const lm_kda_layer_batch *b,
@@ -244,10 +311,23 @@ lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
     return LM_OK;
 }
 
+/* dst[i] += src[i] (a staged weight gradient of an op that overwrites, model.c) */
+static void add_small(float *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        dst[i] += src[i];
+}
+
 lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer_batch *b,
                                 const lm_kda_layer_weights *w, const float *x, const float *dout,
                                 float *dx, const lm_kda_layer_grads *g, lm_kda_layer_ctx *ctx,
                                 lm_error *err) {
+    return lm_kda_layer_backward_acc(c, b, w, x, dout, dx, g, 0, ctx, err);
+}
+
+lm_status lm_kda_layer_backward_acc(const lm_kda_layer_config *c, const lm_kda_layer_batch *b,
+                                    const lm_kda_layer_weights *w, const float *x,
+                                    const float *dout, float *dx, const lm_kda_layer_grads *g,
+                                    int accumulate, lm_kda_layer_ctx *ctx, lm_error *err) {
     LM_TRY(validate(c, b, w, x, "backward", err));
     if (!ctx || !g)
         return lm_errorf(err, LM_ERR_INVALID, "kda_layer backward: 'ctx' and 'grads' are required");
@@ -274,18 +354,38 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
         if (!req[i].p)
             return lm_errorf(err, LM_ERR_INVALID, "kda_layer backward: '%s' is required",
                              req[i].name);
+    /* accumulate: GEMM weight gradients add in place (beta = 1); the ops that
+     * overwrite their weight gradient (gated norm, KDA gate parameters, short conv)
+     * write into the stage, which is then added */
+    const int acc = accumulate ? 1 : 0;
+    float *stage = NULL;
+    if (acc) {
+        stage = ctx->stage;
+        if (!stage) {
+            const int64_t ns = lm_kda_layer_stage_floats(c);
+            if (ns > ctx->h0_cap) {
+                free(ctx->h0_buf);
+                ctx->h0_buf = LM_MALLOC((size_t)ns * sizeof(float));
+                ctx->h0_cap = ns;
+            }
+            stage = ctx->h0_buf;
+        }
+    }
 
     /* out = y Wo^T */
     lm_model_mm(0, 0, N, C, d, dout, d, w->o_proj, C, 0, ctx->dy, C);
-    lm_model_mm(1, 0, d, C, N, dout, d, ctx->y, C, 0, g->o_proj, C);
+    lm_model_mm(1, 0, d, C, N, dout, d, ctx->y, C, acc, g->o_proj, C);
 
     /* gated RMSNorm -> d_o, dgate, do_norm */
     LM_TRY(lm_gated_rmsnorm_backward(N, H, Dh, LM_GATED_RMSNORM_EPS, ctx->o, ctx->gate, w->o_norm,
-                                     ctx->rstd, ctx->dy, ctx->d_o, ctx->dgate, g->o_norm, err));
+                                     ctx->rstd, ctx->dy, ctx->d_o, ctx->dgate,
+                                     acc ? stage : g->o_norm, err));
+    if (acc)
+        add_small(g->o_norm, stage, Dh);
     /* gate = (x Wga^T) Wgb^T */
-    lm_model_mm(1, 0, C, Dh, N, ctx->dgate, C, ctx->ga, Dh, 0, g->g_b_proj, Dh);
+    lm_model_mm(1, 0, C, Dh, N, ctx->dgate, C, ctx->ga, Dh, acc, g->g_b_proj, Dh);
     lm_model_mm(0, 0, N, Dh, C, ctx->dgate, C, w->g_b_proj, Dh, 0, ctx->dlow, Dh);
-    lm_model_mm(1, 0, Dh, d, N, ctx->dlow, Dh, x, d, 0, g->g_a_proj, d);
+    lm_model_mm(1, 0, Dh, d, N, ctx->dlow, Dh, x, d, acc, g->g_a_proj, d);
     if (dx) lm_model_mm(0, 0, N, d, Dh, ctx->dlow, Dh, w->g_a_proj, d, 0, dx, d);
 
     /* the KDA op */
@@ -300,18 +400,22 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     kg.dv = ctx->dv;
     kg.dg = ctx->dg;
     kg.dbeta = ctx->dbeta;
-    kg.dA_log = g->A_log;
-    kg.ddt_bias = g->dt_bias;
+    kg.dA_log = acc ? stage : g->A_log;
+    kg.ddt_bias = acc ? stage + H : g->dt_bias;
     LM_TRY(lm_kda_chunk_backward(&kc, &in, &kg, err));
+    if (acc) {
+        add_small(g->A_log, stage, H);
+        add_small(g->dt_bias, stage + H, C);
+    }
 
     /* beta_raw = x Wb^T */
-    lm_model_mm(1, 0, H, d, N, ctx->dbeta, H, x, d, 0, g->b_proj, d);
+    lm_model_mm(1, 0, H, d, N, ctx->dbeta, H, x, d, acc, g->b_proj, d);
     if (dx) lm_model_mm(0, 0, N, d, H, ctx->dbeta, H, w->b_proj, d, 1, dx, d);
 
     /* g_raw = (x Wfa^T) Wfb^T */
-    lm_model_mm(1, 0, C, Dh, N, ctx->dg, C, ctx->fa, Dh, 0, g->f_b_proj, Dh);
+    lm_model_mm(1, 0, C, Dh, N, ctx->dg, C, ctx->fa, Dh, acc, g->f_b_proj, Dh);
     lm_model_mm(0, 0, N, Dh, C, ctx->dg, C, w->f_b_proj, Dh, 0, ctx->dlow, Dh);
-    lm_model_mm(1, 0, Dh, d, N, ctx->dlow, Dh, x, d, 0, g->f_a_proj, d);
+    lm_model_mm(1, 0, Dh, d, N, ctx->dlow, Dh, x, d, acc, g->f_a_proj, d);
     if (dx) lm_model_mm(0, 0, N, d, Dh, ctx->dlow, Dh, w->f_a_proj, d, 1, dx, d);
 
     /* q, k, v: short conv + SiLU, projections (dy is free now: the conv input grad) */
@@ -324,9 +428,11 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     float *gcw[3] = {g->q_conv1d, g->k_conv1d, g->v_conv1d};
     float *gpw[3] = {g->q_proj, g->k_proj, g->v_proj};
     for (int i = 0; i < 3; i++) {
-        LM_TRY(lm_short_conv_backward(&sc, pin[i], cw[i], NULL, dconv_out[i], ctx->dy, gcw[i], NULL,
-                                      err));
-        lm_model_mm(1, 0, C, d, N, ctx->dy, C, x, d, 0, gpw[i], d);
+        LM_TRY(lm_short_conv_backward(&sc, pin[i], cw[i], NULL, dconv_out[i], ctx->dy,
+                                      acc ? stage : gcw[i], NULL, err));
+        if (acc)
+            add_small(gcw[i], stage, (int64_t)C * c->W);
+        lm_model_mm(1, 0, C, d, N, ctx->dy, C, x, d, acc, gpw[i], d);
         if (dx) lm_model_mm(0, 0, N, d, C, ctx->dy, C, pw[i], d, 1, dx, d);
     }
     return LM_OK;

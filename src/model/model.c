@@ -16,6 +16,7 @@
 #include "linmoe/model.h"
 #include "linmoe/moe.h"
 #include "model/model_internal.h"
+#include "ops/cpu/kda_cpu.h"
 
 typedef struct {
     lm_layer_kind kind;
@@ -33,7 +34,8 @@ typedef struct {
     int I;               /* dense width */
     lm_swiglu_weights sw; /* dense */
     lm_swiglu_grads sg;
-    float *hidden; /* dense: [max_tokens, 2I] saved */
+    float *hidden;               /* dense: [max_tokens, 2I] saved (activation class) */
+    float *kda_acts, *attn_acts; /* the mixer's saved activations (activation class) */
     lm_moe_config mc;
     lm_moe_weights mw;
     lm_moe_grads mg;
@@ -52,8 +54,12 @@ struct lm_model {
     const lm_model_config *c;
     int L, nsub, S, nblocks, d, V;
     int64_t max_tokens;
-    float *grads; /* [numel], the public gradient buffer */
-    float *gtmp;  /* [numel], one backward's gradients before (accumulating) copy */
+    /* The memory plan (model.h): one allocation per class, every buffer below a view
+     * of one of them. */
+    lm_mem_plan plan;
+    float *grads;     /* [numel], the gradient class (params layout) */
+    lm_arena acts;    /* saved activations (core.h arena: one 64-byte aligned block) */
+    lm_arena scratch; /* scratch */
     layer_rt *ly;
     /* activations, each [max_tokens, d] */
     float *e;        /* embedding rows */
@@ -62,10 +68,18 @@ struct lm_model {
     float **rstd;    /* [nsub] [max_tokens] */
     float **run;     /* [nsub] running block sums after sublayer l (AttnRes) */
     float *hfin, *xfin, *rstd_fin, *lse;
-    float *tmp, *tmp2; /* scratch [max_tokens, d] */
+    float *tmp; /* scratch [max_tokens, d] */
     /* backward accumulators */
     float *dE, **dB, *G, *dh, *dxn;
     float *swiglu_ws;
+    float *ce_ws; /* the cross-entropy's scratch (thread-count dependent) */
+    int64_t ce_ws_floats;
+    /* gradient stage: what an op that overwrites its weight gradients writes when a
+     * backward accumulates (then added in), [stage_floats] */
+    float *stage;
+    int64_t stage_floats;
+    int acc;                  /* the backward in progress accumulates */
+    lm_kda_workspace *kda_ws; /* the KDA op's scratch, shared by the KDA layers */
     lm_attnres_workspace *arws;
     const float *W_emb, *W_head, *norm_fin;
     const float *arq_fin, *arn_fin;
@@ -87,7 +101,30 @@ static float *P(lm_params *p, const char *fmt, int i) {
 
 static float *G_of(lm_model *m, const float *param) {
     if (!param) return NULL;
-    return m->gtmp + (param - m->p->data);
+    return m->grads + (param - m->p->data);
+}
+
+static void add_into(float *y, const float *x, int64_t n);
+
+/* Elements of the parameter tensor that starts at `param`. */
+static int64_t param_numel_of(const lm_model *m, const float *param) {
+    const int64_t off = param - m->p->data;
+    for (int t = 0; t < m->p->n; t++)
+        if (m->p->t[t].offset == off)
+            return m->p->t[t].numel;
+    return 0;
+}
+
+/* Where an op that overwrites its weight gradient writes it: the gradient itself, or
+ * (accumulating backward) the stage at float offset `off`, added by stage_add. */
+static float *G_dst(lm_model *m, const float *param, int64_t off) {
+    if (!param)
+        return NULL;
+    return m->acc ? m->stage + off : G_of(m, param);
+}
+static void stage_add(lm_model *m, const float *param, int64_t off, int64_t n) {
+    if (m->acc && param)
+        add_into(G_of(m, param), m->stage + off, n);
 }
 
 lm_params *lm_model_params(lm_model *m) { return m->p; }
@@ -123,8 +160,6 @@ const float *lm_model_block_partial(const lm_model *m, int l) {
 }
 const float *lm_model_embedding_out(const lm_model *m) { return m ? m->e : NULL; }
 
-static float *act(int64_t n) { return LM_MALLOC((size_t)n * sizeof(float)); }
-
 void lm_model_free(lm_model *m) {
     if (!m) return;
     for (int i = 0; m->ly && i < m->L; i++) {
@@ -132,44 +167,270 @@ void lm_model_free(lm_model *m) {
         lm_kda_layer_ctx_free(l->kctx);
         lm_attn_layer_ctx_free(l->actx);
         lm_moe_ctx_free(l->mctx);
-        free(l->hidden);
         if (l->moe) {
             l->rs.e_score_correction_bias = l->rs_own_bias;
             lm_router_state_free(&l->rs);
         }
     }
     free(m->ly);
-    for (int l = 0; m->h && l < m->nsub; l++) {
-        free(m->h[l]);
-        free(m->xn[l]);
-        free(m->rstd[l]);
-        if (m->run) free(m->run[l]);
-    }
     free(m->h);
     free(m->xn);
     free(m->rstd);
     free(m->run);
-    for (int j = 0; m->dB && j < m->nblocks; j++) free(m->dB[j]);
     free(m->dB);
-    free(m->e);
-    free(m->hfin);
-    free(m->xfin);
-    free(m->rstd_fin);
-    free(m->lse);
-    free(m->tmp);
-    free(m->tmp2);
-    free(m->dE);
-    free(m->G);
-    free(m->dh);
-    free(m->dxn);
-    free(m->swiglu_ws);
+    lm_kda_workspace_free(m->kda_ws); /* before the scratch its slots point into */
     lm_attnres_workspace_free(m->arws);
     free(m->grads);
-    free(m->gtmp);
-    free(m->cu);
-    free(m->ids);
-    free(m->labels);
+    lm_arena_free(&m->acts);
+    lm_arena_free(&m->scratch);
     free(m);
+}
+
+/* ---------------------------------------------------------------- memory plan */
+
+/* Layer i's mixer configs (KDA or attention) from the model config. */
+static void layer_cfgs(const lm_model_config *c, int i, lm_kda_layer_config *kc,
+                       lm_attn_layer_config *ac) {
+    lm_kda_layer_config_default(kc, c->hidden_size, c->kda_num_heads, c->kda_head_dim);
+    kc->W = c->short_conv_kernel_size;
+    kc->gate = c->gate[i];
+    kc->lower_bound = c->lower_bound;
+    kc->chunk_size = c->chunk_size;
+    lm_attn_layer_config_default(ac, c->hidden_size, c->num_attention_heads, c->num_key_value_heads,
+                                 c->head_dim);
+    ac->position = c->position[i];
+    ac->rope_theta = c->rope_theta;
+}
+
+/* A bump allocator over one class: `base` NULL measures only. Slices are 64-byte
+ * aligned (cache lines, AVX-512 loads). */
+typedef struct {
+    char *base;
+    int64_t off;
+} bump;
+
+static void *take(bump *b, int64_t bytes) {
+    const int64_t o = (b->off + 63) / 64 * 64;
+    b->off = o + (bytes > 0 ? bytes : 0);
+    return b->base ? b->base + o : NULL;
+}
+#define TAKE_F(b, n) ((float *)take((b), (int64_t)(n) * (int64_t)sizeof(float)))
+
+/* Every buffer of the model for batches of B x T tokens (N = B*T; documents of up to
+ * T tokens) on `threads` OpenMP threads, in two classes: `ac` the activations the
+ * forward saves for the backward, `sc` the scratch (the backward's accumulators, the
+ * layers' backward scratch, which the layers share since one runs at a time, the op
+ * workspaces, the gradient stage). With m == NULL (or bases NULL) it measures; with m
+ * and bases set it hands every view to the model and its layers. The same walk does
+ * both, so the size table and the layout cannot disagree. */
+static void layout(const lm_model_config *c, int64_t B, int64_t T, int threads, lm_model *m,
+                   bump *ac, bump *sc, int64_t *kda_ws_bytes_out) {
+    const int L = c->num_hidden_layers, nsub = 2 * L, d = c->hidden_size, V = c->vocab_size;
+    const int64_t N = B * T, Nd = N * d;
+    const int S = c->residual == LM_RES_FULL_ATTNRES    ? 1
+                  : c->residual == LM_RES_BLOCK_ATTNRES ? c->attnres_block_size
+                                                        : nsub;
+    const int nblocks = (nsub + S - 1) / S, attnres = c->residual != LM_RES_STANDARD;
+    const int carve = m && ac->base && sc->base;
+    /* ---- saved activations */
+    float *e = TAKE_F(ac, Nd);
+    if (carve)
+        m->e = e;
+    for (int l = 0; l < nsub; l++) {
+        float *h = TAKE_F(ac, Nd), *xn = TAKE_F(ac, Nd), *rs = TAKE_F(ac, N);
+        float *run = attnres ? TAKE_F(ac, Nd) : NULL;
+        if (carve) {
+            m->h[l] = h;
+            m->xn[l] = xn;
+            m->rstd[l] = rs;
+            if (attnres)
+                m->run[l] = run;
+        }
+    }
+    float *hfin = TAKE_F(ac, Nd), *xfin = TAKE_F(ac, Nd), *rstd_fin = TAKE_F(ac, N);
+    float *lse = TAKE_F(ac, N);
+    int32_t *ids = take(ac, N * (int64_t)sizeof(int32_t));
+    int32_t *labels = take(ac, N * (int64_t)sizeof(int32_t));
+    int64_t *cu = take(ac, (N + 2) * (int64_t)sizeof(int64_t));
+    if (carve) {
+        m->hfin = hfin;
+        m->xfin = xfin;
+        m->rstd_fin = rstd_fin;
+        m->lse = lse;
+        m->ids = ids;
+        m->labels = labels;
+        m->cu = cu;
+    }
+    /* ---- scratch: the model's backward accumulators */
+    float *tmp = TAKE_F(sc, Nd), *dE = TAKE_F(sc, Nd), *G = TAKE_F(sc, Nd);
+    float *dh = TAKE_F(sc, Nd), *dxn = TAKE_F(sc, Nd);
+    if (carve) {
+        m->tmp = tmp;
+        m->dE = dE;
+        m->G = G;
+        m->dh = dh;
+        m->dxn = dxn;
+    }
+    for (int j = 0; attnres && j < nblocks; j++) {
+        float *db = TAKE_F(sc, Nd);
+        if (carve)
+            m->dB[j] = db;
+    }
+    /* the cross-entropy's scratch (at the current thread count) */
+    lm_ce_config cc;
+    lm_ce_config_default(&cc, N, d, V);
+    const int64_t ce = lm_cross_entropy_ws_floats(&cc);
+    float *ce_ws = TAKE_F(sc, ce);
+    if (carve) {
+        m->ce_ws = ce_ws;
+        m->ce_ws_floats = ce;
+    }
+    /* layers: saved activations per layer; backward scratch, SwiGLU scratch and the
+     * gradient stage shared (the max over layers) */
+    int64_t lscr = 0, swi = 0;
+    int64_t stage = (int64_t)V * d; /* the LM head (cross-entropy dW) */
+    if (stage < d)
+        stage = d; /* RMSNorm weights */
+    int have_kda = 0;
+    lm_kda_layer_config kc0;
+    memset(&kc0, 0, sizeof kc0);
+    for (int i = 0; i < L; i++) {
+        lm_kda_layer_config kc;
+        lm_attn_layer_config acf;
+        layer_cfgs(c, i, &kc, &acf);
+        if (c->kinds[i] == LM_LAYER_KDA) {
+            float *a = TAKE_F(ac, lm_kda_layer_act_floats(&kc, N));
+            if (carve)
+                m->ly[i].kda_acts = a;
+            const int64_t ls = lm_kda_layer_scratch_floats(&kc, N);
+            lscr = ls > lscr ? ls : lscr;
+            const int64_t st = lm_kda_layer_stage_floats(&kc);
+            stage = st > stage ? st : stage;
+            if (!have_kda)
+                kc0 = kc;
+            have_kda = 1;
+        } else {
+            float *a = TAKE_F(ac, lm_attn_layer_act_floats(&acf, N));
+            if (carve)
+                m->ly[i].attn_acts = a;
+            const int64_t ls = lm_attn_layer_scratch_floats(&acf, N);
+            lscr = ls > lscr ? ls : lscr;
+        }
+        if (!lm_model_layer_is_moe(c, i)) {
+            const int I = c->intermediate_size;
+            float *hid = TAKE_F(ac, N * 2 * I);
+            if (carve)
+                m->ly[i].hidden = hid;
+            const int64_t ws = lm_swiglu_ws_floats(N, I, 1);
+            swi = ws > swi ? ws : swi;
+            const int64_t st = 3 * (int64_t)I * d;
+            stage = st > stage ? st : stage;
+        } else {
+            const int64_t E = c->moe.router.num_experts, f = c->moe.moe_intermediate_size,
+                          fs = (int64_t)c->moe.n_shared_experts * f;
+            const int64_t st = E * d + 3 * E * f * d + 3 * fs * d; /* lm_moe_backward's */
+            stage = st > stage ? st : stage;
+        }
+    }
+    float *lsp = TAKE_F(sc, lscr);
+    float *swp = swi > 0 ? TAKE_F(sc, swi) : NULL;
+    float *stp = TAKE_F(sc, stage);
+    if (carve) {
+        m->swiglu_ws = swp;
+        m->stage = stp;
+        m->stage_floats = stage;
+    }
+    /* the KDA op's workspace, shared by the KDA layers (the op recomputes what it
+     * needs in the backward: everything in it is scratch) */
+    int64_t kda_ws = 0;
+    if (have_kda) {
+        lm_kda_config kcfg;
+        lm_kda_config_default(&kcfg, (int)B, (int)T, kc0.H, kc0.H, kc0.Dh, kc0.Dh);
+        kcfg.chunk_size = kc0.chunk_size;
+        size_t *bytes = LM_MALLOC(sizeof(size_t) * LM_KDA_WS_SLOTS);
+        lm_kda_ws_plan(&kcfg, threads, bytes);
+        const int64_t off0 = sc->off;
+        for (int s = 0; s < LM_KDA_WS_SLOTS; s++) {
+            if (!bytes[s])
+                continue;
+            void *q = take(sc, (int64_t)bytes[s]);
+            if (carve)
+                lm_kda_ws_bind(m->kda_ws, s, q, bytes[s]);
+        }
+        kda_ws = sc->off - off0;
+        free(bytes);
+    }
+    if (kda_ws_bytes_out)
+        *kda_ws_bytes_out = kda_ws;
+    if (carve)
+        for (int i = 0; i < L; i++) {
+            if (c->kinds[i] == LM_LAYER_KDA)
+                lm_kda_layer_ctx_bind(m->ly[i].kctx, N, m->ly[i].kda_acts, lsp, m->stage,
+                                      m->kda_ws);
+            else
+                lm_attn_layer_ctx_bind(m->ly[i].actx, N, m->ly[i].attn_acts, lsp);
+        }
+}
+
+/* Parameter count of the config without allocating them (params.c). */
+static int64_t param_numel(const lm_model_config *c, lm_error *err, lm_status *st) {
+    int64_t numel = 0;
+    *st = lm_params_layout_numel(c, &numel, err);
+    return numel;
+}
+
+const char *lm_mem_class_name(lm_mem_class k) {
+    static const char *const names[LM_MEM_N_CLASSES] = {
+        "parameters", "gradients", "optimizer state", "activations", "scratch"};
+    return k >= 0 && k < LM_MEM_N_CLASSES ? names[k] : "?";
+}
+
+lm_status lm_model_mem_plan(const lm_model_config *cfg, int B, int T, lm_mem_plan *out,
+                            lm_error *err) {
+    if (!cfg || !out)
+        return lm_errorf(err, LM_ERR_INVALID, "mem plan: NULL config or output");
+    memset(out, 0, sizeof *out);
+    LM_TRY(lm_model_config_validate(cfg, err));
+    if (B < 1 || T < 1 || (int64_t)B * T > ((int64_t)1 << 30))
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "mem plan: B = %d, T = %d (want >= 1 and B*T <= 2^30 tokens)", B, T);
+    lm_status st;
+    const int64_t numel = param_numel(cfg, err, &st);
+    if (st != LM_OK)
+        return st;
+    bump ac = {NULL, 0}, sc = {NULL, 0};
+    int64_t kda_ws = 0;
+    const int threads = lm_get_num_threads();
+    layout(cfg, B, T, threads, NULL, &ac, &sc, &kda_ws);
+    out->B = B;
+    out->T = T;
+    out->threads = threads;
+    out->numel = numel;
+    out->bytes[LM_MEM_PARAMS] = numel * (int64_t)sizeof(float);
+    out->bytes[LM_MEM_GRADS] = numel * (int64_t)sizeof(float);
+    out->bytes[LM_MEM_OPTIM] = 2 * numel * (int64_t)sizeof(float);
+    out->bytes[LM_MEM_ACTS] = ac.off;
+    out->bytes[LM_MEM_SCRATCH] = sc.off;
+    out->kda_workspace_bytes = kda_ws;
+    for (int k = 0; k < LM_MEM_N_CLASSES; k++)
+        out->total += out->bytes[k];
+    return LM_OK;
+}
+
+const lm_mem_plan *lm_model_plan(const lm_model *m) { return m ? &m->plan : NULL; }
+
+int lm_mem_plan_format(const lm_mem_plan *p, char *buf, size_t size) {
+    if (!p || !buf || size == 0)
+        return 0;
+    int n =
+        snprintf(buf, size, "memory plan (B = %d, T = %d, %d threads):", p->B, p->T, p->threads);
+    for (int k = 0; k < LM_MEM_N_CLASSES && n >= 0 && (size_t)n < size; k++)
+        n += snprintf(buf + n, size - (size_t)n, " %s %.2f MiB%s", lm_mem_class_name(k),
+                      (double)p->bytes[k] / (1024.0 * 1024.0), k + 1 < LM_MEM_N_CLASSES ? "," : "");
+    if (n >= 0 && (size_t)n < size)
+        n += snprintf(buf + n, size - (size_t)n, "; total %.2f MiB",
+                      (double)p->total / (1024.0 * 1024.0));
+    return n;
 }
 
 lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_error *err) {
@@ -192,25 +453,18 @@ lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_erro
            : c->residual == LM_RES_BLOCK_ATTNRES ? c->attnres_block_size
                                                   : m->nsub;
     m->nblocks = (m->nsub + m->S - 1) / m->S;
-    const int64_t Nd = max_tokens * m->d;
-    m->grads = LM_CALLOC((size_t)p->numel, sizeof(float));
-    m->gtmp = LM_CALLOC((size_t)p->numel, sizeof(float));
     m->ly = LM_CALLOC((size_t)m->L, sizeof(layer_rt));
     lm_status st = LM_OK;
-    int64_t swiglu_ws = 0;
+    int have_kda = 0;
     for (int i = 0; i < m->L && st == LM_OK; i++) {
         layer_rt *l = &m->ly[i];
         l->kind = c->kinds[i];
         l->moe = lm_model_layer_is_moe(c, i);
+        layer_cfgs(c, i, &l->kc, &l->ac);
         const char *pre = "model.layers.%d.";
         char f[160];
 #define PP(suffix) (snprintf(f, sizeof f, "%s%s", pre, suffix), P(p, f, i))
         if (l->kind == LM_LAYER_KDA) {
-            lm_kda_layer_config_default(&l->kc, m->d, c->kda_num_heads, c->kda_head_dim);
-            l->kc.W = c->short_conv_kernel_size;
-            l->kc.gate = c->gate[i];
-            l->kc.lower_bound = c->lower_bound;
-            l->kc.chunk_size = c->chunk_size;
             l->kw.q_proj = PP("self_attn.q_proj.weight");
             l->kw.k_proj = PP("self_attn.k_proj.weight");
             l->kw.v_proj = PP("self_attn.v_proj.weight");
@@ -227,11 +481,8 @@ lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_erro
             l->kw.o_norm = PP("self_attn.o_norm.weight");
             l->kw.o_proj = PP("self_attn.o_proj.weight");
             l->kctx = lm_kda_layer_ctx_new();
+            have_kda = 1;
         } else {
-            lm_attn_layer_config_default(&l->ac, m->d, c->num_attention_heads,
-                                         c->num_key_value_heads, c->head_dim);
-            l->ac.position = c->position[i];
-            l->ac.rope_theta = c->rope_theta;
             l->aw.q_proj = PP("self_attn.q_proj.weight");
             l->aw.k_proj = PP("self_attn.k_proj.weight");
             l->aw.v_proj = PP("self_attn.v_proj.weight");
@@ -251,9 +502,6 @@ lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_erro
             l->sw.gate_proj = PP("mlp.gate_proj.weight");
             l->sw.up_proj = PP("mlp.up_proj.weight");
             l->sw.down_proj = PP("mlp.down_proj.weight");
-            l->hidden = act(max_tokens * 2 * l->I);
-            int64_t ws = lm_swiglu_ws_floats(max_tokens, l->I, 1);
-            if (ws > swiglu_ws) swiglu_ws = ws;
         } else {
             l->mc = c->moe;
             l->mc.hidden_size = m->d;
@@ -288,33 +536,39 @@ lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_erro
     m->h = LM_CALLOC((size_t)m->nsub, sizeof(float *));
     m->xn = LM_CALLOC((size_t)m->nsub, sizeof(float *));
     m->rstd = LM_CALLOC((size_t)m->nsub, sizeof(float *));
-    if (c->residual != LM_RES_STANDARD) m->run = LM_CALLOC((size_t)m->nsub, sizeof(float *));
-    for (int l = 0; l < m->nsub; l++) {
-        m->h[l] = act(Nd);
-        m->xn[l] = act(Nd);
-        m->rstd[l] = act(max_tokens);
-        if (m->run) m->run[l] = act(Nd);
-    }
-    if (m->run) {
+    if (c->residual != LM_RES_STANDARD) {
+        m->run = LM_CALLOC((size_t)m->nsub, sizeof(float *));
         m->dB = LM_CALLOC((size_t)m->nblocks, sizeof(float *));
-        for (int j = 0; j < m->nblocks; j++) m->dB[j] = act(Nd);
     }
-    m->e = act(Nd);
-    m->hfin = act(Nd);
-    m->xfin = act(Nd);
-    m->rstd_fin = act(max_tokens);
-    m->lse = act(max_tokens);
-    m->tmp = act(Nd);
-    m->tmp2 = act(Nd);
-    m->dE = act(Nd);
-    m->G = act(Nd);
-    m->dh = act(Nd);
-    m->dxn = act(Nd);
-    if (swiglu_ws > 0) m->swiglu_ws = act(swiglu_ws);
+    if (have_kda)
+        m->kda_ws = lm_kda_workspace_new();
     m->arws = lm_attnres_workspace_new();
-    m->cu = LM_CALLOC((size_t)max_tokens + 2, sizeof(int64_t));
-    m->ids = LM_CALLOC((size_t)max_tokens, sizeof(int32_t));
-    m->labels = LM_CALLOC((size_t)max_tokens, sizeof(int32_t));
+    /* The memory plan for batches of up to max_tokens tokens in one sequence (the
+     * longest sequence a batch of max_tokens holds, the plan's worst case): measure,
+     * allocate each class once (the gradient class: p->numel floats), carve. */
+    const lm_status ps = lm_model_mem_plan(c, 1, (int)max_tokens, &m->plan, err);
+    if (ps != LM_OK) {
+        lm_model_free(m);
+        return ps;
+    }
+    m->grads = calloc((size_t)p->numel, sizeof(float));
+    lm_error aerr = {0};
+    if (!m->grads || lm_arena_init(&m->acts, (size_t)m->plan.bytes[LM_MEM_ACTS], &aerr) != LM_OK ||
+        lm_arena_init(&m->scratch, (size_t)m->plan.bytes[LM_MEM_SCRATCH], &aerr) != LM_OK) {
+        const lm_mem_plan pl = m->plan;
+        lm_model_free(m);
+        return lm_errorf(err, LM_ERR_NOMEM,
+                         "model: cannot allocate the memory plan (gradients %lld B, activations "
+                         "%lld B, scratch %lld B)",
+                         (long long)pl.bytes[LM_MEM_GRADS], (long long)pl.bytes[LM_MEM_ACTS],
+                         (long long)pl.bytes[LM_MEM_SCRATCH]);
+    }
+    /* the arenas' blocks are 64-byte aligned, so the layout's slices are too */
+    bump ac = {(char *)m->acts.base, 0}, sc = {(char *)m->scratch.base, 0};
+    layout(c, 1, max_tokens, m->plan.threads, m, &ac, &sc, NULL);
+    LM_CHECK(ac.off == m->plan.bytes[LM_MEM_ACTS] && sc.off == m->plan.bytes[LM_MEM_SCRATCH]);
+    m->acts.used = m->acts.cap;
+    m->scratch.used = m->scratch.cap;
     *out = m;
     return LM_OK;
 }
@@ -515,6 +769,10 @@ lm_status lm_model_forward(lm_model *m, const lm_model_batch *b, const int32_t *
         lm_ce_config cc;
         lm_ce_config_default(&cc, N, m->d, m->V);
         cc.ignore_index = LM_MODEL_IGNORE;
+        if (lm_cross_entropy_ws_floats(&cc) <= m->ce_ws_floats) {
+            cc.ws = m->ce_ws; /* planned at the thread count of lm_model_new */
+            cc.ws_floats = m->ce_ws_floats;
+        }
         LM_TRY(lm_cross_entropy_forward(&cc, m->xfin, m->W_head, m->labels, &total, &cnt, m->lse,
                                         err));
         for (int i = 0; i < m->L; i++)
@@ -536,7 +794,7 @@ lm_status lm_model_forward(lm_model *m, const lm_model_batch *b, const int32_t *
 /* ---------------------------------------------------------------- backward */
 
 /* Backward of sublayer l: dout -> m->dxn (gradient of the normed input), weight
- * gradients into gtmp. */
+ * gradients into m->grads (added in place when m->acc). */
 static lm_status sublayer_backward(lm_model *m, int l, const float *dout, lm_error *err) {
     layer_rt *ly = &m->ly[l / 2];
     const int64_t N = m->N;
@@ -551,23 +809,44 @@ static lm_status sublayer_backward(lm_model *m, int l, const float *dout, lm_err
                 G_of(m, w->dt_bias),  G_of(m, w->b_proj),   G_of(m, w->g_a_proj),
                 G_of(m, w->g_b_proj), G_of(m, w->o_norm),   G_of(m, w->o_proj)};
             lm_kda_layer_batch b = {m->B, m->T, m->n_cu ? m->cu : NULL, m->n_cu};
-            return lm_kda_layer_backward(&ly->kc, &b, w, x, dout, m->dxn, &g, ly->kctx, err);
+            return lm_kda_layer_backward_acc(&ly->kc, &b, w, x, dout, m->dxn, &g, m->acc, ly->kctx,
+                                             err);
         }
         const lm_attn_layer_weights *w = &ly->aw;
         lm_attn_layer_grads g = {G_of(m, w->q_proj), G_of(m, w->k_proj), G_of(m, w->v_proj),
                                  G_of(m, w->o_proj)};
         lm_attn_layer_batch b = {m->B, m->T, m->n_cu ? m->cu : NULL, m->n_cu};
-        return lm_attn_layer_backward(&ly->ac, &b, w, x, dout, m->dxn, &g, ly->actx, err);
+        return lm_attn_layer_backward_acc(&ly->ac, &b, w, x, dout, m->dxn, &g, m->acc, ly->actx,
+                                          err);
     }
     if (!ly->moe) {
-        lm_swiglu_grads g = {G_of(m, ly->sw.gate_proj), G_of(m, ly->sw.up_proj),
-                             G_of(m, ly->sw.down_proj)};
-        return lm_swiglu_backward(N, m->d, ly->I, &ly->sw, x, ly->hidden, dout, m->dxn, &g,
-                                  m->swiglu_ws, err);
+        /* SwiGLU overwrites its weight gradients: staged when accumulating */
+        const int64_t nw = (int64_t)ly->I * m->d;
+        lm_swiglu_grads g = {G_dst(m, ly->sw.gate_proj, 0), G_dst(m, ly->sw.up_proj, nw),
+                             G_dst(m, ly->sw.down_proj, 2 * nw)};
+        LM_TRY(lm_swiglu_backward(N, m->d, ly->I, &ly->sw, x, ly->hidden, dout, m->dxn, &g,
+                                  m->swiglu_ws, err));
+        stage_add(m, ly->sw.gate_proj, 0, nw);
+        stage_add(m, ly->sw.up_proj, nw, nw);
+        stage_add(m, ly->sw.down_proj, 2 * nw, nw);
+        return LM_OK;
     }
+    /* the MoE op overwrites its weight gradients: staged when accumulating */
     lm_moe_grads g;
-    for (int w = 0; w < LM_MOE_N_WEIGHTS; w++) g.p[w] = G_of(m, ly->mw.p[w]);
-    return lm_moe_backward(ly->mctx, &ly->mw, x, dout, m->dxn, &g, err);
+    int64_t off[LM_MOE_N_WEIGHTS], n[LM_MOE_N_WEIGHTS], o = 0;
+    for (int w = 0; w < LM_MOE_N_WEIGHTS; w++) {
+        n[w] = 0;
+        if (ly->mw.p[w])
+            n[w] = param_numel_of(m, ly->mw.p[w]);
+        off[w] = o;
+        o += n[w];
+        g.p[w] = G_dst(m, ly->mw.p[w], off[w]);
+    }
+    LM_CHECK(o <= m->stage_floats);
+    LM_TRY(lm_moe_backward(ly->mctx, &ly->mw, x, dout, m->dxn, &g, err));
+    for (int w = 0; w < LM_MOE_N_WEIGHTS; w++)
+        stage_add(m, ly->mw.p[w], off[w], n[w]);
+    return LM_OK;
 }
 
 lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_error *err) {
@@ -579,16 +858,28 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
                          (double)loss_scale);
     const int64_t N = m->N, d = m->d, Nd = N * d;
     const float eps = m->c->rms_norm_eps;
-    memset(m->gtmp, 0, (size_t)m->p->numel * sizeof(float));
+    /* In place: accumulate = 0 zeroes the gradient buffer, then every writer adds (the
+     * AttnRes backward, the embedding scatter, the GEMMs with beta = 1) or, for ops
+     * that overwrite, writes its tensor directly (accumulate = 0: the only writer, on
+     * zeros) or through the stage (accumulate = 1). */
+    m->acc = accumulate ? 1 : 0;
+    if (!m->acc)
+        memset(m->grads, 0, (size_t)m->p->numel * sizeof(float));
     /* head and final norm */
     lm_ce_config cc;
     lm_ce_config_default(&cc, N, m->d, m->V);
     cc.ignore_index = LM_MODEL_IGNORE;
-    float *dWhead = G_of(m, m->W_head);
-    LM_TRY(lm_cross_entropy_backward(&cc, m->xfin, m->W_head, m->labels, m->lse, loss_scale,
-                                     m->tmp, dWhead, err));
-    LM_TRY(lm_rmsnorm_backward(N, (int)d, eps, m->hfin, m->norm_fin, m->rstd_fin, m->tmp,
-                               m->dh, G_of(m, m->norm_fin), err));
+    if (lm_cross_entropy_ws_floats(&cc) <= m->ce_ws_floats) {
+        cc.ws = m->ce_ws; /* planned at the thread count of lm_model_new */
+        cc.ws_floats = m->ce_ws_floats;
+    }
+    const int64_t nhead = (int64_t)m->V * d;
+    LM_TRY(lm_cross_entropy_backward(&cc, m->xfin, m->W_head, m->labels, m->lse, loss_scale, m->tmp,
+                                     G_dst(m, m->W_head, 0), err));
+    stage_add(m, m->W_head, 0, nhead);
+    LM_TRY(lm_rmsnorm_backward(N, (int)d, eps, m->hfin, m->norm_fin, m->rstd_fin, m->tmp, m->dh,
+                               G_dst(m, m->norm_fin, 0), err));
+    stage_add(m, m->norm_fin, 0, d);
     const int attnres = m->run != NULL;
     const float *srcs[LM_MAX_LAYERS * 2 + 2];
     float *dsrc[LM_MAX_LAYERS * 2 + 2];
@@ -609,7 +900,7 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
         }
         lm_attnres_config ac;
         ar_config(m, &ac, ns, N);
-        ac.accumulate = 1;
+        ac.accumulate = 1; /* into dsrc and into the gradient buffer (zeroed or summing) */
         LM_TRY(lm_attnres_backward_ptrs(&ac, srcs, m->arq_fin, m->arn_fin, m->dh, dsrc,
                                         G_of(m, m->arq_fin), G_of(m, m->arn_fin), err));
     } else {
@@ -628,8 +919,9 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
             return lm_errorf(err, st, "model: layer %d %s backward: %s", l / 2,
                              l % 2 ? "ffn" : "mixer", buf);
         }
-        LM_TRY(lm_rmsnorm_backward(N, (int)d, eps, m->h[l], ly->norm_w[l % 2], m->rstd[l],
-                                   m->dxn, m->dh, G_of(m, ly->norm_w[l % 2]), err));
+        LM_TRY(lm_rmsnorm_backward(N, (int)d, eps, m->h[l], ly->norm_w[l % 2], m->rstd[l], m->dxn,
+                                   m->dh, G_dst(m, ly->norm_w[l % 2], 0), err));
+        stage_add(m, ly->norm_w[l % 2], 0, d);
         if (!attnres) {
             add_into(m->G, m->dh, Nd); /* h_l feeds both h_{l+1} and the sublayer */
             continue;
@@ -663,14 +955,8 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
     /* buffers carry no gradient */
     for (int t = 0; t < m->p->n; t++)
         if (m->p->t[t].buffer)
-            memset(m->gtmp + m->p->t[t].offset, 0, (size_t)m->p->t[t].numel * sizeof(float));
-    if (accumulate) {
-        add_into(m->grads, m->gtmp, m->p->numel);
-    } else {
-        float *t = m->grads;
-        m->grads = m->gtmp;
-        m->gtmp = t;
-    }
+            memset(m->grads + m->p->t[t].offset, 0, (size_t)m->p->t[t].numel * sizeof(float));
+    m->acc = 0;
     return LM_OK;
 }
 

@@ -7,7 +7,14 @@ void lm_model_mm(int tA, int tB, int M, int N, int K, const float *A, int lda, c
     const int nb = (M + LM_MODEL_MM_BLK - 1) / LM_MODEL_MM_BLK;
     const int blas0 = lm_blas_get_threads();
     lm_blas_set_threads(1);
-#pragma omp parallel for schedule(static) if (nb > 1)
+    if (nb == 1) {
+        /* no parallel region: a serialized one makes libgomp allocate (and free) a
+         * one-thread team per call (libgomp 12), i.e. an allocation in the step */
+        lm_sgemm(tA, tB, M, N, K, 1.0f, A, lda, B, ldb, accum ? 1.0f : 0.0f, C, ldc);
+        lm_blas_set_threads(blas0);
+        return;
+    }
+#pragma omp parallel for schedule(static)
     for (int i = 0; i < nb; i++) {
         const int m0 = i * LM_MODEL_MM_BLK, m = M - m0 < LM_MODEL_MM_BLK ? M - m0 : LM_MODEL_MM_BLK;
         const float *Ai = tA ? A + m0 : A + (int64_t)m0 * lda;

@@ -1,5 +1,6 @@
 /* Parameter table, init, counts and checkpoints. See params.h. */
 #include "linmoe/params.h"
+#include "model/model_internal.h"
 
 #include "linmoe/safetensors.h"
 
@@ -145,6 +146,16 @@ lm_status lm_params_init(lm_params *p, const lm_model_config *cfg, lm_error *err
         return lm_errorf(err, LM_ERR_NOMEM, "params: cannot allocate %lld floats",
                          (long long)tb.off);
     }
+    return LM_OK;
+}
+
+lm_status lm_params_layout_numel(const lm_model_config *cfg, int64_t *numel, lm_error *err) {
+    *numel = 0;
+    LM_TRY(lm_model_config_validate(cfg, err));
+    table tb = {0};
+    build(&tb, cfg);
+    *numel = tb.off;
+    free(tb.t);
     return LM_OK;
 }
 

@@ -157,6 +157,7 @@ lm_status lm_kda_recurrent_forward(lm_kda_config *c, const lm_kda_inputs *in, lm
     const int ntask = c->N * HV;
 #pragma omp parallel
     {
+        const unsigned fp = lm_kda_fp_enter(); /* FTZ/DAZ (cpu/kda_cpu.h), restored below */
         float *local = out->final_state ? NULL : LM_MALLOC(sizeof(float) * (size_t)K * V);
         /* The state is carried in "pending" form between tokens: S holds the decayed
          * state without the last rank-1 update k u^T, which is folded into the next
@@ -224,6 +225,7 @@ lm_status lm_kda_recurrent_forward(lm_kda_config *c, const lm_kda_inputs *in, lm
         }
         free(pv);
         free(local);
+        lm_kda_fp_leave(fp);
     }
     lm_kda_prep_free(&p);
     return LM_OK;

@@ -648,6 +648,13 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         "%d threads%s",
         x->run, o->resume ? "resuming" : "starting", c->source, tp / 1e6, ta / 1e6, c->n_stages,
         (long long)c->total_steps, lm_get_num_threads(), o->resume ? "" : "");
+    {
+        /* the model's memory classes (model.h lm_model_mem_plan: planned for
+         * max_tokens tokens in one sequence, allocated once at lm_model_new) */
+        char plan[512];
+        lm_mem_plan_format(lm_model_plan(x->m), plan, sizeof plan);
+        say(x, "%s", plan);
+    }
     if (o->resume)
         say(x, "resumed from %s at step %lld", ckdir, (long long)x->k.step);
     x->ref_flops = measure_sgemm();

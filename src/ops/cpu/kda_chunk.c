@@ -13,6 +13,7 @@
  * Each thread owns one workspace, allocated once per call.
  */
 #include <math.h>
+#include <omp.h>
 #include <string.h>
 
 #include "linmoe/core.h"
@@ -38,12 +39,9 @@ typedef struct {
     float *buf;
 } ws_t;
 
-static void ws_init(ws_t *w, lm_kda_workspace *wsp, int C, int K, int V, int bwd) {
-    memset(w, 0, sizeof(*w));
-    w->C = C, w->K = K, w->V = V;
+size_t lm_kda_chunk_ws_floats(int C, int K, int V, int bwd) {
     int M = C > K ? C : K;
     M = M > V ? M : V;
-    w->M = M;
     int TR = C > 2 * BC ? C : 2 * BC; /* rows of T1 */
     size_t CK = (size_t)C * K, CV = (size_t)C * V, CC = (size_t)C * C;
     size_t n = 4 * CK + CV + C                    /* Q Kc G(fp64: 2 floats) Vc beta */
@@ -54,6 +52,18 @@ static void ws_init(ws_t *w, lm_kda_workspace *wsp, int C, int K, int V, int bwd
     if (bwd)
         n += CV * 2 + CC * 2 + CK * 3 + CC * 2 + CV + CK + CK * 3 + CK + CK + K +
              (size_t)K * V * 2 + C;
+    return n;
+}
+
+static void ws_init(ws_t *w, lm_kda_workspace *wsp, int C, int K, int V, int bwd) {
+    memset(w, 0, sizeof(*w));
+    w->C = C, w->K = K, w->V = V;
+    int M = C > K ? C : K;
+    M = M > V ? M : V;
+    w->M = M;
+    size_t CK = (size_t)C * K, CV = (size_t)C * V, CC = (size_t)C * C;
+    const size_t n = lm_kda_chunk_ws_floats(C, K, V, bwd);
+    int TR = C > 2 * BC ? C : 2 * BC; /* rows of T1 */
     float *p = lm_kda_ws_get(wsp, lm_kda_ws_thread_slot(0), n * sizeof(float));
     w->buf = p;
 #define TAKE(ptr, cnt) (ptr = p, p += (cnt))
@@ -272,10 +282,11 @@ static void chunk_state(ws_t *w, int c, float *S, float *O, ptrdiff_t ldo) {
     lm_gemm_small(K, V, c, 1.0f, w->Kd, 1, K, w->Vn, V, S, V, 1);
 }
 
-/* Gather chunk rows [t0, t0+c) of task (h, hv) into the workspace. */
+/* Gather chunk rows [t0, t0+c) of task (h, hv) into the workspace: the value
+ * columns [v0, v0 + w->V) of the cf->V of a head. */
 static void gather(ws_t *w, const lm_kda_config *cf, const lm_kda_prep *p, const float *v,
-                   int64_t t0, int c, int h, int hv) {
-    const int K = w->K, V = w->V, H = cf->H, HV = cf->HV;
+                   int64_t t0, int c, int h, int hv, int v0) {
+    const int K = w->K, V = w->V, H = cf->H, HV = cf->HV, VF = cf->V;
     for (int r = 0; r < c; r++) {
         int64_t t = t0 + r;
         memcpy(w->Q + (size_t)r * K, p->qs + (t * H + h) * K, sizeof(float) * K);
@@ -283,7 +294,7 @@ static void gather(ws_t *w, const lm_kda_config *cf, const lm_kda_prep *p, const
         const float *gsrc = p->gk + (t * HV + hv) * K;
         double *gdst = w->G + (size_t)r * K;
         for (int d = 0; d < K; d++) gdst[d] = gsrc[d];
-        memcpy(w->Vc + (size_t)r * V, v + (t * HV + hv) * V, sizeof(float) * V);
+        memcpy(w->Vc + (size_t)r * V, v + (t * HV + hv) * VF + v0, sizeof(float) * V);
         w->beta[r] = p->beta[t * HV + hv];
     }
 }
@@ -292,6 +303,24 @@ int lm_kda_use_shared_diag(const lm_kda_config *c) {
     if (c->diag == LM_DIAG_SHARED) return 1;
     if (c->diag == LM_DIAG_SAFE) return 0;
     return c->gate == LM_GATE_BOUNDED || (c->gate == LM_GATE_NONE && c->has_lower_bound);
+}
+
+/* Value-column blocks per (sequence, value head) task of the forward. The state
+ * recurrence is sequential over chunks but independent per value column (Vn = U - W S,
+ * O = Qg S + Aqk Vn and S <- gamma S + Kd^T Vn act column by column on S, U and Vn), so
+ * when there are fewer tasks than threads (B * HV = 4 at the bench shape [1,4096,4,128],
+ * which left all but 4 threads idle on a 16-core machine) each task splits its V
+ * columns into nvb blocks of a multiple of 32 columns. A block recomputes the chunk's
+ * V-independent part (Aqk, P, the UT inverse, W: about a quarter of the forward's
+ * FLOPs at K = V = 128, C = 64), so the split is only taken while threads would idle.
+ * Every output element is computed by the same operations in the same order for any
+ * nvb (the small GEMM sums over its inner dimension in order, in 32-column panels),
+ * so results stay bitwise independent of the thread count. */
+static int fwd_value_blocks(int ntask, int V, int threads) {
+    int nvb = 1;
+    while (ntask * nvb < threads && V % (64 * nvb) == 0)
+        nvb *= 2;
+    return nvb;
 }
 
 lm_status lm_kda_chunk_forward(lm_kda_config *c, const lm_kda_inputs *in, lm_kda_outputs *out,
@@ -303,30 +332,42 @@ lm_status lm_kda_chunk_forward(lm_kda_config *c, const lm_kda_inputs *in, lm_kda
     const int K = c->K, V = c->V, HV = c->HV, C = c->chunk_size, grp = c->HV / c->H;
     const int shared = lm_kda_use_shared_diag(c);
     const int ntask = c->N * HV;
+    const int nvb = fwd_value_blocks(ntask, V, omp_get_max_threads()), Vb = V / nvb;
+    const int njob = ntask * nvb;
 #pragma omp parallel
     {
+        const unsigned fp = lm_kda_fp_enter(); /* FTZ/DAZ (kda_cpu.h), restored below */
         ws_t w;
-        ws_init(&w, c->ws, C, K, V, 0);
-        float *S = lm_kda_ws_get(c->ws, lm_kda_ws_thread_slot(1), sizeof(float) * (size_t)K * V);
+        ws_init(&w, c->ws, C, K, Vb, 0);
+        float *S = lm_kda_ws_get(c->ws, lm_kda_ws_thread_slot(1), sizeof(float) * (size_t)K * Vb);
 #pragma omp for schedule(dynamic, 1)
-        for (int task = 0; task < ntask; task++) {
+        for (int job = 0; job < njob; job++) {
+            const int task = job / nvb, v0 = (job % nvb) * Vb;
             int n = task / HV, hv = task % HV, h = hv / grp;
-            if (in->initial_state)
-                memcpy(S, in->initial_state + (size_t)task * K * V, sizeof(float) * K * V);
-            else
-                memset(S, 0, sizeof(float) * K * V);
+            /* S [K, Vb]: columns v0 .. v0+Vb of the task's [K, V] state */
+            for (int d = 0; d < K; d++) {
+                float *sr = S + (size_t)d * Vb;
+                if (in->initial_state)
+                    memcpy(sr, in->initial_state + ((size_t)task * K + d) * V + v0,
+                           sizeof(float) * Vb);
+                else
+                    memset(sr, 0, sizeof(float) * Vb);
+            }
             int64_t bos = p.bos[n], len = p.len[n];
             for (int64_t c0 = 0; c0 < len; c0 += C) {
                 int cl = (int)(len - c0 < C ? len - c0 : C);
-                gather(&w, c, &p, in->v, bos + c0, cl, h, hv);
+                gather(&w, c, &p, in->v, bos + c0, cl, h, hv, v0);
                 chunk_intra(&w, cl, shared);
-                chunk_state(&w, cl, S, out->o + ((bos + c0) * HV + hv) * V, (ptrdiff_t)HV * V);
+                chunk_state(&w, cl, S, out->o + ((bos + c0) * HV + hv) * V + v0, (ptrdiff_t)HV * V);
             }
             if (out->final_state)
-                memcpy(out->final_state + (size_t)task * K * V, S, sizeof(float) * K * V);
+                for (int d = 0; d < K; d++)
+                    memcpy(out->final_state + ((size_t)task * K + d) * V + v0, S + (size_t)d * Vb,
+                           sizeof(float) * Vb);
         }
         lm_kda_ws_put(c->ws, lm_kda_ws_thread_slot(1), S);
         ws_free(&w, c->ws);
+        lm_kda_fp_leave(fp);
     }
     lm_kda_prep_free(&p);
     return LM_OK;
@@ -534,6 +575,7 @@ lm_status lm_kda_chunk_backward(lm_kda_config *c, const lm_kda_inputs *in, lm_kd
     float *dbeta = lm_kda_ws_get(c->ws, LM_WS_DBETA, sizeof(float) * (size_t)(BT * HV));
 #pragma omp parallel
     {
+        const unsigned fp = lm_kda_fp_enter(); /* FTZ/DAZ (kda_cpu.h), restored below */
         ws_t w;
         ws_init(&w, c->ws, C, K, V, 1);
         float *Hs = lm_kda_ws_get(c->ws, lm_kda_ws_thread_slot(1),
@@ -553,7 +595,7 @@ lm_status lm_kda_chunk_backward(lm_kda_config *c, const lm_kda_inputs *in, lm_kd
                 int64_t c0 = j * C;
                 int cl = (int)(len - c0 < C ? len - c0 : C);
                 memcpy(Hs + (size_t)(j + 1) * K * V, Hs + (size_t)j * K * V, sizeof(float) * K * V);
-                gather(&w, c, &p, in->v, bos + c0, cl, h, hv);
+                gather(&w, c, &p, in->v, bos + c0, cl, h, hv, 0);
                 chunk_intra(&w, cl, shared);
                 chunk_state(&w, cl, Hs + (size_t)(j + 1) * K * V, NULL, 0);
             }
@@ -565,7 +607,7 @@ lm_status lm_kda_chunk_backward(lm_kda_config *c, const lm_kda_inputs *in, lm_kd
             for (int64_t j = nt - 1; j >= 0; j--) {
                 int64_t c0 = j * C, t0 = bos + c0;
                 int cl = (int)(len - c0 < C ? len - c0 : C);
-                gather(&w, c, &p, in->v, t0, cl, h, hv);
+                gather(&w, c, &p, in->v, t0, cl, h, hv, 0);
                 for (int r = 0; r < cl; r++)
                     memcpy(w.dO + (size_t)r * V, gr->do_ + ((t0 + r) * HV + hv) * V, sizeof(float) * V);
                 chunk_intra(&w, cl, shared);
@@ -584,6 +626,7 @@ lm_status lm_kda_chunk_backward(lm_kda_config *c, const lm_kda_inputs *in, lm_kd
         lm_kda_ws_put(c->ws, lm_kda_ws_thread_slot(2), dS);
         lm_kda_ws_put(c->ws, lm_kda_ws_thread_slot(1), Hs);
         ws_free(&w, c->ws);
+        lm_kda_fp_leave(fp);
     }
     lm_kda_prep_backward(c, in, &p, dqs, dkn, dbeta, dgk, gr);
     lm_kda_ws_put(c->ws, LM_WS_DQS, dqs);

@@ -5,6 +5,7 @@
 #include "ops/cpu/kda_cpu.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float sigmoidf_(float z) { return 1.0f / (1.0f + lm_fexp(-z)); }
@@ -17,7 +18,9 @@ lm_kda_workspace *lm_kda_workspace_new(void) { return LM_CALLOC(1, sizeof(lm_kda
 
 void lm_kda_workspace_free(lm_kda_workspace *ws) {
     if (!ws) return;
-    for (int i = 0; i < LM_KDA_WS_SLOTS; i++) free(ws->buf[i]);
+    for (int i = 0; i < LM_KDA_WS_SLOTS; i++)
+        if (!ws->borrowed[i])
+            free(ws->buf[i]);
     free(ws);
 }
 
@@ -25,11 +28,55 @@ void *lm_kda_ws_get(lm_kda_workspace *ws, int slot, size_t bytes) {
     if (bytes == 0) bytes = 1;
     if (!ws || slot < 0 || slot >= LM_KDA_WS_SLOTS) return LM_MALLOC(bytes);
     if (ws->cap[slot] < bytes) {
-        free(ws->buf[slot]);
-        ws->buf[slot] = LM_MALLOC(bytes);
+        if (!ws->borrowed[slot])
+            free(ws->buf[slot]);
+        /* 64-byte aligned, like the model's arena slices: the chunk kernels' rows are
+         * multiples of 64 bytes, so every 512-bit load of the small GEMM then stays
+         * within a cache line (malloc's 16-byte alignment splits each one in two,
+         * which costs an extra load cycle on Intel cores) */
+        ws->buf[slot] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        LM_CHECK(ws->buf[slot] != NULL);
         ws->cap[slot] = bytes;
+        ws->borrowed[slot] = 0;
     }
     return ws->buf[slot];
+}
+
+void lm_kda_ws_bind(lm_kda_workspace *ws, int slot, void *p, size_t bytes) {
+    if (!ws || slot < 0 || slot >= LM_KDA_WS_SLOTS || !p)
+        return;
+    if (!ws->borrowed[slot])
+        free(ws->buf[slot]);
+    ws->buf[slot] = p;
+    ws->cap[slot] = bytes;
+    ws->borrowed[slot] = 1;
+}
+
+void lm_kda_ws_plan(const lm_kda_config *c, int threads, size_t *bytes) {
+    for (int i = 0; i < LM_KDA_WS_SLOTS; i++)
+        bytes[i] = 0;
+    const int64_t BT = (int64_t)c->B * c->T, H = c->H, HV = c->HV, K = c->K, V = c->V;
+    const int64_t C = c->chunk_size, maxnt = (c->T + C - 1) / C;
+    const int64_t nb = c->kind == LM_GDN ? 1 : K;
+    /* prep (forward and backward): the document table sized for BT documents (the
+     * most a packed batch of BT tokens has without empty documents) */
+    bytes[LM_WS_BOS] = sizeof(int64_t) * (size_t)(2 * BT + 1);
+    bytes[LM_WS_QS] = bytes[LM_WS_KN] = sizeof(float) * (size_t)(BT * H * K);
+    bytes[LM_WS_BETA] = sizeof(float) * (size_t)(BT * HV);
+    bytes[LM_WS_GK] = sizeof(float) * (size_t)(BT * HV * K);
+    /* backward */
+    bytes[LM_WS_DQS] = bytes[LM_WS_DKN] = bytes[LM_WS_DGK] = sizeof(float) * (size_t)(BT * HV * K);
+    bytes[LM_WS_DBETA] = sizeof(float) * (size_t)(BT * HV);
+    bytes[LM_WS_DB] = sizeof(double) * (size_t)(HV * nb);
+    if (threads > LM_KDA_WS_MAX_THREADS)
+        threads = LM_KDA_WS_MAX_THREADS;
+    for (int t = 0; t < threads; t++) {
+        const int s = LM_WS_THREAD0 + 3 * t;
+        bytes[s] = sizeof(float) * lm_kda_chunk_ws_floats((int)C, (int)K, (int)V, 1);
+        bytes[s + 1] = sizeof(float) * (size_t)((maxnt + 1) * K * V); /* Hs (bwd) >= S (fwd) */
+        const size_t ds = sizeof(float) * (size_t)(K * V), dq = sizeof(float) * (size_t)(2 * K);
+        bytes[s + 2] = ds > dq ? ds : dq; /* dS (bwd), then the prologue's dq/dk rows */
+    }
 }
 
 void lm_kda_ws_put(lm_kda_workspace *ws, int slot, void *p) {
@@ -56,8 +103,11 @@ lm_status lm_kda_prep_forward(const lm_kda_config *c, const lm_kda_inputs *in, l
     const int H = c->H, HV = c->HV, K = c->K;
     p->ws = c->ws;
     p->N = c->N;
-    p->bos = lm_kda_ws_get(p->ws, LM_WS_BOS, sizeof(int64_t) * (size_t)(2 * c->N + 1));
-    p->len = p->bos + c->N;
+    /* sized for max(N, B*T) documents, so that packed batches whose document count
+     * varies from call to call do not grow the workspace (lm_kda_ws_plan) */
+    const int64_t nbos = c->N > BT ? c->N : BT;
+    p->bos = lm_kda_ws_get(p->ws, LM_WS_BOS, sizeof(int64_t) * (size_t)(2 * nbos + 1));
+    p->len = p->bos + nbos;
     for (int n = 0; n < c->N; n++) {
         if (c->cu_seqlens) {
             p->bos[n] = c->cu_seqlens[n];
@@ -143,7 +193,11 @@ void lm_kda_prep_backward(const lm_kda_config *c, const lm_kda_inputs *in, const
     const int l2 = c->use_qk_l2norm_in_kernel;
 #pragma omp parallel
     {
-        float *dqs = LM_MALLOC(sizeof(float) * (size_t)K * 2);
+        const unsigned fp = lm_kda_fp_enter();
+        /* per-thread rows from the workspace: the backward allocates nothing once the
+         * workspace has grown (lm_kda_ws_plan) */
+        const int slot = lm_kda_ws_thread_slot(2);
+        float *dqs = lm_kda_ws_get(p->ws, slot, sizeof(float) * (size_t)K * 2);
         float *dkn = dqs + K;
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < BT * H; row++) {
@@ -183,7 +237,8 @@ void lm_kda_prep_backward(const lm_kda_config *c, const lm_kda_inputs *in, const
                 }
             }
         }
-        free(dqs);
+        lm_kda_ws_put(p->ws, slot, dqs);
+        lm_kda_fp_leave(fp);
     }
     if (gr->dbeta) {
         for (int64_t i = 0; i < BT * HV; i++) {
@@ -199,11 +254,14 @@ void lm_kda_prep_backward(const lm_kda_config *c, const lm_kda_inputs *in, const
     const int nb = gdn ? 1 : K; /* dt_bias entries per value head */
     if (gr->dA_log) memset(gr->dA_log, 0, sizeof(float) * (size_t)HV);
     if (gr->ddt_bias) memset(gr->ddt_bias, 0, sizeof(float) * (size_t)HV * nb);
+    double *db_all = lm_kda_ws_get(p->ws, LM_WS_DB, sizeof(double) * (size_t)(HV * nb));
 #pragma omp parallel for schedule(static)
     for (int hv = 0; hv < HV; hv++) {
         float a = in->A_log ? expf(in->A_log[hv]) : 1.0f;
         double dA = 0;
-        double *db = LM_CALLOC((size_t)nb, sizeof(double));
+        double *db = db_all + (int64_t)hv * nb;
+        for (int e = 0; e < nb; e++)
+            db[e] = 0.0;
         for (int64_t t = 0; t < BT; t++) {
             int64_t row = t * HV + hv;
             const float *dgr = dgk + row * K;
@@ -247,7 +305,8 @@ void lm_kda_prep_backward(const lm_kda_config *c, const lm_kda_inputs *in, const
         }
         if (gr->dA_log) gr->dA_log[hv] = in->A_log ? (float)dA : 0.0f;
         if (gr->ddt_bias)
-            for (int e = 0; e < nb; e++) gr->ddt_bias[(int64_t)hv * nb + e] = (float)db[e];
-        free(db);
+            for (int e = 0; e < nb; e++)
+                gr->ddt_bias[(int64_t)hv * nb + e] = (float)db[e];
     }
+    lm_kda_ws_put(p->ws, LM_WS_DB, db_all);
 }

@@ -264,9 +264,17 @@ void lm_moe_cpu_run_tasks(const moe_run *run, moe_task *tasks, int n) {
     const int blas0 = lm_blas_get_threads();
     if (!threaded)
         lm_blas_set_threads(1);
-#pragma omp parallel for schedule(dynamic, 1) if (!threaded && n > 1)
-    for (int i = 0; i < n; i++)
-        run_task(run, &tasks[i]);
+    if (threaded || n == 1) {
+        /* in sequence, without a parallel region: a serialized one (`if` false) makes
+         * libgomp allocate and free a one-thread team per call, an allocation in the
+         * training step (tests/test_mem_plan.c) */
+        for (int i = 0; i < n; i++)
+            run_task(run, &tasks[i]);
+    } else {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int i = 0; i < n; i++)
+            run_task(run, &tasks[i]);
+    }
     if (!threaded)
         lm_blas_set_threads(blas0);
 }
