@@ -22,13 +22,21 @@
  *        nll[n] = lse[n] - logits[n, label[n]]  (0 where label[n] == ignore_index)
  *        dlogits = scale * (softmax(logits) - onehot(label))   (0 on ignored rows)
  *        dh = dlogits W,   dW += dlogits^T h
- *    The [N, V] logits never exist: tokens go in chunks of Nc rows (chunk_rows, or chosen so
- *    the chunk's logits take at most LM_CUDA_CE_SCRATCH_BYTES of scratch). Per chunk: one
- *    GEMM for the logits (fp32, or bf16 with logits_bf16), one kernel with a CTA per row for
- *    max / log-sum-exp (online, Milakov & Gimelshein 2018) / nll and the bf16 dlogits, then
- *    the dh GEMM and the dW GEMM (fp32, beta = 1). Every sum has a fixed order, so the
- *    results are bitwise reproducible. The backward does not recompute the logits (the CPU
- *    does: it has no room for them), so a training step costs 3 GEMMs of 2 N D V FLOPs.
+ *    The [N, V] logits never exist: tokens go in chunks of Nc rows (chunk_rows, or the
+ *    largest power of two whose logits fit LM_CUDA_CE_SCRATCH_BYTES, balanced over N).
+ *    Per chunk: one GEMM for the logits (bf16 by default, as torch and fla; fp32 with
+ *    logits_bf16 = 0), one row kernel (a CTA per row; by default the row is staged in
+ *    shared memory so HBM sees one read and one write: max, sum exp, lse, nll, then
+ *    the bf16 dlogits over the logits in place), the dh GEMM (split over the vocabulary
+ *    into fp32 partials summed in a fixed order when the chunk is too short to fill the
+ *    GPU, dh_split) and the dW GEMM (fp32, beta = 1). Every sum has a fixed order, so
+ *    the results are bitwise reproducible. The backward does not recompute the logits
+ *    (the CPU does: it has no room for them), so a training step costs 3 GEMMs of
+ *    2 N D V FLOPs plus one read and one write of the bf16 [N, V] logits.
+ *    bf16 logits: rounding perturbs each logit by at most 2^-9 of its magnitude, so a
+ *    token's nll moves by at most 2^-8 max_v |logit| (lse and the target logit each by
+ *    2^-9 of it), with random signs that average out in the loss; dlogits are rounded to
+ *    bf16 in either mode, and the GEMMs accumulate in fp32.
  *
  * Layouts (device memory, row-major, innermost last; the caller owns every buffer):
  *   h       [N, D] bf16        final hidden states (after the final norm), row stride D
@@ -47,7 +55,8 @@
  * non-finite check sees it) and its dlogits row is zero. Non-finite logits give NaN too.
  *
  * Errors (all functions): LM_ERR_INVALID for a bad argument (named with its value),
- * LM_ERR_UNSUPPORTED when linmoe was built without CUDA (src/ops/nocuda/gemm_stub.c),
+ * LM_ERR_UNSUPPORTED when linmoe was built without CUDA (src/ops/nocuda/gemm_stub.c) or
+ * for row_kernel = LM_CUDA_CE_ROW_STAGED with a row too large for shared memory,
  * LM_ERR_NOMEM when scratch cannot grow, LM_ERR_IO for any other CUDA / cuBLAS error (the
  * message names the call and the status).
  *
@@ -114,10 +123,23 @@ lm_status lm_cuda_gemm_ex(lm_cuda_ctx *ctx, const lm_cuda_gemm_desc *d, lm_error
 
 /* ---------------------------------------------------------------- LM head + cross-entropy */
 
-/* Default bound on the chunk's logits scratch (fp32 logits + bf16 dlogits, or the bf16
- * logits alone): at V = 50304 it holds 1778 rows in the fp32 mode, so the dW GEMM's
- * K = Nc keeps it compute-bound (2 Nc FLOPs per 8 bytes of fp32 dW read and written). */
+/* Default bound on the chunk's scratch (the logits; in the fp32 mode the fp32 logits plus
+ * the bf16 dlogits): at V = 50304 with bf16 logits it gives Nc = 4096 (412 MB), so the dW
+ * GEMM's K = Nc keeps it compute-bound (the fp32 dW is read and written once per chunk)
+ * and the dh GEMM [Nc, D] has a full wave of output tiles. */
 #define LM_CUDA_CE_SCRATCH_BYTES ((size_t)512 << 20)
+
+/* The row kernel (loss statistics and dlogits of one chunk). */
+typedef enum {
+    LM_CUDA_CE_ROW_AUTO = 0,   /* STAGED when the row fits in shared memory, else STREAM */
+    LM_CUDA_CE_ROW_STAGED = 1, /* the row is copied once into shared memory (cp.async) and
+                                  every pass reads it there: 16 ceil(V / 8) bytes (bf16
+                                  logits) or 16 ceil(V / 4) (fp32) must fit the device's
+                                  opt-in shared memory per block less 1 KB (H200: 231424
+                                  bytes, V <= 115712 bf16, V <= 57856 fp32) */
+    LM_CUDA_CE_ROW_STREAM = 2  /* the same passes (max, sum, gradient) each over the row in
+                                  global memory, the later ones mostly from L2: any V */
+} lm_cuda_ce_row_kernel;
 
 typedef struct {
     int64_t N;        /* tokens, >= 0 */
@@ -130,18 +152,28 @@ typedef struct {
     float dloss;
     int mean;
     int chunk_rows;  /* tokens per chunk; 0 = from LM_CUDA_CE_SCRATCH_BYTES */
-    int logits_bf16; /* 0 = fp32 logits (default, exact loss), 1 = bf16 logits (half the scratch,
-                        the loss from bf16-rounded logits as in torch / fla) */
+    int logits_bf16; /* 1 = bf16 logits (default: half the traffic, the loss from bf16-rounded
+                        logits as in torch / fla), 0 = fp32 logits (the loss to fp32 rounding) */
+    int row_kernel;  /* lm_cuda_ce_row_kernel; STAGED for a V that does not fit is refused */
+    /* dh GEMM split over the vocabulary: 0 = auto (the fewest of 1, 2, 4, 8 giving at
+     * least 128 output tiles of 128 x 256, halved until V allows it), 1 = none, 2..8 =
+     * that many fp32 partial GEMMs in one strided batch, summed in index order into the
+     * bf16 dh. A split S applies when V is a multiple of 8 S (16-byte aligned slices);
+     * otherwise 1 is used. The result depends on S (rounding only), S only on the config. */
+    int dh_split;
 } lm_cuda_ce_config;
 
-/* N, D, V as given; ignore_index -1, dloss 1, mean 1, chunk_rows 0, logits_bf16 0. */
+/* N, D, V as given; ignore_index -1, dloss 1, mean 1, chunk_rows 0, logits_bf16 1,
+ * row_kernel AUTO, dh_split 0. */
 static inline void lm_cuda_ce_config_default(lm_cuda_ce_config *c, int64_t N, int D, int V) {
     c->N = N, c->D = D, c->V = V;
     c->ignore_index = -1;
     c->dloss = 1.0f;
     c->mean = 1;
     c->chunk_rows = 0;
-    c->logits_bf16 = 0;
+    c->logits_bf16 = 1;
+    c->row_kernel = LM_CUDA_CE_ROW_AUTO;
+    c->dh_split = 0;
 }
 
 /* Outputs (device pointers, see the layouts above). Any may be NULL: loss_sum / count /
@@ -155,13 +187,15 @@ typedef struct {
 } lm_cuda_ce_outputs;
 
 /* Bytes of context scratch one call takes for `c` (LM_SCRATCH_A: the chunk's logits and
- * dlogits; LM_SCRATCH_B: [N] per-token nll when the caller gives none, plus 256 bytes), for a
- * memory plan that wants to grow the scratch before the first step. 0 for a bad config. */
+ * dlogits, then the dh split's fp32 partials [S, Nc, D]; LM_SCRATCH_B: [N] per-token nll
+ * when the caller gives none, plus 256 bytes), for a memory plan that wants to grow the
+ * scratch before the first step. 0 for a bad config. */
 size_t lm_cuda_ce_scratch_bytes(const lm_cuda_ce_config *c, int want_grad);
 
 /* Training: loss (loss_sum, count, nll as requested), dh (=) and dW (+=) in one pass over
  * the chunks. The same config gives the same bits; another chunk_rows changes the order
- * in which dW sums the chunks (rounding only). */
+ * in which dW sums the chunks, another dh_split the order of dh's sum (rounding only);
+ * row_kernel never changes the bits. */
 lm_status lm_cuda_ce_forward_backward(lm_cuda_ctx *ctx, const lm_cuda_ce_config *c, const void *h,
                                       const void *W, const int32_t *labels,
                                       const lm_cuda_ce_outputs *out, lm_error *err);

@@ -5,7 +5,8 @@
  * column-major [c, r] array with leading dimension ld, which decides each layout's rows /
  * columns and transposes below. Descriptors, layouts and the heuristic's pick are cached in
  * the context's LM_SLOT_GEMM table keyed by everything the heuristic sees (pointer
- * alignments included: cuBLASLt assumes 256-byte alignment unless told otherwise). */
+ * alignments included: cuBLASLt assumes 256-byte alignment unless told otherwise; for a
+ * strided batch the alignment is that of every batch's matrix, so the stride counts). */
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -59,6 +60,19 @@ int64_t align_of(const void *p) {
         return 256;
     const uintptr_t low = a & (~a + 1);
     return low >= 256 ? 256 : (int64_t)low;
+}
+
+/* the alignment every batch's matrix has: the base's, lowered by the batch stride's (in
+ * bytes) when there is more than one batch */
+int64_t align_batched(const void *p, int nb, int64_t stride, int64_t elem_bytes) {
+    int64_t a = align_of(p);
+    const uint64_t sb = (uint64_t)stride * (uint64_t)elem_bytes;
+    if (nb > 1 && sb != 0) {
+        const uint64_t low = sb & (~sb + 1);
+        if ((int64_t)low < a)
+            a = (int64_t)low;
+    }
+    return a;
 }
 
 cudaDataType_t cuda_type(lm_cuda_gemm_type t) {
@@ -178,9 +192,10 @@ void make_key(const lm_cuda_gemm_desc *d, int64_t *k) {
     k[i++] = nb > 1 ? d->stride_a : 0;
     k[i++] = nb > 1 ? d->stride_b : 0;
     k[i++] = nb > 1 ? d->stride_c : 0;
-    k[i++] = align_of(d->A);
-    k[i++] = align_of(d->B);
-    k[i++] = align_of(d->C);
+    const int64_t ce = d->c_type == LM_CUDA_GEMM_F32 ? 4 : 2;
+    k[i++] = align_batched(d->A, nb, d->stride_a, 2);
+    k[i++] = align_batched(d->B, nb, d->stride_b, 2);
+    k[i++] = align_batched(d->C, nb, d->stride_c, ce);
     k[i++] = d->epilogue == LM_CUDA_GEMM_EPI_BIAS ? align_of(d->bias) : 0;
     k[i++] = 0x6c6d; /* version of the key layout */
     LM_CHECK(i == KEY_WORDS);
@@ -232,8 +247,11 @@ lm_status entry_build(lm_cuda_ctx *ctx, GemmEntry *e, const lm_cuda_gemm_desc *d
     cublasLtMatmulPreference_t pref = nullptr;
     LM_CK_BLAS(cublasLtMatmulPreferenceCreate(&pref));
     const uint64_t ws = ctx->lt_ws_bytes;
-    const uint32_t al_a = (uint32_t)align_of(d->B), al_b = (uint32_t)align_of(d->A),
-                   al_c = (uint32_t)align_of(d->C);
+    /* cuBLASLt A = our B, cuBLASLt B = our A */
+    const int64_t ce = d->c_type == LM_CUDA_GEMM_F32 ? 4 : 2;
+    const uint32_t al_a = (uint32_t)align_batched(d->B, nb, d->stride_b, 2),
+                   al_b = (uint32_t)align_batched(d->A, nb, d->stride_a, 2),
+                   al_c = (uint32_t)align_batched(d->C, nb, d->stride_c, ce);
     cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
     if (s == CUBLAS_STATUS_SUCCESS)
