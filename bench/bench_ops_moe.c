@@ -7,17 +7,23 @@
  * (lm_router_forward, sigmoid scores, normalised top-6, dropless), uploaded once as the
  * int32 / fp32 topk_idx / topk_weight the GPU router would give.
  *
- * Rows (shape "T=.. D=.. E=64 k=6 F=512"):
+ * Rows (shape "T=.. D=.. E=64 k=6 F=512"), with the default grouped-GEMM variant:
  *   moe       fwd      lm_cuda_moe_forward, training (saves [g|u]): permutation, grouped
  *                      gate/up + SwiGLU and down GEMMs, shared expert, combine
  *   moe       fwd+bwd  the forward and lm_cuda_moe_backward (dx, dtopk_weight and all
  *                      six weight gradients, accumulated)
  *   moe_gemm  fwd      the routed grouped GEMMs of the forward alone (opts.gemm_only)
  *   moe_gemm  fwd+bwd  those of the forward and the backward alone
+ * then the same four rows for each variant side by side ("moe/v0", "moe_gemm/v0": the
+ * cp.async kernel, LM_CUDA_MOE_VARIANT_CPASYNC; "/v1": tensor copies and the staged
+ * epilogue, LM_CUDA_MOE_VARIANT_TMA), and each routed product alone per variant
+ * ("moe_gemm/v1:gateup" .. ":wgateup", opts.gemm_mask; pass fwd or bwd), so one run
+ * shows which variant wins and which product lags.
  * FLOPs: forward 6 D F per assignment (T k of them) + 6 T D fs for the shared expert;
- * fwd+bwd 3x the forward (moe_gemm: the routed part only). Minimum bytes: x read and y
- * written (bf16) and the bf16 weights read once; fwd+bwd adds dy read, dx written, the
- * weights read again and the fp32 gradients read and written.
+ * fwd+bwd 3x the forward (moe_gemm: the routed part only; per product 2 or 4 D F per
+ * assignment). Minimum bytes: x read and y written (bf16) and the bf16 weights read once;
+ * fwd+bwd adds dy read, dx written, the weights read again and the fp32 gradients read
+ * and written; per product its operands read and its output written once.
  * Peer: scripts/gpu/ops_peers/moe.py (PyTorch, torch._grouped_mm as torchtitan does). */
 #include <stdio.h>
 #include <stdlib.h>
@@ -152,23 +158,65 @@ static int bench_shape(lm_bench_ops_env *env, int T, int D) {
     a.bwd = 0;
     if (moe_fn(&a))
         goto done;
-    double ms = lm_bench_ops_time(env, moe_fn, &a);
-    if (ms < 0)
-        goto done;
-    lm_bench_ops_row(env, "moe", shape, "fwd", ms, fl, by_f, T);
-    a.bwd = 1;
-    if ((ms = lm_bench_ops_time(env, moe_fn, &a)) < 0)
-        goto done;
-    lm_bench_ops_row(env, "moe", shape, "fwd+bwd", ms, 3.0 * fl, by_fb, T);
-    a.o.gemm_only = 1;
-    a.bwd = 0;
-    if ((ms = lm_bench_ops_time(env, moe_fn, &a)) < 0)
-        goto done;
-    lm_bench_ops_row(env, "moe_gemm", shape, "fwd", ms, fl_routed, by_rw, T);
-    a.bwd = 1;
-    if ((ms = lm_bench_ops_time(env, moe_fn, &a)) < 0)
-        goto done;
-    lm_bench_ops_row(env, "moe_gemm", shape, "fwd+bwd", ms, 3.0 * fl_routed, 2.0 * by_rw, T);
+    static const struct {
+        const char *tag;
+        int variant;
+    } vars[] = {{"", LM_CUDA_MOE_VARIANT_DEFAULT},
+                {"/v0", LM_CUDA_MOE_VARIANT_CPASYNC},
+                {"/v1", LM_CUDA_MOE_VARIANT_TMA}};
+    const double tkdf = (double)Tk * D * F, ew = (double)E * D * F;
+    const double tk2 = 2.0 * (double)Tk;
+    const struct {
+        const char *name;
+        int mask, bwd;
+        double flops, bytes;
+    } prods[] = {
+        {"gateup", LM_CUDA_MOE_P_GATEUP, 0, 4.0 * tkdf, tk2 * (D + 3.0 * F) + 4.0 * ew},
+        {"down", LM_CUDA_MOE_P_DOWN, 0, 2.0 * tkdf, tk2 * (F + (double)D) + 2.0 * ew},
+        {"ddown", LM_CUDA_MOE_P_DDOWN, 1, 2.0 * tkdf, tk2 * (D + 4.0 * F) + 2.0 * ew},
+        {"wdown", LM_CUDA_MOE_P_WDOWN, 1, 2.0 * tkdf, tk2 * (D + (double)F) + 8.0 * ew},
+        {"dgateup", LM_CUDA_MOE_P_DGATEUP, 1, 4.0 * tkdf, tk2 * (2.0 * F + D) + 4.0 * ew},
+        {"wgateup", LM_CUDA_MOE_P_WGATEUP, 1, 4.0 * tkdf, tk2 * (2.0 * F + D) + 16.0 * ew},
+    };
+    for (size_t v = 0; v < sizeof vars / sizeof vars[0]; v++) {
+        char nm[64], ng[64];
+        snprintf(nm, sizeof nm, "moe%s", vars[v].tag);
+        snprintf(ng, sizeof ng, "moe_gemm%s", vars[v].tag);
+        a.o.variant = vars[v].variant;
+        a.o.gemm_mask = 0;
+        double ms;
+        a.o.gemm_only = 0;
+        a.bwd = 0;
+        if ((ms = lm_bench_ops_time(env, moe_fn, &a)) < 0)
+            goto done;
+        lm_bench_ops_row(env, nm, shape, "fwd", ms, fl, by_f, T);
+        a.bwd = 1;
+        if ((ms = lm_bench_ops_time(env, moe_fn, &a)) < 0)
+            goto done;
+        lm_bench_ops_row(env, nm, shape, "fwd+bwd", ms, 3.0 * fl, by_fb, T);
+        a.o.gemm_only = 1;
+        a.bwd = 0;
+        if ((ms = lm_bench_ops_time(env, moe_fn, &a)) < 0)
+            goto done;
+        lm_bench_ops_row(env, ng, shape, "fwd", ms, fl_routed, by_rw, T);
+        a.bwd = 1;
+        if ((ms = lm_bench_ops_time(env, moe_fn, &a)) < 0)
+            goto done;
+        lm_bench_ops_row(env, ng, shape, "fwd+bwd", ms, 3.0 * fl_routed, 2.0 * by_rw, T);
+        if (!vars[v].tag[0])
+            continue; /* the default is one of the variants below */
+        for (size_t p = 0; p < sizeof prods / sizeof prods[0]; p++) {
+            char np[80];
+            snprintf(np, sizeof np, "%s:%s", ng, prods[p].name);
+            a.o.gemm_mask = prods[p].mask;
+            a.bwd = prods[p].bwd;
+            if ((ms = lm_bench_ops_time(env, moe_fn, &a)) < 0)
+                goto done;
+            lm_bench_ops_row(env, np, shape, prods[p].bwd ? "bwd" : "fwd", ms, prods[p].flops,
+                             prods[p].bytes, T);
+        }
+        a.o.gemm_mask = 0;
+    }
     rc = 0;
     goto done;
 fail:

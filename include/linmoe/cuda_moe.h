@@ -22,19 +22,23 @@
  *
  * Algorithm:
  *   1. permutation (3 small kernels, deterministic): a histogram of topk_idx per chunk of
- *      4096 assignments, one scan (per-expert offsets = exclusive prefix of the counts,
- *      per-expert tile offsets), and a stable counting-sort scatter (by expert, then by
- *      token, then by slot: the order of the flat index t*k + j) giving
- *      perm[sorted row] = t*k + j, the token of each sorted row, and
- *      inv[t*k + j] = sorted row (-1 where dropped). No atomics whose order matters (the
- *      histogram's shared-memory integer adds are exact).
+ *      4096 assignments, one scan (per-expert offsets = exclusive prefix of the counts
+ *      rounded up to 128: each expert's rows start on a 128-row tile, the rows between
+ *      its count and the next expert's start are padding that the GEMMs fill with zeros),
+ *      and a stable counting-sort scatter (by expert, then by token, then by slot: the
+ *      order of the flat index t*k + j) giving perm[sorted row] = t*k + j, the token of
+ *      each sorted row, and inv[t*k + j] = sorted row (-1 where dropped). No atomics whose
+ *      order matters (the histogram's shared-memory integer adds are exact).
  *   2. grouped GEMMs of our own (no host synchronisation: the kernels read the group
  *      offsets from device memory): a persistent kernel per product over tiles
  *      (group, 128-row tile, 256-column tile), three warpgroups per CTA: one producer
  *      (cp.async with zero fill, 4 stages of 128x64 + 256x64 bf16 tiles in the 128-byte
  *      swizzled layout, mbarrier full / empty handshakes) and two consumers (wgmma
  *      m64n256k16, bf16 in, fp32 accumulators in registers), epilogue straight from the
- *      accumulators. The x rows are gathered by the loader (Xs is never materialised).
+ *      accumulators (variant v0) or, in variant v1 (the default), the weights and the
+ *      sorted rows loaded by the tensor copy engine and the epilogue staged through
+ *      shared memory (see opts.variant). The x rows are gathered by the loader (Xs is
+ *      never materialised).
  *      gate_proj and up_proj are one GEMM: a 256-column tile holds 128 gate and the same
  *      128 up columns, so the epilogue computes a = silu(g) u and writes a (and [g | u],
  *      saved for the backward) directly. Products per routed expert segment (m rows):
@@ -66,19 +70,20 @@
  * `scratch` (or once the context's scratch slot LM_SCRATCH_D has grown to the size). The
  * forward writes the permutation and the activations the backward needs into `saved`,
  * a caller-owned device buffer of lm_cuda_moe_sizes.saved_bytes that must stay untouched
- * from the forward to its backward(s). Sizes (Tk = T*k):
- *   saved   12 Tk + 2 Tk (2F + F + D) + 2 T (2fs + fs) bytes + O(E)
- *   scratch max(forward: 4 E ceil(Tk / 4096), backward: 2 Tk (D + 2F) + 4 T fs) bytes
+ * from the forward to its backward(s). Sizes (Tk = T*k, R = Tk + 127 E sorted rows):
+ *   saved   8 R + 4 Tk + 2 R (2F + F + D) + 2 T (2fs + fs) bytes + O(E)
+ *   scratch max(forward: 4 E ceil(Tk / 4096), backward: 2 R (D + 2F) + 4 T fs) bytes
  *
  * Context (include/linmoe/backend.h): every entry point takes the lm_cuda_ctx it runs on
  * (device made current, kernels on its stream, asynchronous; faults inside a kernel are
  * reported by the next synchronising call). No host synchronisation.
  *
- * Limits: D and F multiples of 8 (16-byte rows), E <= 1024, k <= 32, T * k < 2^31
+ * Limits: D and F multiples of 8 (16-byte rows), E <= 1024, k <= 32, T * k + 127 E < 2^31
  * (LM_ERR_UNSUPPORTED otherwise, naming the key and value).
  *
  * Errors: LM_ERR_INVALID (message names the argument and value) for a NULL context,
- * config or required pointer, a config lm_moe_config_validate refuses, T < 0;
+ * config or required pointer, a config lm_moe_config_validate refuses, T < 0, opts.gemm or
+ * opts.variant out of range;
  * LM_ERR_UNSUPPORTED for the limits above and in a build without CUDA
  * (src/ops/nocuda/moe_stub.c); LM_ERR_IO / LM_ERR_NOMEM from CUDA. The grouped GEMM
  * traps (reported as a launch failure by the next synchronising call) if a pipeline
@@ -129,6 +134,21 @@ enum {
     LM_CUDA_MOE_GEMM_SIMPLE = 1 /* a plain fp32-FMA tiled kernel (reference, slow): same
                                    tiles, same epilogues, same results up to rounding */
 };
+/* Variants of the wgmma grouped GEMM (opts.variant; same tiles, same math, results equal
+ * up to rounding; each is deterministic). Any variant's backward may follow any variant's
+ * forward. */
+enum {
+    LM_CUDA_MOE_VARIANT_DEFAULT = 0, /* the default: currently LM_CUDA_MOE_VARIANT_TMA */
+    LM_CUDA_MOE_VARIANT_CPASYNC = 1, /* "v0": every operand loaded with cp.async by a producer
+                                        warpgroup, epilogue straight from the accumulators */
+    LM_CUDA_MOE_VARIANT_TMA = 2      /* "v1": weights and sorted rows by the tensor copy
+                                        engine, gathered x rows by cp.async completing on the
+                                        stage barrier, epilogue staged through shared memory
+                                        (16-byte coalesced stores / read-modify-writes). Where
+                                        the driver has no cuTensorMapEncodeTiled or a buffer is
+                                        not 16-byte aligned, the default runs v0 instead and
+                                        this value fails with LM_ERR_UNSUPPORTED */
+};
 typedef struct {
     int gemm;      /* LM_CUDA_MOE_GEMM_* */
     int max_ctas;  /* 0: one CTA per SM; > 0: cap on the persistent grid (tests use it to
@@ -136,7 +156,22 @@ typedef struct {
     int gemm_only; /* benchmarks: 1 runs only the routed grouped GEMMs of the pass (no
                       permutation, gathers, shared experts or combine); needs an earlier
                       full forward into the same `saved` */
+    int variant;   /* LM_CUDA_MOE_VARIANT_* (gemm = WGMMA); other values: LM_ERR_INVALID */
+    int gemm_mask; /* with gemm_only: the LM_CUDA_MOE_P_* products of the pass to run
+                      (0: all of them); ignored otherwise */
 } lm_cuda_moe_opts;
+/* The routed grouped products (bits of opts.gemm_mask; rows m of an expert, K noted):
+ * forward [g | u] = X [Wg; Wu]^T with the SwiGLU epilogue (K = D), Ys = A Wd^T (K = F);
+ * backward dH = dswiglu((w dy) Wd) (K = D), dWd += (w dy)^T A (K = m), dX = dH [Wg; Wu]
+ * (K = 2F), [dWg; dWu] += dH^T X (K = m). */
+enum {
+    LM_CUDA_MOE_P_GATEUP = 1,
+    LM_CUDA_MOE_P_DOWN = 2,
+    LM_CUDA_MOE_P_DDOWN = 4,
+    LM_CUDA_MOE_P_WDOWN = 8,
+    LM_CUDA_MOE_P_DGATEUP = 16,
+    LM_CUDA_MOE_P_WGATEUP = 32
+};
 
 /* The sizes for T >= 0 tokens. Errors: LM_ERR_INVALID (bad config, T < 0, NULL out),
  * LM_ERR_UNSUPPORTED (the limits above). Never touches a device. */

@@ -12,8 +12,11 @@
  * the CPU side of the error budget); then a second backward without re-zeroing the
  * gradients: dx and dtopk_weight bit-identical, every gradient exactly twice the first
  * (accumulation and determinism), as mismatch counts against 0. Every case runs the
- * wgmma grouped GEMM, the same with the persistent grid capped at 2 CTAs (every CTA runs
- * many tiles, the pipeline's stage ring wraps across tiles) and the plain reference GEMM.
+ * wgmma grouped GEMM with the default variant ("moe"), each variant (v0: cp.async,
+ * "moe/v0"; v1: tensor copies and staged epilogue, "moe/v1") alone and with the
+ * persistent grid capped at 2 CTAs ("/cta2": every CTA runs many tiles, the pipeline's
+ * stage ring and the epilogue staging buffers are reused across tiles), and the plain
+ * reference GEMM ("moe/simple").
  * Outputs and the saved / scratch buffers start poisoned (NaN), so an unwritten element
  * or a read of an unwritten one fails.
  *
@@ -22,7 +25,9 @@
  * an expert that receives no tokens (selection bias -1000) and no shared expert; T = 300,
  * E = 64 top-6, 2 shared experts, a dead expert; T = 700, D = 320, F = 200, E = 4 top-2,
  * routed_scaling_factor 2.5 (several 128-row tiles per expert, K loops longer than the
- * 4-stage ring, gate / up tiles that straddle F).
+ * 4-stage ring, gate / up tiles that straddle F); T = 2048, D = 256, F = 128, E = 64
+ * top-6 (the benchmark's routing shape scaled down: whole 64-column K steps, full tiles,
+ * ~190 rows per expert).
  */
 #include <math.h>
 #include <stdio.h>
@@ -94,11 +99,14 @@ typedef struct {
 } host_case;
 
 static void run_gpu(bo_ctx *c, const mcase *k, const lm_moe_config *cfg, const host_case *h,
-                    const char *shape, int gemm, int max_ctas) {
+                    const char *shape, int gemm, int variant, int max_ctas) {
     const int64_t T = k->T, D = k->D, Tk = T * k->k;
-    const char *op = gemm == LM_CUDA_MOE_GEMM_SIMPLE ? "moe/simple"
-                     : max_ctas > 0                  ? "moe/cta2"
-                                                     : "moe";
+    const char *op =
+        gemm == LM_CUDA_MOE_GEMM_SIMPLE          ? "moe/simple"
+        : variant == LM_CUDA_MOE_VARIANT_CPASYNC ? (max_ctas > 0 ? "moe/v0/cta2" : "moe/v0")
+        : variant == LM_CUDA_MOE_VARIANT_TMA     ? (max_ctas > 0 ? "moe/v1/cta2" : "moe/v1")
+        : max_ctas > 0                           ? "moe/cta2"
+                                                 : "moe";
     lm_error e = {0};
     gpu_bufs b;
     memset(&b, 0, sizeof b);
@@ -145,6 +153,7 @@ static void run_gpu(bo_ctx *c, const mcase *k, const lm_moe_config *cfg, const h
         lm_cuda_moe_opts o;
         memset(&o, 0, sizeof o);
         o.gemm = gemm;
+        o.variant = variant;
         o.max_ctas = max_ctas;
         if (lm_cuda_moe_forward(c->cuda, cfg, k->T, &w, b.x, (const int32_t *)b.idx,
                                 (const float *)b.wt, k->pass_counts ? (const int32_t *)b.cnt : NULL,
@@ -291,9 +300,12 @@ static void moe_case(bo_ctx *c, const mcase *k) {
             bo_fail(c, "moe", shape, &why);
         }
     }
-    run_gpu(c, k, &cfg, &h, shape, LM_CUDA_MOE_GEMM_WGMMA, 0);
-    run_gpu(c, k, &cfg, &h, shape, LM_CUDA_MOE_GEMM_WGMMA, 2);
-    run_gpu(c, k, &cfg, &h, shape, LM_CUDA_MOE_GEMM_SIMPLE, 0);
+    run_gpu(c, k, &cfg, &h, shape, LM_CUDA_MOE_GEMM_WGMMA, LM_CUDA_MOE_VARIANT_DEFAULT, 0);
+    run_gpu(c, k, &cfg, &h, shape, LM_CUDA_MOE_GEMM_WGMMA, LM_CUDA_MOE_VARIANT_CPASYNC, 0);
+    run_gpu(c, k, &cfg, &h, shape, LM_CUDA_MOE_GEMM_WGMMA, LM_CUDA_MOE_VARIANT_CPASYNC, 2);
+    run_gpu(c, k, &cfg, &h, shape, LM_CUDA_MOE_GEMM_WGMMA, LM_CUDA_MOE_VARIANT_TMA, 0);
+    run_gpu(c, k, &cfg, &h, shape, LM_CUDA_MOE_GEMM_WGMMA, LM_CUDA_MOE_VARIANT_TMA, 2);
+    run_gpu(c, k, &cfg, &h, shape, LM_CUDA_MOE_GEMM_SIMPLE, LM_CUDA_MOE_VARIANT_DEFAULT, 0);
 out:
     lm_moe_ctx_free(mc);
     lm_router_state_free(&st);
@@ -307,10 +319,9 @@ out:
 int bo_family_moe(bo_ctx *c) {
     const int failed0 = c->failed;
     const mcase cases[] = {
-        {37, 64, 96, 8, 2, 1, 0.0f, -1, 1.0f, 1},
-        {37, 64, 96, 8, 2, 0, 0.6f, 5, 1.0f, 0},
-        {300, 136, 40, 64, 6, 2, 0.0f, 7, 1.0f, 1},
-        {700, 320, 200, 4, 2, 1, 0.0f, -1, 2.5f, 0},
+        {37, 64, 96, 8, 2, 1, 0.0f, -1, 1.0f, 1},      {37, 64, 96, 8, 2, 0, 0.6f, 5, 1.0f, 0},
+        {300, 136, 40, 64, 6, 2, 0.0f, 7, 1.0f, 1},    {700, 320, 200, 4, 2, 1, 0.0f, -1, 2.5f, 0},
+        {2048, 256, 128, 64, 6, 1, 0.0f, -1, 1.0f, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         moe_case(c, &cases[i]);

@@ -61,7 +61,11 @@ def run(do_bench, quick):
     t = 8192 if quick else T
     rows = []
     peer = "torch._grouped_mm (torchtitan)"
-    gm = getattr(torch, "_grouped_mm", None)
+    # torch 2.11: aten::_grouped_mm(Tensor self, Tensor mat2, Tensor? offs=None,
+    # Tensor? bias=None, ScalarType? out_dtype=None); offs: int32 group ends, 2-D x 3-D for
+    # the forward (autograd gives the 2-D x 2-D weight gradients). The public wrapper
+    # torch.nn.functional.grouped_mm(mat_a, mat_b, *, offs=...) calls the same kernel.
+    gm = getattr(torch, "_grouped_mm", None) or getattr(Fn, "grouped_mm", None)
     for d in (1024, 2048):
         shape = shape_str(t, d)
         try:

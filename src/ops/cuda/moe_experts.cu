@@ -1,10 +1,14 @@
 /* MoE experts on the GPU (include/linmoe/cuda_moe.h): the stable counting-sort
- * permutation, the grouped GEMMs (wgmma, warp-specialised, persistent; and a plain
- * reference kernel with the same tiles and epilogues), the fused SwiGLU forward /
- * backward epilogues, the combine / dx gathers and the dtopk_weight dot products, and the
- * forward / backward orchestration. Math and layouts: the header. */
+ * permutation, the grouped GEMMs (wgmma, warp-specialised, persistent, in two variants:
+ * v0 loads every operand with cp.async and runs the epilogue from the accumulators, v1
+ * loads the contiguous operands with the tensor copy engine and stores through shared
+ * memory; and a plain reference kernel with the same tiles and epilogues), the fused
+ * SwiGLU forward / backward epilogues, the combine / dx gathers and the dtopk_weight dot
+ * products, and the forward / backward orchestration. Math and layouts: the header. */
+#include <cuda.h> /* CUtensorMap (the driver entry point is fetched at run time) */
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "linmoe/cuda_moe.h"
 #include "ops/cuda/ctx.cuh"
@@ -24,6 +28,10 @@ constexpr int B_BYTES = BN * BK * 2; /* 32 KiB */
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int WG_THREADS = 384; /* producer warpgroup + two consumer warpgroups */
 constexpr int WG_SMEM = NS * STAGE_BYTES + 1024 /* alignment slack */ + 2 * NS * 8;
+constexpr int V1_STG = 16384; /* v1: epilogue staging per consumer warpgroup (64 x 128 bf16
+                                 or 64 x 64 fp32) */
+constexpr int V1_SMEM = NS * STAGE_BYTES + 2 * V1_STG + 1024 + 2 * NS * 8;
+static_assert(V1_SMEM <= 232448, "v1 shared memory exceeds the sm_90 opt-in limit");
 constexpr int SIMPLE_THREADS = 256;
 constexpr int SIMPLE_BK = 16;
 constexpr int SIMPLE_SMEM = BM * BN * 4; /* the fp32 C tile of the reference kernel */
@@ -43,8 +51,13 @@ enum { K_GATEUP = 0, K_DOWN = 1, K_DDOWN = 2, K_DGATEUP = 3, K_WDOWN = 4, K_WGAT
 
 struct GArgs {
     const int *seg_off;  /* [G+1] first sorted row of each group */
+    const int *seg_cnt;  /* [G] rows of each group (NULL: seg_off[g+1] - seg_off[g]) */
     const int *tile_off; /* [G+1] first 128-row tile of each group (GATEUP .. DGATEUP) */
     int G, D, F;
+    int pad;         /* 1: each group's rows are padded to a multiple of BM in the sorted buffers
+                        (routed experts): the M-direction epilogues also write the padding rows
+                        (zeros, from zero-filled operands), and the K direction of the weight
+                        gradients may read them; 0: the group's rows end the tensor (shared) */
     const bf16 *X;   /* x [T, D] */
     const int *xrow; /* [rows] sorted row -> token (NULL: identity) */
     const bf16 *Wg, *Wu, *Wd;
@@ -217,10 +230,19 @@ struct Tile {
     int g;   /* group */
     int seg; /* the group's first sorted row */
     int mg;  /* the group's rows */
+    int ms;  /* rows the M-direction epilogues store: mg rounded up to BM when padded */
     int m0;  /* M offset of the tile (rows within the group, or the weight-gradient row) */
     int n0;  /* N offset (GATEUP: the f offset of the 128 gate / up columns) */
     int K;
+    int h; /* v1 WGATEUP: 0 gate rows, 1 up rows */
 };
+
+__device__ __forceinline__ void group_rows(const GArgs &a, Tile &t) {
+    t.seg = a.seg_off[t.g];
+    t.mg = a.seg_cnt ? a.seg_cnt[t.g] : a.seg_off[t.g + 1] - t.seg;
+    t.ms = a.pad ? cdiv(t.mg, BM) * BM : t.mg;
+    t.h = 0;
+}
 
 template <int KIND> __device__ __forceinline__ int tiles_total(const GArgs &a) {
     const int ntn = n_tiles_n<KIND>(a.D, a.F);
@@ -237,8 +259,7 @@ template <int KIND> __device__ __forceinline__ bool tile_decode(const GArgs &a, 
         const int tpg = m_tiles_gk<KIND>(a.D, a.F) * ntn;
         t.g = id / tpg;
         const int rem = id - t.g * tpg, mt = rem / ntn, nt = rem - mt * ntn;
-        t.seg = a.seg_off[t.g];
-        t.mg = a.seg_off[t.g + 1] - t.seg;
+        group_rows(a, t);
         t.m0 = mt * BM;
         t.n0 = nt * BN;
         t.K = t.mg;
@@ -254,8 +275,7 @@ template <int KIND> __device__ __forceinline__ bool tile_decode(const GArgs &a, 
             hi = mid;
     }
     t.g = lo;
-    t.seg = a.seg_off[lo];
-    t.mg = a.seg_off[lo + 1] - t.seg;
+    group_rows(a, t);
     t.m0 = (mt - a.tile_off[lo]) * BM;
     t.n0 = nt * (KIND == K_GATEUP ? 128 : BN);
     t.K = KIND == K_DOWN ? a.F : KIND == K_DGATEUP ? 2 * a.F : a.D;
@@ -344,7 +364,7 @@ __device__ __forceinline__ void epi(const GArgs &a, const Tile &t, int r, int c,
                                     float p0, float p1) {
     if constexpr (KIND == K_GATEUP) {
         const int m = t.m0 + r, f = t.n0 + c;
-        if (m >= t.mg || f >= a.F)
+        if (m >= t.ms || f >= a.F)
             return;
         const int64_t row = t.seg + m;
         if (a.H) {
@@ -354,12 +374,12 @@ __device__ __forceinline__ void epi(const GArgs &a, const Tile &t, int r, int c,
         st_bf16x2(a.A + row * a.F + f, v0 * sigmoid_(v0) * p0, v1 * sigmoid_(v1) * p1);
     } else if constexpr (KIND == K_DOWN || KIND == K_DGATEUP) {
         const int m = t.m0 + r, n = t.n0 + c;
-        if (m >= t.mg || n >= a.D)
+        if (m >= t.ms || n >= a.D)
             return;
         st_bf16x2((KIND == K_DOWN ? a.Y : a.dX) + (int64_t)(t.seg + m) * a.D + n, v0, v1);
     } else if constexpr (KIND == K_DDOWN) {
         const int m = t.m0 + r, f = t.n0 + c;
-        if (m >= t.mg || f >= a.F)
+        if (m >= t.ms || f >= a.F)
             return;
         const int64_t row = t.seg + m;
         const float2 g = ld_bf16x2(a.H + row * 2 * a.F + f);
@@ -576,6 +596,556 @@ template <int KIND> __global__ void __launch_bounds__(WG_THREADS, 1) moe_gemm_wg
     }
 }
 
+/* ---------------------------------------------------------------- v1: tensor copies */
+
+/* Variant v1 of the grouped GEMM: the same tiles, warp roles, stage ring and wgmma main
+ * loop as moe_gemm_wg, but
+ *  - every operand that is a plain strided tensor (the weights, the sorted activation
+ *    rows) is loaded by the tensor copy engine (cp.async.bulk.tensor, 128-byte swizzle:
+ *    the layout load_stage writes by hand), one thread issuing and posting the stage's
+ *    bytes on its full barrier; the per-expert weights are 3-D maps [E][rows][cols] and
+ *    the [g | u] / [dg | du] rows 3-D maps [rows][2][F], so that every box that runs past
+ *    an expert's weights or past F reads zeros;
+ *  - the gathered x rows (GATEUP's A, WGATEUP's B) stay on cp.async from all 128
+ *    producer threads, which arrive on the full barrier when their copies land
+ *    (cp.async.mbarrier.arrive.noinc: no producer ever waits for its copies), the
+ *    consumers fencing the stage to the async proxy after the wait;
+ *  - the routed groups' sorted rows are padded to whole 128-row tiles (zero rows, see
+ *    GArgs::pad), so M tiles never straddle experts and the weight gradients' K loops
+ *    (over an expert's rows, in steps of 64) read zeros past the expert's last row;
+ *  - the epilogue stages the accumulators in shared memory (stmatrix / 8-byte stores into
+ *    a per-warpgroup 16 KiB buffer, 16-byte chunks swizzled by row) and writes global
+ *    memory in whole 16-byte chunks, rows contiguous across 8 or 16 threads; the weight
+ *    gradients' += reads its old values before staging (their lines prefetched to L2 three
+ *    stages before the tile's end), DDOWN's [g | u] likewise.
+ * WGATEUP's M tiles are per half (gate rows, then up rows: tile mt < 2 ceil(F / 128)) so
+ * that a tile never straddles F. */
+
+/* cuTensorMapEncodeTiled's type (fetched from the driver at run time: no libcuda link) */
+typedef CUresult (*EncodeFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                             const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                             const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                             CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* a: the A operand's map, b0 / b1: B's (GATEUP, DGATEUP: gate, up) */
+struct TMaps {
+    CUtensorMap a, b0, b1;
+};
+
+template <int KIND> constexpr bool GATHER = KIND == K_GATEUP || KIND == K_WGATEUP;
+/* bytes the tensor copies of one stage bring */
+template <int KIND>
+constexpr uint32_t TX_BYTES = KIND == K_GATEUP    ? (uint32_t)B_BYTES
+                              : KIND == K_WGATEUP ? (uint32_t)A_BYTES
+                                                  : (uint32_t)STAGE_BYTES;
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+/* one arrival on bar when this thread's earlier cp.async copies have landed (counted in
+ * the barrier's expected arrivals: noinc) */
+__device__ __forceinline__ void cp_mbar_arrive(uint64_t *bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar))
+                 : "memory");
+}
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void tma2(uint32_t dst, const CUtensorMap *m, int c0, int c1,
+                                     uint64_t *bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+                 "l"(m), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+                 : "memory");
+}
+__device__ __forceinline__ void tma3(uint32_t dst, const CUtensorMap *m, int c0, int c1, int c2,
+                                     uint64_t *bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+                 "l"(m), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
+                 : "memory");
+}
+/* named barrier `id` over n threads */
+__device__ __forceinline__ void bar_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+/* four 8 x 8 bf16 matrices: lanes 8 i .. 8 i + 7 give the row addresses of matrix i,
+ * register i holds its fragment (row lane / 4, columns 2 (lane % 4), + 1) */
+__device__ __forceinline__ void stsm4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                      uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+__device__ __forceinline__ void st_shared_f2(uint32_t addr, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_u4(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+__device__ __forceinline__ float4 ld_shared_f4(uint32_t addr) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+__device__ __forceinline__ void prefetch_l2(const void *p) {
+    asm volatile("prefetch.L2 [%0];\n" ::"l"(p));
+}
+/* sigmoid with the approximate reciprocal (inf -> 0: sigmoid(-inf) = 0) */
+__device__ __forceinline__ float sigmoid_fast(float x) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(1.0f + __expf(-x)));
+    return r;
+}
+__device__ __forceinline__ void unpack8(float f[8], uint4 u) {
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int x = 0; x < 4; x++) {
+        f[2 * x] = __low2float(h[x]);
+        f[2 * x + 1] = __high2float(h[x]);
+    }
+}
+
+/* tiles: GATEUP .. DGATEUP and WDOWN as in v0; WGATEUP per half (see above) */
+template <int KIND> __host__ __device__ inline int v1_m_tiles_gk(int D, int F) {
+    return KIND == K_WDOWN ? cdiv(D, BM) : 2 * cdiv(F, BM);
+}
+template <int KIND> __device__ __forceinline__ int v1_tiles_total(const GArgs &a) {
+    const int ntn = n_tiles_n<KIND>(a.D, a.F);
+    if (GK<KIND>)
+        return a.G * v1_m_tiles_gk<KIND>(a.D, a.F) * ntn;
+    return a.tile_off[a.G] * ntn;
+}
+template <int KIND> __device__ __forceinline__ bool v1_decode(const GArgs &a, int id, Tile &t) {
+    if constexpr (KIND == K_WGATEUP) {
+        const int ntn = n_tiles_n<KIND>(a.D, a.F), mf = cdiv(a.F, BM);
+        const int tpg = 2 * mf * ntn;
+        t.g = id / tpg;
+        const int rem = id - t.g * tpg, mt = rem / ntn, nt = rem - mt * ntn;
+        group_rows(a, t);
+        t.h = mt >= mf ? 1 : 0;
+        t.m0 = (mt - t.h * mf) * BM;
+        t.n0 = nt * BN;
+        t.K = t.mg;
+        return t.mg > 0;
+    } else {
+        return tile_decode<KIND>(a, id, t);
+    }
+}
+/* K steps of a tile (DGATEUP: ceil(F / 64) over the gate rows, then as many over the up
+ * rows) */
+template <int KIND> __device__ __forceinline__ int v1_ksteps(const GArgs &a, const Tile &t) {
+    return KIND == K_DGATEUP ? 2 * cdiv(a.F, BK) : cdiv(t.K, BK);
+}
+
+/* The tensor copies of K step kt into stage (As, Bs), completing on bar (thread 0). */
+template <int KIND>
+__device__ __forceinline__ void v1_tma_stage(const TMaps &m, const GArgs &a, const Tile &t, int kt,
+                                             uint32_t As, uint32_t Bs, uint64_t *bar) {
+    const int k0 = kt * BK;
+    if constexpr (KIND == K_GATEUP) {
+        tma3(Bs, &m.b0, k0, t.n0, t.g, bar);
+        tma3(Bs + 16384, &m.b1, k0, t.n0, t.g, bar);
+    } else if constexpr (KIND == K_DOWN) {
+        tma2(As, &m.a, k0, t.seg + t.m0, bar);
+        tma3(Bs, &m.b0, k0, t.n0, t.g, bar);
+    } else if constexpr (KIND == K_DDOWN) {
+        tma2(As, &m.a, k0, t.seg + t.m0, bar);
+#pragma unroll
+        for (int b = 0; b < BN / 64; b++)
+            tma3(Bs + 8192 * b, &m.b0, t.n0 + 64 * b, k0, t.g, bar);
+    } else if constexpr (KIND == K_DGATEUP) {
+        const int kf = cdiv(a.F, BK), h = kt >= kf ? 1 : 0, kk = (kt - h * kf) * BK;
+        tma3(As, &m.a, kk, h, t.seg + t.m0, bar);
+        const CUtensorMap *w = h ? &m.b1 : &m.b0;
+#pragma unroll
+        for (int b = 0; b < BN / 64; b++)
+            tma3(Bs + 8192 * b, w, t.n0 + 64 * b, kk, t.g, bar);
+    } else if constexpr (KIND == K_WDOWN) {
+#pragma unroll
+        for (int b = 0; b < BM / 64; b++)
+            tma2(As + 8192 * b, &m.a, t.m0 + 64 * b, t.seg + k0, bar);
+#pragma unroll
+        for (int b = 0; b < BN / 64; b++)
+            tma2(Bs + 8192 * b, &m.b0, t.n0 + 64 * b, t.seg + k0, bar);
+    } else { /* K_WGATEUP: A only; B is gathered */
+#pragma unroll
+        for (int b = 0; b < BM / 64; b++)
+            tma3(As + 8192 * b, &m.a, t.m0 + 64 * b, t.h, t.seg + k0, bar);
+    }
+}
+
+/* Staging buffer of a consumer warpgroup: 64 rows of 256 bytes, the 16-byte chunk c of
+ * row r at chunk c ^ (r % 8) (conflict-free for the fragment stores and the row reads). */
+__device__ __forceinline__ uint32_t stg_off(int r, int c) { return r * 256 + ((c ^ (r & 7)) << 4); }
+
+/* The warpgroup's 64 x 128 bf16 of accumulator columns 8 j0 .. 8 j0 + 127 (j0 = 0 or 16)
+ * into the staging buffer; val(i): the value of accumulator register i. */
+template <typename V>
+__device__ __forceinline__ void stage_bf16(uint32_t S, int warp, int lane, int j0, V val) {
+    const int q = lane >> 3, r = 16 * warp + 8 * (q & 1) + (lane & 7);
+#pragma unroll
+    for (int jj = 0; jj < 8; jj++) {
+        const int j = j0 + 2 * jj;
+        stsm4(S + stg_off(r, 2 * jj + (q >> 1)), pack_bf16(val(4 * j), val(4 * j + 1)),
+              pack_bf16(val(4 * j + 2), val(4 * j + 3)), pack_bf16(val(4 * j + 4), val(4 * j + 5)),
+              pack_bf16(val(4 * j + 6), val(4 * j + 7)));
+    }
+}
+/* The staged 64 x 128 bf16 to global memory: row r to row_ptr(r) (nullptr: not stored),
+ * chunk c to columns col0 + 8 c .. + 7 when col0 + 8 c < ncols. */
+template <typename R>
+__device__ __forceinline__ void unstage_bf16(uint32_t S, int wtid, R row_ptr, int col0, int ncols) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int idx = wtid + 128 * i, r = idx >> 4, c = idx & 15;
+        const uint4 v = ld_shared_u4(S + stg_off(r, c));
+        bf16 *p = row_ptr(r);
+        if (p && col0 + 8 * c < ncols)
+            *reinterpret_cast<uint4 *>(p + col0 + 8 * c) = v;
+    }
+}
+/* The warpgroup's 64 x 64 fp32 of accumulator columns 8 j0 .. 8 j0 + 63 into the staging
+ * buffer (chunk c of row r: columns 4 c .. 4 c + 3). */
+__device__ __forceinline__ void stage_f32(uint32_t S, int warp, int lane, int j0,
+                                          const float (&acc)[128]) {
+    const int r0 = 16 * warp + (lane >> 2), cc = (lane & 3) >> 1, hb = (lane & 1) * 8;
+#pragma unroll
+    for (int jj = 0; jj < 8; jj++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = r0 + 8 * h;
+            st_shared_f2(S + stg_off(r, 2 * jj + cc) + hb, acc[4 * (j0 + jj) + 2 * h],
+                         acc[4 * (j0 + jj) + 2 * h + 1]);
+        }
+}
+
+/* L2 prefetch of what the tile's epilogue reads (ctid: consumer thread 0 .. 255): DDOWN
+ * the [g | u] rows, the weight gradients their old values. */
+template <int KIND>
+__device__ __forceinline__ void v1_prefetch(const GArgs &a, const Tile &t, int ctid) {
+    const int r = ctid >> 1, hh = ctid & 1;
+    if constexpr (KIND == K_DDOWN) {
+        const int m = t.m0 + r;
+        if (m < t.ms) {
+            const bf16 *p = a.H + (int64_t)(t.seg + m) * 2 * a.F + hh * a.F;
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if (t.n0 + 64 * i < a.F)
+                    prefetch_l2(p + t.n0 + 64 * i);
+        }
+    } else if constexpr (KIND == K_WDOWN || KIND == K_WGATEUP) {
+        const int m = t.m0 + r;
+        const float *base = KIND == K_WDOWN ? a.dWd : t.h ? a.dWu : a.dWg;
+        const int Mo = KIND == K_WDOWN ? a.D : a.F, No = KIND == K_WDOWN ? a.F : a.D;
+        if (base && m < Mo) {
+            const float *p = base + ((int64_t)t.g * Mo + m) * No;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int n = t.n0 + 128 * hh + 32 * i;
+                if (n < No)
+                    prefetch_l2(p + n);
+            }
+        }
+    }
+}
+
+/* The epilogue of one tile for consumer warpgroup cw (rows 64 cw .. + 63 of the tile):
+ * S its staging buffer, named barrier 1 + cw. Every round starts with a barrier (the
+ * previous round's, or the previous tile's, reads of S are done). */
+template <int KIND>
+__device__ __forceinline__ void v1_epilogue(const GArgs &a, const Tile &t, float (&acc)[128],
+                                            uint32_t S, int cw, int warp, int lane, int wtid) {
+    const int bid = 1 + cw, rb = t.m0 + 64 * cw;
+    if constexpr (KIND == K_GATEUP) {
+        auto hrow = [&](int r) -> bf16 * {
+            const int m = rb + r;
+            return m < t.ms ? a.H + (int64_t)(t.seg + m) * 2 * a.F : nullptr;
+        };
+        if (a.H) {
+            bar_sync(bid, 128);
+            stage_bf16(S, warp, lane, 0, [&](int i) { return acc[i]; });
+            bar_sync(bid, 128);
+            unstage_bf16(S, wtid, hrow, t.n0, a.F);
+            bar_sync(bid, 128);
+            stage_bf16(S, warp, lane, 16, [&](int i) { return acc[i]; });
+            bar_sync(bid, 128);
+            unstage_bf16(
+                S, wtid,
+                [&](int r) -> bf16 * {
+                    bf16 *p = hrow(r);
+                    return p ? p + a.F : p;
+                },
+                t.n0, a.F);
+        }
+        bar_sync(bid, 128);
+        stage_bf16(S, warp, lane, 0, [&](int i) {
+            const float g = acc[i];
+            return g * sigmoid_fast(g) * acc[i + 64];
+        });
+        bar_sync(bid, 128);
+        unstage_bf16(
+            S, wtid,
+            [&](int r) -> bf16 * {
+                const int m = rb + r;
+                return m < t.ms ? a.A + (int64_t)(t.seg + m) * a.F : nullptr;
+            },
+            t.n0, a.F);
+    } else if constexpr (KIND == K_DOWN || KIND == K_DGATEUP) {
+        bf16 *out = KIND == K_DOWN ? a.Y : a.dX;
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            bar_sync(bid, 128);
+            stage_bf16(S, warp, lane, 16 * half, [&](int i) { return acc[i]; });
+            bar_sync(bid, 128);
+            unstage_bf16(
+                S, wtid,
+                [&](int r) -> bf16 * {
+                    const int m = rb + r;
+                    return m < t.ms ? out + (int64_t)(t.seg + m) * a.D : nullptr;
+                },
+                t.n0 + 128 * half, a.D);
+        }
+    } else if constexpr (KIND == K_DDOWN) {
+        /* dA (fp32) staged 64 columns at a time; each thread then takes 8 consecutive f of
+         * a row: da from S, g / u from H (loaded before the staging), dg / du to dH */
+#pragma unroll
+        for (int q = 0; q < 4; q++) { /* unrolled: acc is indexed by q */
+            uint4 gv[4], uv[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int idx = wtid + 128 * i, r = idx >> 3, f = t.n0 + 64 * q + 8 * (idx & 7);
+                const int m = rb + r;
+                gv[i] = uv[i] = make_uint4(0u, 0u, 0u, 0u);
+                if (m < t.ms && f < a.F) {
+                    const bf16 *h = a.H + (int64_t)(t.seg + m) * 2 * a.F + f;
+                    gv[i] = __ldg(reinterpret_cast<const uint4 *>(h));
+                    uv[i] = __ldg(reinterpret_cast<const uint4 *>(h + a.F));
+                }
+            }
+            bar_sync(bid, 128);
+            stage_f32(S, warp, lane, 8 * q, acc);
+            bar_sync(bid, 128);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int idx = wtid + 128 * i, r = idx >> 3, gq = idx & 7;
+                const int f = t.n0 + 64 * q + 8 * gq, m = rb + r;
+                if (m >= t.ms || f >= a.F)
+                    continue;
+                const float4 d0 = ld_shared_f4(S + stg_off(r, 2 * gq));
+                const float4 d1 = ld_shared_f4(S + stg_off(r, 2 * gq + 1));
+                const float da[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
+                float g[8], u[8], dg[8], du[8];
+                unpack8(g, gv[i]);
+                unpack8(u, uv[i]);
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    /* da = v; du = da silu(g); dg = da u silu'(g), silu' = s (1 + g (1 - s)) */
+                    const float s = sigmoid_fast(g[e]);
+                    dg[e] = da[e] * u[e] * s * (1.0f + g[e] * (1.0f - s));
+                    du[e] = da[e] * g[e] * s;
+                }
+                bf16 *o = a.dH + (int64_t)(t.seg + m) * 2 * a.F + f;
+                st8(o, dg);
+                st8(o + a.F, du);
+            }
+        }
+    } else { /* K_WDOWN, K_WGATEUP: dW[rows, No] += the tile, 64 fp32 columns per round */
+        float *base = KIND == K_WDOWN ? a.dWd : t.h ? a.dWu : a.dWg;
+        if (!base) /* uniform over the CTA: no barrier is skipped by some threads only */
+            return;
+        const int Mo = KIND == K_WDOWN ? a.D : a.F, No = KIND == K_WDOWN ? a.F : a.D;
+        auto ptr = [&](int i, int q) -> float * {
+            const int idx = wtid + 128 * i, r = idx >> 4, n = t.n0 + 64 * q + 4 * (idx & 15);
+            const int m = rb + r;
+            return (m < Mo && n < No) ? base + ((int64_t)t.g * Mo + m) * No + n : nullptr;
+        };
+#pragma unroll
+        for (int q = 0; q < 4; q++) { /* unrolled: acc is indexed by q */
+            float4 old[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                float *p = ptr(i, q);
+                old[i] = p ? *reinterpret_cast<const float4 *>(p) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+            bar_sync(bid, 128);
+            stage_f32(S, warp, lane, 8 * q, acc);
+            bar_sync(bid, 128);
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                float *p = ptr(i, q);
+                if (!p)
+                    continue;
+                const int idx = wtid + 128 * i;
+                const float4 v = ld_shared_f4(S + stg_off(idx >> 4, idx & 15));
+                float4 o = old[i];
+                o.x += v.x;
+                o.y += v.y;
+                o.z += v.z;
+                o.w += v.w;
+                *reinterpret_cast<float4 *>(p) = o;
+            }
+        }
+    }
+}
+
+/* The v1 kernel: persistent over the tiles like moe_gemm_wg (same roles and handshakes;
+ * full barriers expect one arrival with the stage's tensor-copy bytes, plus 128 cp.async
+ * arrivals where the stage has a gathered operand). */
+template <int KIND>
+__global__ void __launch_bounds__(WG_THREADS, 1)
+    moe_gemm_v1(const GArgs a, const __grid_constant__ TMaps maps) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char *sm = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    uint64_t *full = reinterpret_cast<uint64_t *>(sm + NS * STAGE_BYTES + 2 * V1_STG);
+    uint64_t *empty = full + NS;
+    const int tid = threadIdx.x;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < NS; s++) {
+            mbar_init(&full[s], GATHER<KIND> ? 129 : 1);
+            mbar_init(&empty[s], 8);
+        }
+    }
+    fence_proxy_async();
+    __syncthreads();
+    const int total = v1_tiles_total<KIND>(a);
+    const uint32_t sbase = smem_u32(sm);
+
+    if (wg == 0) {
+        if constexpr (GATHER<KIND>)
+            setmaxnreg_dec<96>();
+        else
+            setmaxnreg_dec<56>();
+        if (!GATHER<KIND> && tid != 0)
+            return;
+        const int c8 = tid & 7, rr = tid >> 3;
+        const uint32_t swz = (uint32_t)((c8 ^ (rr & 7)) << 4);
+        uint32_t it = 0;
+        for (int id = blockIdx.x; id < total; id += gridDim.x) {
+            Tile t;
+            if (!v1_decode<KIND>(a, id, t))
+                continue;
+            const int KT = v1_ksteps<KIND>(a, t);
+            /* GATEUP: this thread's 8 gathered rows, fixed over the tile (nullptr: zeros) */
+            const bf16 *xs[GATHER<KIND> ? BM / 16 : 1];
+            if constexpr (KIND == K_GATEUP) {
+#pragma unroll
+                for (int j = 0; j < BM / 16; j++) {
+                    const int m = t.m0 + rr + 16 * j;
+                    xs[j] = nullptr;
+                    if (m < t.mg) {
+                        const int64_t row = t.seg + m;
+                        const int64_t tok = a.xrow ? (int64_t)__ldg(a.xrow + row) : row;
+                        xs[j] = a.X + tok * a.D + 8 * c8;
+                    }
+                }
+            }
+            for (int kt = 0; kt < KT; kt++, it++) {
+                const uint32_t s = it % NS;
+                if (it >= NS)
+                    mbar_wait(&empty[s], ((it / NS) - 1) & 1);
+                const uint32_t As = sbase + s * STAGE_BYTES, Bs = As + A_BYTES;
+                if (tid == 0) {
+                    mbar_expect_tx(&full[s], TX_BYTES<KIND>);
+                    v1_tma_stage<KIND>(maps, a, t, kt, As, Bs, &full[s]);
+                }
+                if constexpr (KIND == K_GATEUP) {
+                    const int k0 = kt * BK;
+                    const bool kin = k0 + 8 * c8 < a.D;
+#pragma unroll
+                    for (int j = 0; j < BM / 16; j++) {
+                        const bool ok = xs[j] && kin;
+                        cp16(As + (rr + 16 * j) * 128 + swz, ok ? xs[j] + k0 : a.X, ok);
+                    }
+                    cp_mbar_arrive(&full[s]);
+                } else if constexpr (KIND == K_WGATEUP) {
+                    const int k0 = kt * BK;
+#pragma unroll
+                    for (int j = 0; j < BK / 16; j++) {
+                        const int kr = rr + 16 * j, kk = k0 + kr;
+                        const bf16 *p = nullptr;
+                        if (kk < t.mg) {
+                            const int64_t row = t.seg + kk;
+                            const int64_t tok = a.xrow ? (int64_t)__ldg(a.xrow + row) : row;
+                            p = a.X + tok * a.D;
+                        }
+#pragma unroll
+                        for (int b = 0; b < BN / 64; b++) {
+                            const int n = t.n0 + 64 * b + 8 * c8;
+                            const bool ok = p && n < a.D;
+                            cp16(Bs + b * 8192 + kr * 128 + swz, ok ? p + n : a.X, ok);
+                        }
+                    }
+                    cp_mbar_arrive(&full[s]);
+                }
+            }
+        }
+        if constexpr (GATHER<KIND>)
+            cp_wait_all();
+        return;
+    }
+
+    if constexpr (GATHER<KIND>)
+        setmaxnreg_inc<200>();
+    else
+        setmaxnreg_inc<224>();
+    const int cw = wg - 1, warp = (tid >> 5) & 3, lane = tid & 31, wtid = tid & 127;
+    const uint32_t S = sbase + NS * STAGE_BYTES + cw * V1_STG;
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; i++)
+        acc[i] = 0.0f;
+    uint32_t it = 0;
+    for (int id = blockIdx.x; id < total; id += gridDim.x) {
+        Tile t;
+        if (!v1_decode<KIND>(a, id, t))
+            continue;
+        const int KT = v1_ksteps<KIND>(a, t), pf = KT > 3 ? KT - 3 : 0;
+        for (int kt = 0; kt < KT; kt++, it++) {
+            const uint32_t s = it % NS;
+            mbar_wait(&full[s], (it / NS) & 1);
+            if constexpr (GATHER<KIND>)
+                fence_proxy_async(); /* the landed cp.async copies, to the async proxy */
+            if (kt == pf)
+                v1_prefetch<KIND>(a, t, tid - 128);
+            const uint32_t Ab = sbase + s * STAGE_BYTES + cw * 8192;
+            const uint32_t Bb = sbase + s * STAGE_BYTES + A_BYTES;
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < BK / 16; ks++) {
+                const uint64_t da = TA<KIND> ? wg_desc(Ab + 2048 * ks, 8192, 1024)
+                                             : wg_desc(Ab + 32 * ks, 16, 1024);
+                const uint64_t db = TB<KIND> ? wg_desc(Bb + 2048 * ks, 8192, 1024)
+                                             : wg_desc(Bb + 32 * ks, 16, 1024);
+                wgmma256<TA<KIND>, TB<KIND>>(acc, da, db, (kt | ks) != 0);
+            }
+            wg_commit();
+            wg_wait<1>();
+            if (kt > 0) {
+                __syncwarp();
+                if (lane == 0)
+                    mbar_arrive(&empty[(it - 1) % NS]);
+            }
+        }
+        wg_wait<0>();
+        keep_regs(acc);
+        __syncwarp();
+        if (lane == 0)
+            mbar_arrive(&empty[(it - 1) % NS]);
+        v1_epilogue<KIND>(a, t, acc, S, cw, warp, lane, wtid);
+    }
+}
+
 /* ---------------------------------------------------------------- reference GEMM */
 
 template <int KIND>
@@ -714,10 +1284,13 @@ __device__ __forceinline__ void block_scan(int v, int *ws, int &excl, int &total
 }
 
 /* One block of 1024 threads, thread e = expert: cnt[c][e] becomes the first sorted row of
- * chunk c's assignments to e; seg_off / tile_off the exclusive prefixes of the experts'
- * counts and 128-row tile counts; sh_off / sh_tile the shared experts' one group. */
-__global__ void __launch_bounds__(1024) moe_scan(int *cnt, int nch, int E, int T, int *seg_off,
-                                                 int *tile_off, int *sh_off, int *sh_tile) {
+ * chunk c's assignments to e; seg_cnt the experts' counts, seg_off the exclusive prefix
+ * of the counts rounded up to BM (each expert's rows start on a 128-row tile and its
+ * last tile ends on padding rows), tile_off = seg_off / BM; sh_off / sh_tile
+ * the shared experts' one group of T rows. */
+__global__ void __launch_bounds__(1024)
+    moe_scan(int *cnt, int nch, int E, int T, int *seg_off, int *seg_cnt, int *tile_off,
+             int *sh_off, int *sh_tile) {
     __shared__ int ws[32];
     const int e = threadIdx.x;
     int total = 0;
@@ -728,22 +1301,37 @@ __global__ void __launch_bounds__(1024) moe_scan(int *cnt, int nch, int E, int T
             cnt[q] = total;
             total += v;
         }
-    int off, off_all, tl, tl_all;
-    block_scan(total, ws, off, off_all);
-    block_scan(cdiv(total, BM), ws, tl, tl_all);
+    int off, off_all;
+    block_scan(cdiv(total, BM) * BM, ws, off, off_all);
     if (e < E) {
         seg_off[e] = off;
-        tile_off[e] = tl;
+        seg_cnt[e] = total;
+        tile_off[e] = off / BM;
         for (int c = 0; c < nch; c++)
             cnt[(int64_t)c * E + e] += off;
     }
     if (e == 0) {
         seg_off[E] = off_all;
-        tile_off[E] = tl_all;
+        tile_off[E] = off_all / BM;
         sh_off[0] = 0;
         sh_off[1] = T;
         sh_tile[0] = 0;
         sh_tile[1] = cdiv(T, BM);
+    }
+}
+
+/* Zeroes the padding rows [seg_off[e] + seg_cnt[e], seg_off[e + 1]) of a sorted [rows, W]
+ * bf16 buffer (W a multiple of 8), one block per expert: the backward's dYs, so that the
+ * products reading it whole (v1's tensor copies) see zeros there. */
+__global__ void __launch_bounds__(256)
+    moe_pad_zero(const int *seg_off, const int *seg_cnt, bf16 *buf, int W) {
+    const int e = blockIdx.x;
+    const int64_t r0 = (int64_t)seg_off[e] + seg_cnt[e], r1 = seg_off[e + 1];
+    const int nc = W / 8;
+    const int64_t n = (r1 - r0) * nc;
+    for (int64_t i = threadIdx.x; i < n; i += 256) {
+        const int64_t r = r0 + i / nc, c = i % nc;
+        *reinterpret_cast<uint4 *>(buf + r * W + 8 * c) = make_uint4(0u, 0u, 0u, 0u);
     }
 }
 
@@ -884,6 +1472,7 @@ __global__ void __launch_bounds__(256)
 struct Dims {
     int T, D, F, E, k, fs, nch;
     int64_t Tk;
+    int64_t R; /* rows of the sorted buffers: T k plus up to BM - 1 padding rows per expert */
 };
 
 lm_status get_dims(const lm_moe_config *c, int T, Dims *d, lm_error *err) {
@@ -899,6 +1488,7 @@ lm_status get_dims(const lm_moe_config *c, int T, Dims *d, lm_error *err) {
     d->k = c->router.num_experts_per_tok;
     d->fs = c->n_shared_experts * c->moe_intermediate_size;
     d->Tk = (int64_t)T * d->k;
+    d->R = d->Tk + (int64_t)(BM - 1) * d->E;
     if (d->D % 8)
         return lm_errorf(err, LM_ERR_UNSUPPORTED,
                          "moe cuda: hidden_size = %d is not supported (a multiple of 8)", d->D);
@@ -913,7 +1503,7 @@ lm_status get_dims(const lm_moe_config *c, int T, Dims *d, lm_error *err) {
         return lm_errorf(err, LM_ERR_UNSUPPORTED,
                          "moe cuda: num_experts_per_tok = %d is not supported (at most %d)", d->k,
                          MAX_K);
-    if (d->Tk + (int64_t)(BM - 1) * d->E >= INT32_MAX)
+    if (d->R >= INT32_MAX)
         return lm_errorf(err, LM_ERR_UNSUPPORTED,
                          "moe cuda: T * num_experts_per_tok = %lld is not supported (below 2^31)",
                          (long long)d->Tk);
@@ -922,7 +1512,7 @@ lm_status get_dims(const lm_moe_config *c, int T, Dims *d, lm_error *err) {
 }
 
 struct Saved {
-    int *perm, *ptok, *inv, *seg_off, *tile_off, *sh_off, *sh_tile;
+    int *perm, *ptok, *inv, *seg_off, *seg_cnt, *tile_off, *sh_off, *sh_tile;
     bf16 *H, *A, *Ys, *Hsh, *Ash;
 };
 struct Scratch {
@@ -943,16 +1533,17 @@ struct Carve {
 
 size_t saved_layout(const Dims &d, void *base, Saved *s) {
     Carve c{(unsigned char *)base};
-    s->perm = c.take<int>(d.Tk);
-    s->ptok = c.take<int>(d.Tk);
+    s->perm = c.take<int>(d.R);
+    s->ptok = c.take<int>(d.R);
     s->inv = c.take<int>(d.Tk);
     s->seg_off = c.take<int>(d.E + 1);
+    s->seg_cnt = c.take<int>(d.E);
     s->tile_off = c.take<int>(d.E + 1);
     s->sh_off = c.take<int>(2);
     s->sh_tile = c.take<int>(2);
-    s->H = c.take<bf16>(d.Tk * 2 * d.F);
-    s->A = c.take<bf16>(d.Tk * d.F);
-    s->Ys = c.take<bf16>(d.Tk * d.D);
+    s->H = c.take<bf16>(d.R * 2 * d.F);
+    s->A = c.take<bf16>(d.R * d.F);
+    s->Ys = c.take<bf16>(d.R * d.D);
     s->Hsh = c.take<bf16>((int64_t)d.T * 2 * d.fs);
     s->Ash = c.take<bf16>((int64_t)d.T * d.fs);
     return c.off;
@@ -962,27 +1553,141 @@ size_t scratch_layout(const Dims &d, void *base, Scratch *s) {
     Carve f{(unsigned char *)base};
     s->cnt = f.take<int>((int64_t)d.nch * d.E);
     Carve b{(unsigned char *)base};
-    s->dYs = b.take<bf16>(d.Tk * d.D);
-    s->dH = b.take<bf16>(d.Tk * 2 * d.F);
+    s->dYs = b.take<bf16>(d.R * d.D);
+    s->dH = b.take<bf16>(d.R * 2 * d.F);
     s->dHsh = b.take<bf16>((int64_t)d.T * 2 * d.fs);
     return f.off > b.off ? f.off : b.off;
 }
 
 lm_cuda_moe_opts get_opts(const lm_cuda_moe_opts *o) {
-    lm_cuda_moe_opts r = {LM_CUDA_MOE_GEMM_WGMMA, 0, 0};
+    lm_cuda_moe_opts r;
+    r.gemm = LM_CUDA_MOE_GEMM_WGMMA;
+    r.max_ctas = 0;
+    r.gemm_only = 0;
+    r.variant = LM_CUDA_MOE_VARIANT_DEFAULT;
+    r.gemm_mask = 0;
     if (o)
         r = *o;
+    if (!r.gemm_only || r.gemm_mask == 0)
+        r.gemm_mask = ~0;
     return r;
 }
 
-/* One grouped product. rows: the sorted rows the groups can hold (T k routed, T shared),
- * for the bound on the number of 128-row tiles. */
+/* The context's cuTensorMapEncodeTiled (LM_SLOT_MOE state, fetched on first use); NULL
+ * when the driver has none (v1 then runs as v0). */
+struct MoeState {
+    bool tried = false;
+    EncodeFn enc = nullptr;
+};
+EncodeFn moe_encoder(lm_cuda_ctx *ctx) {
+    MoeState *st = lm_cuda_ctx_get<MoeState>(ctx, LM_SLOT_MOE);
+    if (!st->tried) {
+        st->tried = true;
+        void *f = nullptr;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                             &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            st->enc = (EncodeFn)f;
+        else
+            cudaGetLastError();
+    }
+    return st->enc;
+}
+
+/* A bf16 tensor map of rank 2 or 3 (dims innermost first, strides in bytes of dims 1..,
+ * box in elements), 128-byte swizzle, zeros outside; false when the driver refuses it or
+ * the base is not 16-byte aligned. */
+bool enc_map(EncodeFn fn, CUtensorMap *m, const void *base, int rank, const uint64_t *dims,
+             const uint64_t *strides, const uint32_t *box) {
+    if (!fn || !base || ((uintptr_t)base & 15))
+        return false;
+    cuuint64_t d[3], st[2];
+    cuuint32_t b[3], es[3] = {1, 1, 1};
+    for (int i = 0; i < rank; i++) {
+        d[i] = dims[i];
+        b[i] = box[i];
+        if (i + 1 < rank)
+            st[i] = strides[i];
+    }
+    return fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, const_cast<void *>(base), d,
+              st, b, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+              CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+/* [rows][cols] row-major, boxes of 64 columns x br rows */
+bool map_rows(EncodeFn fn, CUtensorMap *m, const void *base, int64_t rows, int cols, int br) {
+    const uint64_t dims[2] = {(uint64_t)cols, (uint64_t)rows}, st[1] = {(uint64_t)cols * 2};
+    const uint32_t box[2] = {64, (uint32_t)br};
+    return enc_map(fn, m, base, 2, dims, st, box);
+}
+/* [G][rows][cols] (per-expert weights), boxes of 64 columns x br rows of one group */
+bool map_groups(EncodeFn fn, CUtensorMap *m, const void *base, int G, int rows, int cols, int br) {
+    const uint64_t dims[3] = {(uint64_t)cols, (uint64_t)rows, (uint64_t)G};
+    const uint64_t st[2] = {(uint64_t)cols * 2, (uint64_t)rows * cols * 2};
+    const uint32_t box[3] = {64, (uint32_t)br, 1};
+    return enc_map(fn, m, base, 3, dims, st, box);
+}
+/* [rows][2][F] ([g | u] / [dg | du] rows), boxes of 64 columns of one half x br rows */
+bool map_halves(EncodeFn fn, CUtensorMap *m, const void *base, int64_t rows, int F, int br) {
+    const uint64_t dims[3] = {(uint64_t)F, 2, (uint64_t)rows};
+    const uint64_t st[2] = {(uint64_t)F * 2, (uint64_t)F * 4};
+    const uint32_t box[3] = {64, 1, (uint32_t)br};
+    return enc_map(fn, m, base, 3, dims, st, box);
+}
+bool al16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+/* v1's maps of one product over groups of rows R (the sorted buffers' rows: d.R routed,
+ * T shared); false when one cannot be made (the product runs as v0). The pointers the
+ * kernel stores through must be 16-byte aligned too. */
+template <int KIND> bool v1_maps(EncodeFn fn, const GArgs &a, int64_t R, TMaps *m) {
+    if (!fn)
+        return false;
+    const int D = a.D, F = a.F, G = a.G;
+    if constexpr (KIND == K_GATEUP)
+        return al16(a.X) && al16(a.A) && (!a.H || al16(a.H)) &&
+               map_groups(fn, &m->b0, a.Wg, G, F, D, 128) &&
+               map_groups(fn, &m->b1, a.Wu, G, F, D, 128);
+    if constexpr (KIND == K_DOWN)
+        return al16(a.Y) && map_rows(fn, &m->a, a.A, R, F, 128) &&
+               map_groups(fn, &m->b0, a.Wd, G, D, F, 256);
+    if constexpr (KIND == K_DDOWN)
+        return al16(a.H) && al16(a.dH) && map_rows(fn, &m->a, a.dY, R, D, 128) &&
+               map_groups(fn, &m->b0, a.Wd, G, D, F, 64);
+    if constexpr (KIND == K_DGATEUP)
+        return al16(a.dX) && map_halves(fn, &m->a, a.dH, R, F, 128) &&
+               map_groups(fn, &m->b0, a.Wg, G, F, D, 64) &&
+               map_groups(fn, &m->b1, a.Wu, G, F, D, 64);
+    if constexpr (KIND == K_WDOWN)
+        return al16(a.dWd) && map_rows(fn, &m->a, a.dY, R, D, 64) &&
+               map_rows(fn, &m->b0, a.A, R, F, 64);
+    return al16(a.X) && (!a.dWg || al16(a.dWg)) && (!a.dWu || al16(a.dWu)) &&
+           map_halves(fn, &m->a, a.dH, R, F, 64); /* K_WGATEUP */
+}
+
+/* One grouped product. rows: the sorted rows the groups hold (R routed, T shared), for
+ * the bound on the number of 128-row tiles and v1's maps. */
 template <int KIND>
 lm_status run_gemm(lm_cuda_ctx *ctx, const GArgs &a, int64_t rows, const lm_cuda_moe_opts &o,
                    lm_error *err) {
     const int64_t ntn = n_tiles_n<KIND>(a.D, a.F);
-    const int64_t bound = GK<KIND> ? (int64_t)a.G * m_tiles_gk<KIND>(a.D, a.F) * ntn
-                                   : ((rows + (int64_t)(BM - 1) * a.G) / BM) * ntn;
+    TMaps maps;
+    memset(&maps, 0, sizeof maps);
+    /* the default is v1 where its maps can be made, v0 otherwise; v1 asked for by name
+     * fails instead (so that a benchmark of v1 never times v0) */
+    const bool want_v1 =
+        o.gemm == LM_CUDA_MOE_GEMM_WGMMA &&
+        (o.variant == LM_CUDA_MOE_VARIANT_TMA || o.variant == LM_CUDA_MOE_VARIANT_DEFAULT);
+    const bool v1 = want_v1 && v1_maps<KIND>(moe_encoder(ctx), a, rows, &maps);
+    if (want_v1 && !v1 && o.variant == LM_CUDA_MOE_VARIANT_TMA)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "moe cuda: opts.variant = %d (tensor copies) cannot run product %d: no "
+                         "cuTensorMapEncodeTiled in the driver, a map it refuses, or a buffer "
+                         "not 16-byte aligned",
+                         o.variant, KIND);
+    const int64_t mgk = v1 ? v1_m_tiles_gk<KIND>(a.D, a.F) : m_tiles_gk<KIND>(a.D, a.F);
+    const int64_t bound =
+        GK<KIND> ? (int64_t)a.G * mgk * ntn : ((rows + (int64_t)(BM - 1) * a.G) / BM) * ntn;
     if (bound <= 0)
         return LM_OK;
     int cap = o.max_ctas > 0 ? o.max_ctas : ctx->sm_count;
@@ -998,11 +1703,20 @@ lm_status run_gemm(lm_cuda_ctx *ctx, const GArgs &a, int64_t rows, const lm_cuda
         LM_CK_LAUNCH("moe_gemm_simple");
         return LM_OK;
     }
+    const int grid = (int)(bound < cap ? bound : cap);
+    if (v1) {
+        const void *kf = (const void *)moe_gemm_v1<KIND>;
+        if (lm_cuda_ctx_first_use(ctx, kf))
+            LM_CK(cudaFuncSetAttribute(moe_gemm_v1<KIND>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, V1_SMEM));
+        moe_gemm_v1<KIND><<<grid, WG_THREADS, V1_SMEM, ctx->stream>>>(a, maps);
+        LM_CK_LAUNCH("moe_gemm_v1");
+        return LM_OK;
+    }
     const void *kf = (const void *)moe_gemm_wg<KIND>;
     if (lm_cuda_ctx_first_use(ctx, kf))
         LM_CK(cudaFuncSetAttribute(moe_gemm_wg<KIND>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    WG_SMEM));
-    const int grid = (int)(bound < cap ? bound : cap);
     moe_gemm_wg<KIND><<<grid, WG_THREADS, WG_SMEM, ctx->stream>>>(a);
     LM_CK_LAUNCH("moe_gemm_wg");
     return LM_OK;
@@ -1027,6 +1741,15 @@ lm_status check_weights(const Dims &d, const lm_cuda_moe_weights *w, lm_error *e
                                       : nullptr;
     if (miss)
         return lm_errorf(err, LM_ERR_INVALID, "moe cuda: weight '%s' is NULL", miss);
+    return LM_OK;
+}
+
+lm_status check_opts(const lm_cuda_moe_opts &o, lm_error *err) {
+    if (o.gemm != LM_CUDA_MOE_GEMM_WGMMA && o.gemm != LM_CUDA_MOE_GEMM_SIMPLE)
+        return lm_errorf(err, LM_ERR_INVALID, "moe cuda: opts.gemm = %d (0 or 1)", o.gemm);
+    if (o.variant != LM_CUDA_MOE_VARIANT_DEFAULT && o.variant != LM_CUDA_MOE_VARIANT_CPASYNC &&
+        o.variant != LM_CUDA_MOE_VARIANT_TMA)
+        return lm_errorf(err, LM_ERR_INVALID, "moe cuda: opts.variant = %d (0, 1 or 2)", o.variant);
     return LM_OK;
 }
 
@@ -1071,9 +1794,10 @@ extern "C" lm_status lm_cuda_moe_forward(lm_cuda_ctx *ctx, const lm_moe_config *
                                       : nullptr;
     if (miss)
         return lm_errorf(err, LM_ERR_INVALID, "moe cuda forward: '%s' is NULL", miss);
+    const lm_cuda_moe_opts o = get_opts(opts);
+    LM_TRY(check_opts(o, err));
     if (T == 0)
         return LM_OK;
-    const lm_cuda_moe_opts o = get_opts(opts);
     Saved s;
     saved_layout(d, saved, &s);
     Scratch sc;
@@ -1085,8 +1809,8 @@ extern "C" lm_status lm_cuda_moe_forward(lm_cuda_ctx *ctx, const lm_moe_config *
     if (!o.gemm_only) {
         moe_hist<<<d.nch, 256, 0, ctx->stream>>>(topk_idx, d.Tk, d.E, sc.cnt);
         LM_CK_LAUNCH("moe_hist");
-        moe_scan<<<1, 1024, 0, ctx->stream>>>(sc.cnt, d.nch, d.E, d.T, s.seg_off, s.tile_off,
-                                              s.sh_off, s.sh_tile);
+        moe_scan<<<1, 1024, 0, ctx->stream>>>(sc.cnt, d.nch, d.E, d.T, s.seg_off, s.seg_cnt,
+                                              s.tile_off, s.sh_off, s.sh_tile);
         LM_CK_LAUNCH("moe_scan");
         moe_scatter<<<d.nch, 256, 0, ctx->stream>>>(topk_idx, d.Tk, d.k, d.E, sc.cnt, s.perm,
                                                     s.ptok, s.inv);
@@ -1094,10 +1818,12 @@ extern "C" lm_status lm_cuda_moe_forward(lm_cuda_ctx *ctx, const lm_moe_config *
     }
     GArgs r = {};
     r.seg_off = s.seg_off;
+    r.seg_cnt = s.seg_cnt;
     r.tile_off = s.tile_off;
     r.G = d.E;
     r.D = d.D;
     r.F = d.F;
+    r.pad = 1;
     r.X = (const bf16 *)x;
     r.xrow = s.ptok;
     r.Wg = (const bf16 *)w->gate_proj;
@@ -1106,8 +1832,10 @@ extern "C" lm_status lm_cuda_moe_forward(lm_cuda_ctx *ctx, const lm_moe_config *
     r.H = training ? s.H : nullptr;
     r.A = s.A;
     r.Y = s.Ys;
-    LM_TRY(run_gemm<K_GATEUP>(ctx, r, d.Tk, o, err));
-    LM_TRY(run_gemm<K_DOWN>(ctx, r, d.Tk, o, err));
+    if (o.gemm_mask & LM_CUDA_MOE_P_GATEUP)
+        LM_TRY(run_gemm<K_GATEUP>(ctx, r, d.R, o, err));
+    if (o.gemm_mask & LM_CUDA_MOE_P_DOWN)
+        LM_TRY(run_gemm<K_DOWN>(ctx, r, d.R, o, err));
     if (o.gemm_only)
         return LM_OK;
     if (d.fs > 0) { /* S(x) straight into y; the combine adds the routed part */
@@ -1150,9 +1878,10 @@ extern "C" lm_status lm_cuda_moe_backward(lm_cuda_ctx *ctx, const lm_moe_config 
                                       : nullptr;
     if (miss)
         return lm_errorf(err, LM_ERR_INVALID, "moe cuda backward: '%s' is NULL", miss);
+    const lm_cuda_moe_opts o = get_opts(opts);
+    LM_TRY(check_opts(o, err));
     if (T == 0)
         return LM_OK;
-    const lm_cuda_moe_opts o = get_opts(opts);
     const lm_cuda_moe_grads none = {};
     if (!g)
         g = &none;
@@ -1168,13 +1897,17 @@ extern "C" lm_status lm_cuda_moe_backward(lm_cuda_ctx *ctx, const lm_moe_config 
         moe_dys<<<gather_grid(ctx, d.T), 256, 0, ctx->stream>>>(
             d.T, d.D, d.k, s.inv, topk_weight, (const bf16 *)dy, s.Ys, sc.dYs, dtopk_weight);
         LM_CK_LAUNCH("moe_dys");
+        moe_pad_zero<<<d.E, 256, 0, ctx->stream>>>(s.seg_off, s.seg_cnt, sc.dYs, d.D);
+        LM_CK_LAUNCH("moe_pad_zero");
     }
     GArgs r = {};
     r.seg_off = s.seg_off;
+    r.seg_cnt = s.seg_cnt;
     r.tile_off = s.tile_off;
     r.G = d.E;
     r.D = d.D;
     r.F = d.F;
+    r.pad = 1;
     r.X = (const bf16 *)x;
     r.xrow = s.ptok;
     r.Wg = (const bf16 *)w->gate_proj;
@@ -1188,13 +1921,14 @@ extern "C" lm_status lm_cuda_moe_backward(lm_cuda_ctx *ctx, const lm_moe_config 
     r.dWg = g->gate_proj;
     r.dWu = g->up_proj;
     r.dWd = g->down_proj;
-    LM_TRY(run_gemm<K_DDOWN>(ctx, r, d.Tk, o, err));
-    if (r.dWd)
-        LM_TRY(run_gemm<K_WDOWN>(ctx, r, d.Tk, o, err));
-    if (dx)
-        LM_TRY(run_gemm<K_DGATEUP>(ctx, r, d.Tk, o, err));
-    if (r.dWg || r.dWu)
-        LM_TRY(run_gemm<K_WGATEUP>(ctx, r, d.Tk, o, err));
+    if (o.gemm_mask & LM_CUDA_MOE_P_DDOWN)
+        LM_TRY(run_gemm<K_DDOWN>(ctx, r, d.R, o, err));
+    if (r.dWd && (o.gemm_mask & LM_CUDA_MOE_P_WDOWN))
+        LM_TRY(run_gemm<K_WDOWN>(ctx, r, d.R, o, err));
+    if (dx && (o.gemm_mask & LM_CUDA_MOE_P_DGATEUP))
+        LM_TRY(run_gemm<K_DGATEUP>(ctx, r, d.R, o, err));
+    if ((r.dWg || r.dWu) && (o.gemm_mask & LM_CUDA_MOE_P_WGATEUP))
+        LM_TRY(run_gemm<K_WGATEUP>(ctx, r, d.R, o, err));
     if (o.gemm_only)
         return LM_OK;
     if (d.fs > 0) { /* the shared experts: upstream dy itself (unit weight), dX into dx */
