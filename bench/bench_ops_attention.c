@@ -6,7 +6,13 @@
  * (varlen8: B = 1 with cu_seqlens of 8 documents of 8192, 2048, 6144, 1024, 4096, 3072,
  * 5120 and 3072 tokens), passes "fwd" (forward with lse, as in training) and "fwd+bwd";
  * and the decode step "attention_decode" "B=32 L=8192 H=16/4 D=128" pass "step" (one
- * token per row against a full 8192-position cache).
+ * token per row against a full 8192-position cache). Three implementations per shape:
+ *   "attention"         the default (AUTO: cuDNN's fused engines where they build, the
+ *                       deterministic backward: context option "deterministic" = 1);
+ *   "attention_own"     linmoe's own kernels (set_impl / set_bwd_impl OWN), deterministic;
+ *   "attention_nondet"  the default with "deterministic" = 0 (cuDNN's atomic dQ), fwd+bwd
+ *                       only (its forward is the default's).
+ * Each row's stderr note says which implementation ran (lm_cuda_attention_last_impl).
  * FLOPs: causal forward 2 * 2 * Hq * D * sum over sequences of len^2 / 2, backward 2.5x the
  * forward (fwd+bwd 3.5x); decode 4 * B * Hq * L * D.
  * Bytes (each tensor once): forward q, k, v read, o, lse written; backward q, k, v, o, do,
@@ -82,20 +88,41 @@ static int bench_one(lm_bench_ops_env *env, const attn_shape *s) {
         snprintf(shape, sizeof shape, "varlen8 T=%d H=%d/%d D=%d", s->T, s->Hq, s->Hkv, s->D);
     else
         snprintf(shape, sizeof shape, "B=%d T=%d H=%d/%d D=%d", s->B, s->T, s->Hq, s->Hkv, s->D);
-    for (int bwd = 0; bwd < 2; bwd++) {
-        a.bwd = bwd;
-        const double ms = lm_bench_ops_time(env, attn_fn, &a);
-        if (ms < 0)
+    static const struct {
+        const char *name;
+        int impl, det, fwd;
+    } impls[3] = {{"attention", LM_CUDA_ATTN_AUTO, 1, 1},
+                  {"attention_own", LM_CUDA_ATTN_OWN, 1, 1},
+                  {"attention_nondet", LM_CUDA_ATTN_AUTO, 0, 0}};
+    static const char *impl_name[3] = {"-", "own", "cudnn"};
+    for (int m = 0; m < 3; m++) {
+        if (lm_cuda_attention_set_impl(env->ctx, impls[m].impl, &e) != LM_OK ||
+            lm_cuda_attention_set_bwd_impl(env->ctx, impls[m].impl, &e) != LM_OK ||
+            lm_cuda_ctx_set_option(env->ctx, "deterministic", impls[m].det, &e) != LM_OK)
             goto fail;
-        lm_bench_ops_row(env, "attention", shape, bwd ? "fwd+bwd" : "fwd", ms,
-                         bwd ? 3.5 * fwd_flops : fwd_flops, bwd ? fwd_bytes + bwd_bytes : fwd_bytes,
-                         (double)BT);
+        for (int bwd = impls[m].fwd ? 0 : 1; bwd < 2; bwd++) {
+            a.bwd = bwd;
+            const double ms = lm_bench_ops_time(env, attn_fn, &a);
+            if (ms < 0)
+                goto fail;
+            const int fi = lm_cuda_attention_last_impl(env->ctx);
+            const int bi = lm_cuda_attention_last_bwd_impl(env->ctx);
+            fprintf(stderr, "bench %s %s %s: forward %s%s%s\n", impls[m].name, shape,
+                    bwd ? "fwd+bwd" : "fwd", impl_name[fi >= 0 && fi < 3 ? fi : 0],
+                    bwd ? ", backward " : "", bwd ? impl_name[bi >= 0 && bi < 3 ? bi : 0] : "");
+            lm_bench_ops_row(env, impls[m].name, shape, bwd ? "fwd+bwd" : "fwd", ms,
+                             bwd ? 3.5 * fwd_flops : fwd_flops,
+                             bwd ? fwd_bytes + bwd_bytes : fwd_bytes, (double)BT);
+        }
     }
     rc = 0;
     goto done;
 fail:
     fprintf(stderr, "bench attention: %s\n", e.msg);
 done:
+    lm_cuda_attention_set_impl(env->ctx, LM_CUDA_ATTN_AUTO, NULL);
+    lm_cuda_attention_set_bwd_impl(env->ctx, LM_CUDA_ATTN_AUTO, NULL);
+    lm_cuda_ctx_set_option(env->ctx, "deterministic", 1, NULL);
     for (int i = 0; i < 8; i++)
         lm_cuda_ctx_free_mem(env->ctx, *bufs[i]);
     lm_cuda_ctx_free_mem(env->ctx, a.lse);

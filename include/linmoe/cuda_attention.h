@@ -12,29 +12,35 @@
  * theta_f = p * rope_theta^(-2f/D), angles formed in fp64 and cos / sin rounded to fp32
  * (as lm_attn_rope_factors), p the position inside the document.
  *
- * Algorithm: FlashAttention-2 (Dao, arXiv 2307.08691). Forward: cuDNN's fused engine for
- * dense batches where it builds (lm_cuda_attention_set_impl below), else our own kernel
- * (Algorithm 1): one CTA (4 warps, 32 query rows each) per (128-query block, query
- * head), key / value blocks of 64 double-buffered in shared memory (cp.async), S = Q K^T
- * and O += P V on the tensor cores (mma.sync m16n8k16, bf16 operands, fp32 accumulators),
- * online softmax in base 2, the causal mask only on the blocks that cross the diagonal,
- * blocks above it skipped; heaviest query blocks first. Backward (Algorithm 2): Delta = rowsum(dO *
- * O) first; then one CTA (4 warps, 16 keys each) per (64-key block, kv head) that owns dK, dV of
- * its keys in registers and loops over the query heads of its group and the query blocks at and
- * below the diagonal, recomputing P from lse: dV += P^T dO, dS = P (dP - Delta),
- * dK += scale dS^T Q, and dQ += scale dS K into an fp32 accumulator in global memory.
- * The dQ additions into one query block happen in a fixed order (key block 0, 1, ...):
- * each CTA takes a ticket (an atomic counter) that fixes its place in that order and waits
- * on a per-(query head, query block) counter before adding; a CTA only ever waits on
- * tickets smaller than its own, which belong to running CTAs, so the wait always ends.
- * Results are bitwise reproducible (the context option "deterministic" = 0 switches to
- * float atomics instead, FlashAttention-2's own scheme, faster and not reproducible).
+ * Algorithm: FlashAttention-2 (Dao, arXiv 2307.08691). Forward and backward run through
+ * cuDNN's fused flash-attention engines where cuDNN builds a plan (dense batches, and packed
+ * documents as ragged tensors with per-document lengths; lm_cuda_attention_set_impl /
+ * set_bwd_impl below, graphs in src/ops/cuda/attention_cudnn.cu), else through our own
+ * kernels. Our forward (Algorithm 1): one CTA (4 warps, 32 query rows each) per (128-query block,
+ * query head), key / value blocks of 64 double-buffered in shared memory (cp.async), S = Q K^T and
+ * O += P V on the tensor cores (mma.sync m16n8k16, bf16 operands, fp32 accumulators), online
+ * softmax in base 2, the causal mask only on the blocks that cross the diagonal, blocks above it
+ * skipped; heaviest query blocks first. Backward (Algorithm 2): Delta = rowsum(dO * O) first; then
+ * one CTA (4 warps, 16 keys each) per (64-key block, kv head) that owns dK, dV of its keys in
+ * registers and loops over the query heads of its group and the query blocks at and below the
+ * diagonal, recomputing P from lse: dV += P^T dO, dS = P (dP - Delta), dK += scale dS^T Q, and dQ
+ * += scale dS K into an fp32 accumulator in global memory. The dQ additions into one query block
+ * happen in a fixed order (key block 0, 1, ...): each CTA takes a ticket (an atomic counter) that
+ * fixes its place in that order and waits on a per-(query head, query block) counter before adding;
+ * a CTA only ever waits on tickets smaller than its own, which belong to running CTAs, so the wait
+ * always ends. Results are bitwise reproducible (the context option "deterministic" = 0 switches to
+ * float atomics instead, FlashAttention-2's own scheme, faster and not reproducible). cuDNN's
+ * backward follows the same option: "deterministic" = 1 builds its deterministic algorithm
+ * (dS kept in cuDNN's workspace, dQ by a separate ordered GEMM; engines noted
+ * non-deterministic are tried last), 0 its dQ accumulation with float atomics.
  * RoPE: q and k are rotated into bf16 copies before the kernels; dq and dk are rotated
  * back (R^T) in fp32 before their bf16 rounding. The decode step is split-K flash
  * decoding (Dao et al., "Flash-Decoding", 2023): the cache positions are split over CTAs
  * (one kv head and all query heads of its group per CTA, so every cache row is read
- * once), each writes an fp32 partial (max, sum, weighted values), a second kernel merges
- * them in a fixed order.
+ * once; the split count chosen to fill the resident CTA slots in whole waves), each CTA's
+ * four warps stream their own 16-row tiles through a three-stage cp.async pipeline with an
+ * online softmax each and merge in warp order; each split writes an fp32 partial (max,
+ * sum, weighted values), a second kernel merges them in a fixed order.
  *
  * Layouts (row-major, innermost last, device memory owned by the caller):
  *   q, o, do, dq      [B, T, Hq, D]   bf16
@@ -48,15 +54,23 @@
  * Every bf16 pointer must be 16-byte aligned (the kernels move 16-byte vectors), lse
  * 4-byte aligned.
  *
- * Limits: D = 64 or 128 (LM_ERR_UNSUPPORTED otherwise), causal only, B * T < 2^31.
+ * Limits: D = 64 or 128 (LM_ERR_UNSUPPORTED otherwise), causal only, B * T < 2^31. cuDNN's
+ * backward refuses T = 1 dense batches (one query and one key: our kernel runs).
  *
  * Execution: asynchronous on the context's stream (include/linmoe/backend.h); scratch
  * from the context's grow-only buffers (slots A, B, C), the per-context tables (document
  * blocks, the RoPE cos / sin table) in the context's attention slot. A call allocates
  * only when a buffer must grow. No host synchronisation except inside those growths.
- * The cuDNN path keeps a cuDNN handle and up to 32 plans per context (created on first
- * use; a plan build takes host time once per shape; cuDNN's own allocations at handle
- * creation are not counted by lm_cuda_ctx_alloc_count).
+ * The cuDNN path keeps a cuDNN handle and up to 48 plans per context (created on first
+ * use; a plan build takes host time once per shape key, so packed documents use buckets:
+ * the document count padded with empty entries to 1, 2, 3, 4, 6, 8, 12, ... and the longest
+ * document to 64, 96, 128, 192, ...; cuDNN's own allocations at handle creation are not
+ * counted by lm_cuda_ctx_alloc_count). Its workspace comes from the context's scratch B;
+ * the deterministic backward needs about b * Hq * s^2 * 2 bytes for b sequences of s
+ * tokens, so it runs in chunks of batch rows (dense) or groups of documents (packed) whose
+ * estimate fits lm_cuda_attention_set_cudnn_workspace_limit (default 2 GiB; a single row or
+ * document always runs). With RoPE, cuDNN's dq, dk (w.r.t. the rotated q, k, bf16) are
+ * rotated back in place: one more bf16 rounding than our kernel's fp32 rotation.
  *
  * Errors: LM_ERR_INVALID for a bad configuration or argument (the checks of
  * lm_attention_validate except the finiteness scan of device data), LM_ERR_UNSUPPORTED
@@ -87,8 +101,11 @@ lm_status lm_cuda_attention_forward(lm_cuda_ctx *ctx, lm_attention_config *c, co
 /* Backward of sum(o * do) given the forward's o and lse (nothing of size T^2 stored).
  * do_ bf16 [B,T,Hq,D]; dq bf16 [B,T,Hq,D], dk, dv bf16 [B,T,Hkv,D] overwritten (not
  * accumulated), every element written; dk, dv of a kv head sum over the Hq / Hkv query
- * heads of its group. Gradients are w.r.t. the un-rotated q, k. Scratch: 4 B*T*Hq*D
- * bytes of fp32 dq accumulator plus, with RoPE, the rotated q, k copies. */
+ * heads of its group. Gradients are w.r.t. the un-rotated q, k. Scratch (ours): 4 B*T*Hq*D
+ * bytes of fp32 dq accumulator plus, with RoPE, the rotated q, k copies; cuDNN's: the
+ * stats and rowsum(dO o) (8 B*T*Hq bytes), with "deterministic" = 0 the fp32 dq
+ * accumulator, for packed GQA 4 T*Hq*D bytes of per-query-head dk, dv, and cuDNN's
+ * workspace (see set_cudnn_workspace_limit). */
 lm_status lm_cuda_attention_backward(lm_cuda_ctx *ctx, lm_attention_config *c, const void *q,
                                      const void *k, const void *v, const void *o, const float *lse,
                                      const void *do_, void *dq, void *dk, void *dv, lm_error *err);
@@ -123,23 +140,35 @@ lm_status lm_cuda_attention_decode(lm_cuda_ctx *ctx, lm_attention_config *c, int
 
 /* ---------------------------------------------------------------- implementation choice */
 
-/* Which implementation runs the forward on this context:
- *   LM_CUDA_ATTN_AUTO   (default) cuDNN's fused flash-attention engine for dense [B, T]
- *                       batches when cuDNN builds a plan for the shape (built once per
- *                       (B, T, Hq, Hkv, D) and cached in the context; a refused shape is
- *                       remembered), linmoe's own kernel otherwise (packed documents, or
- *                       a shape cuDNN refuses);
- *   LM_CUDA_ATTN_OWN    always linmoe's FlashAttention-2 kernel;
- *   LM_CUDA_ATTN_CUDNN  cuDNN only: a shape cuDNN refuses (or packed documents) is an
- *                       LM_ERR_UNSUPPORTED error naming cuDNN's reason (tests use this).
- * The backward is always linmoe's (deterministic; cuDNN's backward accumulates dQ with
- * float atomics). The cuDNN graph: src/ops/cuda/attention_cudnn.cu. Errors:
- * LM_ERR_INVALID for an unknown value. */
+/* Which implementation runs the forward (set_impl) / the backward (set_bwd_impl) on this
+ * context:
+ *   LM_CUDA_ATTN_AUTO   (default) cuDNN's fused flash-attention engine when cuDNN builds a
+ *                       plan for the call (dense [B, T] batches, or packed documents as
+ *                       ragged tensors; plans built once per shape key and cached in the
+ *                       context, a refused key remembered), linmoe's own kernels otherwise
+ *                       (a shape cuDNN refuses, or a failed allocation of its workspace);
+ *   LM_CUDA_ATTN_OWN    always linmoe's FlashAttention-2 kernels;
+ *   LM_CUDA_ATTN_CUDNN  cuDNN only: a refusal is an LM_ERR_UNSUPPORTED error naming cuDNN's
+ *                       reason (tests use this).
+ * Forward and backward may differ (lse has one meaning: natural-log log-sum-exp of the
+ * scaled scores, [B, T, Hq] fp32). The backward honours the context option
+ * "deterministic" in both implementations (see the top of this file). The cuDNN graphs:
+ * src/ops/cuda/attention_cudnn.cu. Errors: LM_ERR_INVALID for an unknown value. */
 enum { LM_CUDA_ATTN_AUTO = 0, LM_CUDA_ATTN_OWN = 1, LM_CUDA_ATTN_CUDNN = 2 };
 lm_status lm_cuda_attention_set_impl(lm_cuda_ctx *ctx, int impl, lm_error *err);
-/* The implementation that ran the last forward on ctx (LM_CUDA_ATTN_OWN or
+lm_status lm_cuda_attention_set_bwd_impl(lm_cuda_ctx *ctx, int impl, lm_error *err);
+/* The implementation that ran the last forward / backward on ctx (LM_CUDA_ATTN_OWN or
  * LM_CUDA_ATTN_CUDNN; 0 before the first). */
 int lm_cuda_attention_last_impl(lm_cuda_ctx *ctx);
+int lm_cuda_attention_last_bwd_impl(lm_cuda_ctx *ctx);
+
+/* The estimated cuDNN workspace (bytes) one call of the deterministic cuDNN backward may
+ * use: larger problems run as several calls over chunks of batch rows (dense; the largest
+ * divisor of B that fits) or groups of documents (packed, longest first); a call of one row
+ * or one document always runs. Default 2 GiB; 0 makes every call one row / one document
+ * (tests). Errors: LM_ERR_INVALID for bytes < 0. */
+lm_status lm_cuda_attention_set_cudnn_workspace_limit(lm_cuda_ctx *ctx, int64_t bytes,
+                                                      lm_error *err);
 
 #ifdef __cplusplus
 }

@@ -9,7 +9,10 @@
                GQA, SDPA per document in a Python loop ("peer" says which).
   decode row   SDPA of one query per row against the full cache [B, Hkv, L, D] (enable_gqa).
 fwd+bwd is o = attn(q, k, v); o.backward(do) with the gradients of q, k, v.
-The shape / pass strings are exactly those of the C rows.
+The shape / pass strings are exactly those of the C rows. The C side times three
+implementations per shape ("attention" the default, "attention_own" linmoe's kernels,
+"attention_nondet" the default with cuDNN's atomic dQ, fwd+bwd only); each gets the same
+peer measurement (copied rows, timed once).
 """
 
 import inspect
@@ -166,4 +169,11 @@ def run(do_bench, quick):
         torch.cuda.empty_cache()
     rows += _decode(do_bench)
     torch.cuda.empty_cache()
-    return rows
+    extra = []
+    for r in rows:
+        if r["name"] != "attention":
+            continue
+        extra.append(dict(r, name="attention_own"))
+        if r["pass"] == "fwd+bwd":
+            extra.append(dict(r, name="attention_nondet"))
+    return rows + extra

@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "linmoe/cuda_attention.h"
@@ -28,13 +29,30 @@
 
 typedef __nv_bfloat16 bf16;
 
-/* src/ops/cuda/attention_cudnn.cu: the forward through cuDNN's fused engine (stats fp32
- * [B, Hq, T]); LM_ERR_UNSUPPORTED when cuDNN builds no plan for the shape. */
+/* src/ops/cuda/attention_cudnn.cu: the forward and backward through cuDNN's fused engines
+ * (its file comment has the graphs); LM_ERR_UNSUPPORTED when cuDNN builds no plan for the
+ * shape. One call's shape and device pointers (the same definition is there): */
+struct lm_attn_cudnn_io {
+    int b, s, Hq, Hkv, D;
+    int ragged; /* packed documents: ragged offsets and the padding mask */
+    int det;    /* backward: the deterministic algorithm */
+    float scale;
+    const void *q, *k, *v, *o, *dO;
+    void *o_out;                          /* forward output */
+    float *stats;                         /* forward output / backward input */
+    void *dq, *dk, *dv;                   /* backward outputs */
+    float *dsum;                          /* backward scratch: rowsum(dO O) */
+    float *dq_acc;                        /* backward scratch, non-deterministic only */
+    void *dk_full, *dv_full;              /* backward scratch, ragged GQA only */
+    const int *seq_len;                   /* ragged: int32 [b] */
+    const int64_t *off_q, *off_k, *off_s; /* ragged: int64 [b + 1] */
+};
 struct lm_attn_cudnn;
 void lm_attn_cudnn_destroy(lm_attn_cudnn *s);
-lm_status lm_attn_cudnn_forward(lm_cuda_ctx *ctx, lm_attn_cudnn **state, int B, int T, int Hq,
-                                int Hkv, int D, float scale, const void *q, const void *k,
-                                const void *v, void *o, float *stats, lm_error *err);
+lm_status lm_attn_cudnn_forward(lm_cuda_ctx *ctx, lm_attn_cudnn **state, const lm_attn_cudnn_io *io,
+                                lm_error *err);
+lm_status lm_attn_cudnn_backward(lm_cuda_ctx *ctx, lm_attn_cudnn **state,
+                                 const lm_attn_cudnn_io *io, lm_error *err);
 
 namespace {
 
@@ -761,153 +779,206 @@ struct DecP {
     float scale_log2;
 };
 
-constexpr int DEC_BK = 64, DEC_GH = 16;
+/* Decode geometry: DEC_W warps per CTA, each streaming its own tiles of DEC_BK cache rows
+ * through DEC_ST cp.async stages (no CTA barrier inside the loop); a split's rows come in
+ * multiples of DEC_CHUNK = DEC_W * DEC_BK; at most DEC_GH query heads per CTA. */
+constexpr int DEC_BK = 16, DEC_ST = 3, DEC_W = 4, DEC_GH = 16, DEC_CHUNK = DEC_W * DEC_BK;
+template <int D> __host__ __device__ constexpr int dec_stage() {
+    return DEC_BK * (D + 8) + DEC_BK * D; /* bf16 elements */
+}
 template <int D> constexpr int dec_smem() {
-    return 4 * DEC_BK * (D + 8) * 2 + DEC_GH * D * 4 + DEC_GH * DEC_BK * 4 + 3 * DEC_GH * 4;
+    return DEC_W * DEC_ST * dec_stage<D>() * 2 + DEC_GH * D * 4 + DEC_W * DEC_GH * DEC_BK * 4;
 }
 
-/* One CTA (128 threads) per (split blockIdx.x, (b, g) blockIdx.y, head slice blockIdx.z
- * of at most 16 query heads of the group): cache rows [s chunk, min(L, (s+1) chunk)) in
- * tiles of 64 (cp.async, double-buffered); scores per (head, key), online softmax per
- * head by one warp, weighted values per (head, value pair) in registers. */
-template <int D> __global__ void __launch_bounds__(128) attn_decode(const DecP p) {
-    constexpr int BK = DEC_BK, LD = D + 8, CH = D / 8, NP = D / 2, MAXI = DEC_GH * NP / 128;
+/* One CTA (DEC_W warps) per (split blockIdx.x, (b, g) blockIdx.y, head slice blockIdx.z of
+ * at most 16 query heads of the group), over cache rows [s chunk, min(L, (s+1) chunk)).
+ * Warp w takes the split's tiles w, w + DEC_W, ... (16 rows each, DEC_ST-stage cp.async
+ * pipeline of its own) and keeps an online softmax per head: lane (j, half) = (lane % 16,
+ * lane / 16) forms half of the score of row j for every head (16-byte K loads, q from shared
+ * memory as fp32 times scale log2 e), the halves meet by one shuffle; the weighted values
+ * accumulate D / 32 dims per lane for every head. The warps' states merge in warp order
+ * (deterministic) into the split's fp32 partial (max in log2 units, sum, weighted values). */
+template <int D> __global__ void __launch_bounds__(DEC_W * 32) attn_decode(const DecP p) {
+    constexpr int BK = DEC_BK, LDK = D + 8, HALF = D / 2, DPL = D / 32, CH = D / 8;
+    constexpr int KST = BK * LDK, STG = dec_stage<D>();
+    static_assert(DEC_W * DEC_GH * (D + 2) * 4 <= DEC_W * DEC_ST * STG * 2,
+                  "the warp merge reuses the stage buffers");
     extern __shared__ __align__(128) unsigned char smem[];
-    bf16 *Ks = reinterpret_cast<bf16 *>(smem);               /* [2][BK][LD] */
-    bf16 *Vs = Ks + 2 * BK * LD;                             /* [2][BK][LD] */
-    float *qs = reinterpret_cast<float *>(Vs + 2 * BK * LD); /* [GH][D], times scale log2 e */
-    float *sc = qs + DEC_GH * D;                             /* [GH][BK] */
-    float *mh = sc + DEC_GH * BK, *lh = mh + DEC_GH, *al = lh + DEC_GH;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    bf16 *Kw = reinterpret_cast<bf16 *>(smem) + warp * DEC_ST * STG; /* [ST][K BKxLDK, V BKxD] */
+    float *qs = reinterpret_cast<float *>(reinterpret_cast<bf16 *>(smem) + DEC_W * DEC_ST * STG);
+    float *pw = qs + DEC_GH * D + warp * DEC_GH * BK; /* this warp's probabilities [GH][BK] */
     const int s = blockIdx.x, b = blockIdx.y / p.Hkv, g = blockIdx.y % p.Hkv;
     const int h0 = g * p.grp + blockIdx.z * DEC_GH,
               GH = min(DEC_GH, p.grp - (int)blockIdx.z * DEC_GH);
     const int kb0 = s * p.chunk, kb1 = min(p.L, kb0 + p.chunk);
     const int ntile = (kb1 - kb0 + BK - 1) / BK;
+    const int nt_w = ntile > warp ? (ntile - warp + DEC_W - 1) / DEC_W : 0;
     const int64_t rstr = (int64_t)p.Hkv * D;
     const bf16 *kg = p.kc + ((int64_t)b * p.Tmax * p.Hkv + g) * D;
     const bf16 *vg = p.vc + ((int64_t)b * p.Tmax * p.Hkv + g) * D;
-    auto load = [&](int buf, int t0) {
-        for (int c = tid; c < BK * CH; c += 128) {
-            const int r = c / CH, cc = c - r * CH, row = t0 + r;
-            const bool ok = row < kb1;
-            const int64_t off = (int64_t)(ok ? row : kb0) * rstr + cc * 8;
-            cp16z(Ks + (buf * BK + r) * LD + cc * 8, kg + off, ok);
-            cp16z(Vs + (buf * BK + r) * LD + cc * 8, vg + off, ok);
-        }
+    auto load = [&](int st, int i) { /* the warp's i-th tile into stage st */
+                                     const int t0 = kb0 + (warp + DEC_W * i) * BK;
+                                     bf16 *Ks = Kw + st * STG, *Vs = Ks + KST;
+#pragma unroll
+                                     for (int c = lane; c < BK * CH; c += 32) {
+                                         const int r = c / CH, cc = c - r * CH, row = t0 + r;
+                                         const bool ok = row < kb1;
+                                         const int64_t off =
+                                             (int64_t)(ok ? row : kb0) * rstr + cc * 8;
+                                         cp16z(Ks + r * LDK + cc * 8, kg + off, ok);
+                                         cp16z(Vs + r * D + cc * 8, vg + off, ok);
+                                     }
     };
-    load(0, kb0);
-    cp_commit();
-    for (int idx = tid; idx < GH * NP; idx += 128) {
-        const int hh = idx / NP, f = idx - hh * NP;
+#pragma unroll
+    for (int i = 0; i < DEC_ST - 1; i++) {
+        if (i < nt_w)
+            load(i, i);
+        cp_commit();
+    }
+    for (int idx = tid; idx < GH * HALF; idx += DEC_W * 32) {
+        const int hh = idx / HALF, f = idx - hh * HALF;
         const bf16 *qr = p.q + ((int64_t)b * p.Hq + h0 + hh) * D;
-        float x0 = __bfloat162float(qr[f]), x1 = __bfloat162float(qr[f + NP]);
+        float x0 = __bfloat162float(qr[f]), x1 = __bfloat162float(qr[f + HALF]);
         if (p.rope) {
-            const float2 r = p.rope[(int64_t)p.pos * NP + f];
+            const float2 r = p.rope[(int64_t)p.pos * HALF + f];
             const float y0 = x0 * r.x - x1 * r.y, y1 = x1 * r.x + x0 * r.y;
             x0 = y0, x1 = y1;
         }
         qs[hh * D + f] = x0 * p.scale_log2;
-        qs[hh * D + f + NP] = x1 * p.scale_log2;
+        qs[hh * D + f + HALF] = x1 * p.scale_log2;
     }
-    if (tid < DEC_GH) {
-        mh[tid] = -INFINITY;
-        lh[tid] = 0.0f;
-    }
-    float acc[MAXI][2];
-#pragma unroll
-    for (int it = 0; it < MAXI; it++)
-        acc[it][0] = acc[it][1] = 0.0f;
+    __syncthreads();
 
-    for (int t = 0; t < ntile; t++) {
-        const int buf = t & 1, t0 = kb0 + t * BK, nval = min(BK, kb1 - t0);
-        if (t + 1 < ntile) {
-            load(buf ^ 1, t0 + BK);
-            cp_commit();
-            cp_wait<1>();
-        } else {
-            cp_wait<0>();
-        }
-        __syncthreads();
-        const bf16 *Kb = Ks + buf * BK * LD, *Vb = Vs + buf * BK * LD;
-        for (int idx = tid; idx < GH * BK; idx += 128) {
-            const int hh = idx / BK, j = idx - hh * BK;
-            float d = -INFINITY;
-            if (j < nval) {
-                d = 0.0f;
-                const float *qv = qs + hh * D;
+    float m[DEC_GH], l[DEC_GH], acc[DEC_GH][DPL];
 #pragma unroll
-                for (int c = 0; c < CH; c++) {
-                    const uint4 u = *reinterpret_cast<const uint4 *>(Kb + j * LD + c * 8);
-                    const __nv_bfloat162 *hk = reinterpret_cast<const __nv_bfloat162 *>(&u);
-                    const float4 qa = *reinterpret_cast<const float4 *>(qv + c * 8);
-                    const float4 qb = *reinterpret_cast<const float4 *>(qv + c * 8 + 4);
-                    float2 k0 = __bfloat1622float2(hk[0]), k1 = __bfloat1622float2(hk[1]);
-                    float2 k2 = __bfloat1622float2(hk[2]), k3 = __bfloat1622float2(hk[3]);
-                    d += qa.x * k0.x + qa.y * k0.y + qa.z * k1.x + qa.w * k1.y;
-                    d += qb.x * k2.x + qb.y * k2.y + qb.z * k3.x + qb.w * k3.y;
+    for (int hh = 0; hh < DEC_GH; hh++) {
+        m[hh] = -INFINITY;
+        l[hh] = 0.0f;
+#pragma unroll
+        for (int d = 0; d < DPL; d++)
+            acc[hh][d] = 0.0f;
+    }
+    const int j = lane & 15, hf = lane >> 4;
+    for (int i = 0; i < nt_w; i++) {
+        if (i + DEC_ST - 1 < nt_w)
+            load((i + DEC_ST - 1) % DEC_ST, i + DEC_ST - 1);
+        cp_commit();
+        cp_wait<DEC_ST - 1>();
+        __syncwarp();
+        const bf16 *Ks = Kw + (i % DEC_ST) * STG, *Vs = Ks + KST;
+        const int nval = min(BK, kb1 - (kb0 + (warp + DEC_W * i) * BK));
+        float sc[DEC_GH];
+#pragma unroll
+        for (int hh = 0; hh < DEC_GH; hh++)
+            sc[hh] = 0.0f;
+        const bf16 *kr = Ks + j * LDK + hf * HALF;
+#pragma unroll
+        for (int c = 0; c < HALF / 8; c++) {
+            const uint4 u = *reinterpret_cast<const uint4 *>(kr + c * 8);
+            const __nv_bfloat162 *hk = reinterpret_cast<const __nv_bfloat162 *>(&u);
+            const float2 k0 = __bfloat1622float2(hk[0]), k1 = __bfloat1622float2(hk[1]);
+            const float2 k2 = __bfloat1622float2(hk[2]), k3 = __bfloat1622float2(hk[3]);
+#pragma unroll
+            for (int hh = 0; hh < DEC_GH; hh++) {
+                if (hh < GH) {
+                    const float *qv = qs + hh * D + hf * HALF + c * 8;
+                    const float4 qa = *reinterpret_cast<const float4 *>(qv);
+                    const float4 qb = *reinterpret_cast<const float4 *>(qv + 4);
+                    sc[hh] += qa.x * k0.x + qa.y * k0.y + qa.z * k1.x + qa.w * k1.y;
+                    sc[hh] += qb.x * k2.x + qb.y * k2.y + qb.z * k3.x + qb.w * k3.y;
                 }
             }
-            sc[hh * BK + j] = d;
         }
-        __syncthreads();
-        for (int hh = warp; hh < GH; hh += 4) {
-            const float x0 = sc[hh * BK + lane], x1 = sc[hh * BK + lane + 32];
-            float mx = fmaxf(x0, x1);
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1)
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            const float mold = mh[hh], mnew = fmaxf(mold, mx); /* finite: nval >= 1 */
-            const float p0 = ex2(x0 - mnew), p1 = ex2(x1 - mnew);
-            sc[hh * BK + lane] = p0;
-            sc[hh * BK + lane + 32] = p1;
-            float sum = p0 + p1;
+        for (int hh = 0; hh < DEC_GH; hh++) {
+            if (hh < GH) {
+                const float tot = sc[hh] + __shfl_xor_sync(0xffffffffu, sc[hh], 16);
+                const float x = j < nval ? tot : -INFINITY;
+                float mx = x;
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1)
-                sum += __shfl_xor_sync(0xffffffffu, sum, off);
-            __syncwarp();
+                for (int off = 8; off > 0; off >>= 1)
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+                const float mnew = fmaxf(m[hh], mx); /* finite: nval >= 1 */
+                const float pj = ex2(x - mnew);
+                float sum = pj;
+#pragma unroll
+                for (int off = 8; off > 0; off >>= 1)
+                    sum += __shfl_xor_sync(0xffffffffu, sum, off);
+                const float alpha = ex2(m[hh] - mnew);
+                l[hh] = l[hh] * alpha + sum;
+                m[hh] = mnew;
+#pragma unroll
+                for (int d = 0; d < DPL; d++)
+                    acc[hh][d] *= alpha;
+                if (hf == 0)
+                    pw[hh * BK + j] = pj;
+            }
+        }
+        __syncwarp();
+        for (int jj = 0; jj < nval; jj++) {
+            float vv[DPL];
+            const bf16 *vr = Vs + jj * D + lane * DPL;
+            if constexpr (DPL == 4) {
+                const uint2 u = *reinterpret_cast<const uint2 *>(vr);
+                const float2 a =
+                    __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.x));
+                const float2 c =
+                    __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.y));
+                vv[0] = a.x, vv[1] = a.y, vv[2] = c.x, vv[3] = c.y;
+            } else {
+                const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(vr));
+                vv[0] = a.x, vv[1] = a.y;
+            }
+#pragma unroll
+            for (int hh = 0; hh < DEC_GH; hh++) {
+                if (hh < GH) {
+                    const float pj = pw[hh * BK + jj];
+#pragma unroll
+                    for (int d = 0; d < DPL; d++)
+                        acc[hh][d] += pj * vv[d];
+                }
+            }
+        }
+        __syncwarp();
+    }
+    cp_wait<0>();
+    __syncthreads(); /* every warp is done with its stages: reuse them for the merge */
+    float *mm = reinterpret_cast<float *>(smem); /* [W][GH] max */
+    float *ll = mm + DEC_W * DEC_GH;             /* [W][GH] sum */
+    float *aa = ll + DEC_W * DEC_GH;             /* [W][GH][D] weighted values */
+#pragma unroll
+    for (int hh = 0; hh < DEC_GH; hh++) {
+        if (hh < GH) {
             if (lane == 0) {
-                const float alpha = ex2(mold - mnew);
-                al[hh] = alpha;
-                lh[hh] = lh[hh] * alpha + sum;
-                mh[hh] = mnew;
+                mm[warp * DEC_GH + hh] = m[hh];
+                ll[warp * DEC_GH + hh] = l[hh];
             }
-        }
-        __syncthreads();
 #pragma unroll
-        for (int it = 0; it < MAXI; it++) {
-            const int idx = tid + it * 128;
-            if (idx < GH * NP) {
-                const int hh = idx / NP, dp = idx - hh * NP;
-                const float alpha = al[hh];
-                float a0 = acc[it][0] * alpha, a1 = acc[it][1] * alpha;
-                const float *pr = sc + hh * BK;
-                for (int j = 0; j < nval; j++) {
-                    const float pj = pr[j];
-                    const float2 vv = __bfloat1622float2(
-                        *reinterpret_cast<const __nv_bfloat162 *>(Vb + j * LD + 2 * dp));
-                    a0 += pj * vv.x;
-                    a1 += pj * vv.y;
-                }
-                acc[it][0] = a0, acc[it][1] = a1;
-            }
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int it = 0; it < MAXI; it++) {
-        const int idx = tid + it * 128;
-        if (idx < GH * NP) {
-            const int hh = idx / NP, dp = idx - hh * NP;
-            const int64_t pi = ((int64_t)b * p.Hq + h0 + hh) * p.S + s;
-            *reinterpret_cast<float2 *>(p.pacc + pi * D + 2 * dp) =
-                make_float2(acc[it][0], acc[it][1]);
+            for (int d = 0; d < DPL; d++)
+                aa[(warp * DEC_GH + hh) * D + lane * DPL + d] = acc[hh][d];
         }
     }
-    if (tid < GH) {
-        const int64_t pi = ((int64_t)b * p.Hq + h0 + tid) * p.S + s;
-        p.pml[2 * pi] = mh[tid];
-        p.pml[2 * pi + 1] = lh[tid];
+    __syncthreads();
+    for (int idx = tid; idx < GH * D; idx += DEC_W * 32) {
+        const int hh = idx / D, d = idx - hh * D;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < DEC_W; w++)
+            M = fmaxf(M, mm[w * DEC_GH + hh]); /* finite: warp 0 always has a tile */
+        float a = 0.0f, L = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DEC_W; w++) {
+            const float wt = ex2(mm[w * DEC_GH + hh] - M); /* 0 for a warp without tiles */
+            a += aa[(w * DEC_GH + hh) * D + d] * wt;
+            L += ll[w * DEC_GH + hh] * wt;
+        }
+        const int64_t pi = ((int64_t)b * p.Hq + h0 + hh) * p.S + s;
+        p.pacc[pi * D + d] = a;
+        if (d == 0) {
+            p.pml[2 * pi] = M;
+            p.pml[2 * pi + 1] = L;
+        }
     }
 }
 
@@ -944,6 +1015,15 @@ __global__ void attn_stats_to_lse(const float *stats, float *lse, int T, int Hq,
     }
 }
 
+/* cuDNN's stats [B, Hq, T] from lse [B, T, Hq] */
+__global__ void attn_lse_to_stats(const float *lse, float *stats, int T, int Hq, int64_t n) {
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t h = idx % Hq, bt = idx / Hq, t = bt % T, b = bt / T;
+        stats[(b * Hq + h) * T + t] = lse[idx];
+    }
+}
+
 /* ---------------------------------------------------------------- host side */
 
 /* Per-context state (slot LM_SLOT_ATTENTION): the document / block tables (device copy
@@ -958,7 +1038,9 @@ struct AttnState {
     int rope_D = 0;
     double rope_theta = 0.0;
     lm_attn_cudnn *cudnn = nullptr; /* cuDNN handle and plans (attention_cudnn.cu) */
-    int impl = LM_CUDA_ATTN_AUTO, last_impl = 0;
+    int impl = LM_CUDA_ATTN_AUTO, last_impl = 0, bwd_impl = LM_CUDA_ATTN_AUTO, last_bwd_impl = 0;
+    int64_t cudnn_ws_limit = (int64_t)2 << 30; /* deterministic backward, bytes per call */
+    int dec_occ[2] = {0, 0}; /* decode CTAs per SM, D = 64 / 128 (0: not yet asked) */
     ~AttnState() {
         lm_attn_cudnn_destroy(cudnn);
         if (tab)
@@ -968,13 +1050,46 @@ struct AttnState {
     }
 };
 
+/* One cuDNN call over packed documents: b batch entries (the documents, padded with empty
+ * entries up to a bucket so that few plans serve changing document sets) of at most s tokens;
+ * int indices into AttnState::tab of its seq_len (int32 [b]) and offset tables (int64
+ * [b + 1]: q / o / dq / do elements, k / v / dk / dv elements, lse elements). */
+struct CuGroup {
+    int b = 0, s = 0, seq = 0, offq = 0, offk = 0, offs = 0;
+};
+
 /* The tables of one configuration, as offsets into AttnState::tab. */
 struct Plan {
     int N = 0, nfwd = 0, nbwd = 0, nqb = 0, ncu = 0;
     int64_t maxlen = 0;
     const int4 *fwd = nullptr, *bwd = nullptr;
     const int *cu = nullptr;
+    std::vector<CuGroup> cfwd, cbwd; /* packed documents: the cuDNN calls */
 };
+
+/* cuDNN shape buckets: the smallest of 1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and
+ * 1.5 times them) >= n, at least lo. At most 1.5x padding, few distinct plans. */
+int64_t bucket(int64_t n, int64_t lo) {
+    int64_t p = 1;
+    while (p < n && p < ((int64_t)1 << 40)) {
+        if (p >= 2 && p + p / 2 >= n)
+            return std::max(p + p / 2, lo);
+        p *= 2;
+    }
+    return std::max(p, lo);
+}
+
+/* Packed documents: pad each cuDNN call's batch with empty (length 0) entries up to the
+ * bucket of the document count (false: the exact count, one plan per distinct count). */
+constexpr bool kPadBatch = true;
+int64_t batch_bucket(int64_t n) { return kPadBatch ? bucket(n, 1) : n; }
+
+/* The deterministic cuDNN backward keeps dS (b * hq * s * s bf16, s to the 128-row tile) in
+ * its workspace: the estimate that sizes batch chunks and document groups. */
+double det_ws_estimate(int64_t b, int64_t Hq, int64_t s) {
+    const double sp = (double)((s + 127) / 128 * 128);
+    return (double)b * (double)Hq * sp * sp * 2.0;
+}
 
 lm_status check_config(lm_attention_config *c, const char *what, lm_error *err) {
     if (!c)
@@ -1102,6 +1217,62 @@ lm_status make_plan(lm_cuda_ctx *ctx, AttnState *st, const lm_attention_config *
     h.push_back(N > 0 ? bos[N - 1] + len[N - 1] : 0);
     while (h.size() % 4)
         h.push_back(0);
+    if (c->cu_seqlens) {
+        /* the cuDNN calls: the non-empty documents, longest first; the forward and the
+         * atomic backward in one call, the deterministic backward in groups whose estimated
+         * workspace fits the limit (a group of one document always runs) */
+        std::vector<int> docs;
+        for (int n = 0; n < N; n++)
+            if (len[n] > 0)
+                docs.push_back(n);
+        std::stable_sort(docs.begin(), docs.end(), [&](int a, int b) { return len[a] > len[b]; });
+        const int64_t tot = N > 0 ? bos[N - 1] + len[N - 1] : 0;
+        auto add_group = [&](size_t first, size_t count) {
+            CuGroup g;
+            g.b = (int)batch_bucket((int64_t)count);
+            g.s = (int)bucket(len[docs[first]], 64);
+            auto align4 = [&]() {
+                while (h.size() % 4)
+                    h.push_back(0);
+            };
+            auto push64 = [&](int64_t x) {
+                h.push_back((int)(uint32_t)(uint64_t)x);
+                h.push_back((int)(uint32_t)((uint64_t)x >> 32));
+            };
+            align4();
+            g.seq = (int)h.size();
+            for (int i = 0; i < g.b; i++)
+                h.push_back(i < (int)count ? len[docs[first + i]] : 0);
+            const int64_t mul[3] = {(int64_t)c->Hq * c->D, (int64_t)c->Hkv * c->D, c->Hq};
+            int *at[3] = {&g.offq, &g.offk, &g.offs};
+            for (int t = 0; t < 3; t++) {
+                align4();
+                *at[t] = (int)h.size();
+                for (int i = 0; i <= g.b; i++)
+                    push64((i < (int)count ? bos[docs[first + i]] : tot) * mul[t]);
+            }
+            return g;
+        };
+        if (!docs.empty()) {
+            pl->cfwd.push_back(add_group(0, docs.size()));
+            if (!ctx->deterministic) {
+                pl->cbwd = pl->cfwd;
+            } else {
+                const double lim = (double)st->cudnn_ws_limit;
+                for (size_t i = 0; i < docs.size();) {
+                    const int64_t sg = bucket(len[docs[i]], 64);
+                    size_t n = 1;
+                    while (i + n < docs.size() &&
+                           det_ws_estimate(batch_bucket((int64_t)n + 1), c->Hq, sg) <= lim)
+                        n++;
+                    pl->cbwd.push_back(add_group(i, n));
+                    i += n;
+                }
+            }
+        }
+        while (h.size() % 4)
+            h.push_back(0);
+    }
     if (h.size() > st->tab_cap) {
         if (st->tab)
             lm_cuda_ctx_free_mem(ctx, st->tab);
@@ -1280,19 +1451,36 @@ lm_status bwd_launch(lm_cuda_ctx *ctx, const lm_attention_config *c, const Plan 
 }
 
 template <int D>
-lm_status decode_launch(lm_cuda_ctx *ctx, const lm_attention_config *c, const AttnState *st,
-                        int64_t Tmax, int64_t pos, const void *q, const void *kc, const void *vc,
-                        void *o, float *lse, lm_error *err) {
+lm_status decode_launch(lm_cuda_ctx *ctx, const lm_attention_config *c, AttnState *st, int64_t Tmax,
+                        int64_t pos, const void *q, const void *kc, const void *vc, void *o,
+                        float *lse, lm_error *err) {
     const int grp = c->Hq / c->Hkv, zdim = (grp + DEC_GH - 1) / DEC_GH;
     const int L = (int)(pos + 1);
     const int64_t base = (int64_t)c->B * c->Hkv * zdim;
-    const int64_t want = 4 * (int64_t)ctx->sm_count;
-    int64_t S = (want + base - 1) / base;
-    const int64_t smax = (L + DEC_BK - 1) / DEC_BK;
-    S = S < 1 ? 1 : (S > smax ? smax : S);
-    const int64_t per = (L + S - 1) / S;
-    const int chunk = (int)(((per + DEC_BK - 1) / DEC_BK) * DEC_BK);
-    S = (L + chunk - 1) / chunk;
+    LM_TRY(opt_in_smem(ctx, attn_decode<D>, dec_smem<D>(), err));
+    int &occ = st->dec_occ[D == 64 ? 0 : 1];
+    if (occ == 0) {
+        LM_CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, attn_decode<D>, DEC_W * 32,
+                                                            dec_smem<D>()));
+        occ = occ < 1 ? 1 : occ;
+    }
+    /* splits: the fewest whose CTAs fill the resident slots in whole waves to >= 85% (else
+     * the best filling), each split a multiple of DEC_CHUNK rows */
+    const int64_t res = (int64_t)occ * ctx->sm_count;
+    const int64_t smax = (L + DEC_CHUNK - 1) / DEC_CHUNK;
+    int64_t S = 1, chunk = (int64_t)smax * DEC_CHUNK;
+    double best = -1.0;
+    for (int64_t cand = 1; cand <= smax && cand <= 1024; cand++) {
+        const int64_t per = (L + cand - 1) / cand;
+        const int64_t ch = (per + DEC_CHUNK - 1) / DEC_CHUNK * DEC_CHUNK;
+        const int64_t sc = (L + ch - 1) / ch, tot = base * sc;
+        const double eff = (double)tot / (double)(((tot + res - 1) / res) * res);
+        if (eff > best + 1e-9) {
+            best = eff, S = sc, chunk = ch;
+            if (eff >= 0.85)
+                break;
+        }
+    }
     const int64_t BH = (int64_t)c->B * c->Hq;
     const size_t ml_b = align256((size_t)(BH * S * 2) * sizeof(float));
     void *buf = nullptr;
@@ -1309,7 +1497,7 @@ lm_status decode_launch(lm_cuda_ctx *ctx, const lm_attention_config *c, const At
     p.Hkv = c->Hkv;
     p.grp = grp;
     p.S = (int)S;
-    p.chunk = chunk;
+    p.chunk = (int)chunk;
     p.L = L;
     p.pos = (int)pos;
     p.Tmax = Tmax;
@@ -1318,13 +1506,162 @@ lm_status decode_launch(lm_cuda_ctx *ctx, const lm_attention_config *c, const At
         return lm_errorf(err, LM_ERR_UNSUPPORTED,
                          "attention cuda: decode: B*Hkv = %d exceeds the grid limit (65535)",
                          c->B * c->Hkv);
-    LM_TRY(opt_in_smem(ctx, attn_decode<D>, dec_smem<D>(), err));
-    attn_decode<D><<<dim3((unsigned)S, c->B * c->Hkv, zdim), 128, dec_smem<D>(), ctx->stream>>>(p);
+    attn_decode<D>
+        <<<dim3((unsigned)S, c->B * c->Hkv, zdim), DEC_W * 32, dec_smem<D>(), ctx->stream>>>(p);
     LM_CK_LAUNCH("attn_decode");
     attn_decode_merge<<<(unsigned)BH, D / 2, 0, ctx->stream>>>(p.pml, p.pacc, (bf16 *)o, lse,
                                                                (int)S, D);
     LM_CK_LAUNCH("attn_decode_merge");
     return LM_OK;
+}
+
+/* ---------------------------------------------------------------- cuDNN drivers */
+
+/* Fills the packed-document fields of io for group g. */
+void io_group(lm_attn_cudnn_io *io, const AttnState *st, const CuGroup &g) {
+    io->ragged = 1;
+    io->b = g.b;
+    io->s = g.s;
+    io->seq_len = st->tab + g.seq;
+    io->off_q = reinterpret_cast<const int64_t *>(st->tab + g.offq);
+    io->off_k = reinterpret_cast<const int64_t *>(st->tab + g.offk);
+    io->off_s = reinterpret_cast<const int64_t *>(st->tab + g.offs);
+}
+
+/* The forward through cuDNN: dense batches in one call (stats [B, Hq, T] in scratch C,
+ * transposed into lse), packed documents in one ragged call that writes lse itself (through
+ * scratch C when lse is NULL or not 16-byte aligned). */
+lm_status cudnn_forward(lm_cuda_ctx *ctx, AttnState *st, const lm_attention_config *c,
+                        const Plan &pl, const void *q, const void *k, const void *v, void *o,
+                        float *lse, lm_error *err) {
+    lm_attn_cudnn_io io;
+    memset(&io, 0, sizeof io);
+    io.Hq = c->Hq, io.Hkv = c->Hkv, io.D = c->D, io.scale = c->scale;
+    io.q = q, io.k = k, io.v = v, io.o_out = o;
+    const int64_t ns = (int64_t)c->B * c->T * c->Hq;
+    if (!c->cu_seqlens) {
+        void *stats = nullptr;
+        LM_TRY(lm_cuda_ctx_scratch(ctx, LM_SCRATCH_C, (size_t)ns * sizeof(float), &stats, err));
+        io.b = c->B, io.s = c->T, io.stats = (float *)stats;
+        LM_TRY(lm_attn_cudnn_forward(ctx, &st->cudnn, &io, err));
+        if (lse) {
+            attn_stats_to_lse<<<lm_cuda_grid(ctx, ns), 256, 0, ctx->stream>>>(io.stats, lse, c->T,
+                                                                              c->Hq, ns);
+            LM_CK_LAUNCH("attn_stats_to_lse");
+        }
+        return LM_OK;
+    }
+    if (pl.cfwd.empty())
+        return lm_errorf(err, LM_ERR_UNSUPPORTED, "attention cudnn: no non-empty document");
+    io_group(&io, st, pl.cfwd[0]);
+    const bool direct = lse && (uintptr_t)lse % 16 == 0;
+    io.stats = lse;
+    if (!direct) {
+        void *stats = nullptr;
+        LM_TRY(lm_cuda_ctx_scratch(ctx, LM_SCRATCH_C, (size_t)ns * sizeof(float), &stats, err));
+        io.stats = (float *)stats;
+    }
+    LM_TRY(lm_attn_cudnn_forward(ctx, &st->cudnn, &io, err));
+    if (!direct && lse)
+        LM_CK(cudaMemcpyAsync(lse, io.stats, (size_t)ns * sizeof(float), cudaMemcpyDeviceToDevice,
+                              ctx->stream));
+    return LM_OK;
+}
+
+/* The backward through cuDNN (q, k already rotated with RoPE; dq, dk rotated back here).
+ * Dense batches: lse transposed into cuDNN's stats layout, the deterministic algorithm in
+ * chunks of batch rows whose estimated workspace fits the limit (the largest divisor of B
+ * that does). Packed documents: the groups of the plan, lse read in place. Scratch C holds
+ * stats, rowsum(dO O), the fp32 dQ accumulator (atomic algorithm) and, packed GQA, the
+ * per-query-head dK / dV; each packed buffer has 128 rows of slack past the last token. */
+lm_status cudnn_backward(lm_cuda_ctx *ctx, AttnState *st, const lm_attention_config *c,
+                         const Plan &pl, const void *q, const void *k, const void *v, const void *o,
+                         const float *lse, const void *do_, void *dq, void *dk, void *dv,
+                         lm_error *err) {
+    const int det = ctx->deterministic ? 1 : 0;
+    const int64_t B = c->B, T = c->T, Hq = c->Hq, Hkv = c->Hkv, D = c->D, BT = B * T;
+    const bool packed = c->cu_seqlens != nullptr;
+    if (!packed && T == 1)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "attention cudnn: backward: T = 1 (s_q = s_kv = 1) is outside the fused "
+                         "engine");
+    if (packed && pl.cbwd.empty())
+        return lm_errorf(err, LM_ERR_UNSUPPORTED, "attention cudnn: no non-empty document");
+    const int64_t rows = BT + (packed ? 128 : 0);
+    const bool gqa_full = packed && Hq != Hkv;
+    const bool lse_direct = packed && (uintptr_t)lse % 16 == 0;
+    size_t off[6], tot = 0;
+    const size_t want[6] = {lse_direct ? 0 : align256((size_t)(rows * Hq) * 4),
+                            align256((size_t)(rows * Hq) * 4),
+                            det ? 0 : align256((size_t)(rows * Hq * D) * 4),
+                            gqa_full ? align256((size_t)(rows * Hq * D) * 2) : 0,
+                            gqa_full ? align256((size_t)(rows * Hq * D) * 2) : 0,
+                            0};
+    for (int i = 0; i < 6; i++) {
+        off[i] = tot;
+        tot += want[i];
+    }
+    void *buf = nullptr;
+    LM_TRY(lm_cuda_ctx_scratch(ctx, LM_SCRATCH_C, tot, &buf, err));
+    char *base = (char *)buf;
+    float *stats = lse_direct ? (float *)lse : (float *)(base + off[0]);
+    float *dsum = (float *)(base + off[1]);
+    float *acc = det ? nullptr : (float *)(base + off[2]);
+    void *dkf = gqa_full ? base + off[3] : nullptr, *dvf = gqa_full ? base + off[4] : nullptr;
+    const int64_t nl = BT * Hq;
+    if (!packed) {
+        attn_lse_to_stats<<<lm_cuda_grid(ctx, nl), 256, 0, ctx->stream>>>(lse, stats, (int)T,
+                                                                          (int)Hq, nl);
+        LM_CK_LAUNCH("attn_lse_to_stats");
+    } else if (!lse_direct) {
+        LM_CK(cudaMemcpyAsync(stats, lse, (size_t)nl * sizeof(float), cudaMemcpyDeviceToDevice,
+                              ctx->stream));
+    }
+    if (acc)
+        LM_CK(cudaMemsetAsync(acc, 0, want[2], ctx->stream));
+    lm_attn_cudnn_io io;
+    memset(&io, 0, sizeof io);
+    io.Hq = (int)Hq, io.Hkv = (int)Hkv, io.D = (int)D, io.det = det, io.scale = c->scale;
+    io.dsum = dsum, io.dq_acc = acc, io.dk_full = dkf, io.dv_full = dvf;
+    if (packed) {
+        io.q = q, io.k = k, io.v = v, io.o = o, io.dO = do_, io.stats = stats;
+        io.dq = dq, io.dk = dk, io.dv = dv;
+        for (const CuGroup &g : pl.cbwd) {
+            io_group(&io, st, g);
+            LM_TRY(lm_attn_cudnn_backward(ctx, &st->cudnn, &io, err));
+        }
+    } else {
+        int64_t bc = B;
+        if (det)
+            for (bc = B; bc > 1; bc--)
+                if (B % bc == 0 && det_ws_estimate(bc, Hq, T) <= (double)st->cudnn_ws_limit)
+                    break;
+        io.s = (int)T, io.b = (int)bc;
+        for (int64_t b0 = 0; b0 < B; b0 += bc) {
+            const int64_t eq = b0 * T * Hq * D, ek = b0 * T * Hkv * D, es = b0 * Hq * T;
+            io.q = (const bf16 *)q + eq, io.k = (const bf16 *)k + ek, io.v = (const bf16 *)v + ek;
+            io.o = (const bf16 *)o + eq, io.dO = (const bf16 *)do_ + eq;
+            io.dq = (bf16 *)dq + eq, io.dk = (bf16 *)dk + ek, io.dv = (bf16 *)dv + ek;
+            io.stats = stats + es, io.dsum = dsum + es;
+            LM_TRY(lm_attn_cudnn_backward(ctx, &st->cudnn, &io, err));
+        }
+    }
+    if (c->position == LM_POS_ROPE) { /* gradients w.r.t. the un-rotated q, k */
+        LM_TRY(launch_rope(ctx, pl, st, dq, dq, c->Hq, c->D, BT, 1, err));
+        LM_TRY(launch_rope(ctx, pl, st, dk, dk, c->Hkv, c->D, BT, 1, err));
+    }
+    return LM_OK;
+}
+
+/* AUTO: a refusal (or a failed cuDNN allocation) is not an error, our kernels run */
+bool cudnn_may_fall_back(lm_status s, int impl, lm_error *err) {
+    if (impl == LM_CUDA_ATTN_CUDNN || (s != LM_ERR_UNSUPPORTED && s != LM_ERR_NOMEM))
+        return false;
+    if (err) {
+        err->status = LM_OK;
+        err->msg[0] = '\0';
+    }
+    return true;
 }
 
 lm_status check_cache(lm_attention_config *c, int64_t Tmax, int64_t pos, int64_t need,
@@ -1370,31 +1707,11 @@ extern "C" lm_status lm_cuda_attention_forward(lm_cuda_ctx *ctx, lm_attention_co
     LM_TRY(make_plan(ctx, st, c, &pl, err));
     LM_TRY(rotate_inputs(ctx, st, c, pl, &q, &k, err));
     if (st->impl != LM_CUDA_ATTN_OWN) {
-        lm_status s = LM_ERR_UNSUPPORTED;
-        if (c->cu_seqlens) {
-            s = lm_errorf(err, LM_ERR_UNSUPPORTED,
-                          "attention cuda: the cuDNN forward takes dense [B, T] batches only "
-                          "(cu_seqlens given)");
-        } else {
-            const int64_t ns = (int64_t)c->B * c->Hq * c->T;
-            void *stats = nullptr;
-            LM_TRY(lm_cuda_ctx_scratch(ctx, LM_SCRATCH_C, (size_t)ns * sizeof(float), &stats, err));
-            s = lm_attn_cudnn_forward(ctx, &st->cudnn, c->B, c->T, c->Hq, c->Hkv, c->D, c->scale, q,
-                                      k, v, o, (float *)stats, err);
-            if (s == LM_OK && lse) {
-                attn_stats_to_lse<<<lm_cuda_grid(ctx, ns), 256, 0, ctx->stream>>>(
-                    (const float *)stats, lse, c->T, c->Hq, ns);
-                LM_CK_LAUNCH("attn_stats_to_lse");
-            }
-        }
+        const lm_status s = cudnn_forward(ctx, st, c, pl, q, k, v, o, lse, err);
         if (s == LM_OK)
             st->last_impl = LM_CUDA_ATTN_CUDNN;
-        if (s == LM_OK || s != LM_ERR_UNSUPPORTED || st->impl == LM_CUDA_ATTN_CUDNN)
+        if (s == LM_OK || !cudnn_may_fall_back(s, st->impl, err))
             return s;
-        if (err) { /* AUTO: the refusal is not an error, our kernel runs */
-            err->status = LM_OK;
-            err->msg[0] = '\0';
-        }
     }
     st->last_impl = LM_CUDA_ATTN_OWN;
     if (c->D == 64)
@@ -1436,9 +1753,45 @@ extern "C" lm_status lm_cuda_attention_backward(lm_cuda_ctx *ctx, lm_attention_c
     Plan pl;
     LM_TRY(make_plan(ctx, st, c, &pl, err));
     LM_TRY(rotate_inputs(ctx, st, c, pl, &q, &k, err));
+    if (st->bwd_impl != LM_CUDA_ATTN_OWN) {
+        const lm_status s = cudnn_backward(ctx, st, c, pl, q, k, v, o, lse, do_, dq, dk, dv, err);
+        if (s == LM_OK)
+            st->last_bwd_impl = LM_CUDA_ATTN_CUDNN;
+        if (s == LM_OK || !cudnn_may_fall_back(s, st->bwd_impl, err))
+            return s;
+    }
+    st->last_bwd_impl = LM_CUDA_ATTN_OWN;
     if (c->D == 64)
         return bwd_launch<64>(ctx, c, pl, st, q, k, v, o, lse, do_, dq, dk, dv, err);
     return bwd_launch<128>(ctx, c, pl, st, q, k, v, o, lse, do_, dq, dk, dv, err);
+}
+
+extern "C" lm_status lm_cuda_attention_set_bwd_impl(lm_cuda_ctx *ctx, int impl, lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    if (impl != LM_CUDA_ATTN_AUTO && impl != LM_CUDA_ATTN_OWN && impl != LM_CUDA_ATTN_CUDNN)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attention cuda: set_bwd_impl: unknown implementation %d (AUTO 0, OWN 1, "
+                         "CUDNN 2)",
+                         impl);
+    lm_cuda_ctx_get<AttnState>(ctx, LM_SLOT_ATTENTION)->bwd_impl = impl;
+    return LM_OK;
+}
+
+extern "C" int lm_cuda_attention_last_bwd_impl(lm_cuda_ctx *ctx) {
+    if (!ctx)
+        return 0;
+    return lm_cuda_ctx_get<AttnState>(ctx, LM_SLOT_ATTENTION)->last_bwd_impl;
+}
+
+extern "C" lm_status lm_cuda_attention_set_cudnn_workspace_limit(lm_cuda_ctx *ctx, int64_t bytes,
+                                                                 lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    if (bytes < 0)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attention cuda: set_cudnn_workspace_limit: bytes = %lld must be >= 0",
+                         (long long)bytes);
+    lm_cuda_ctx_get<AttnState>(ctx, LM_SLOT_ATTENTION)->cudnn_ws_limit = bytes;
+    return LM_OK;
 }
 
 extern "C" lm_status lm_cuda_attention_rope(lm_cuda_ctx *ctx, lm_attention_config *c, int H,

@@ -1,24 +1,52 @@
-/* The causal attention forward through cuDNN's fused flash-attention engine, built with the
- * cuDNN 9 backend (graph) C API (cudnn_graph.h; no C++ frontend). Used by
- * src/ops/cuda/attention.cu for dense [B, T] batches; contract in
- * include/linmoe/cuda_attention.h.
+/* Causal attention forward and backward through cuDNN's fused flash-attention engines, built
+ * with the cuDNN 9 backend (graph) C API (cudnn_graph.h; no C++ frontend). Used by
+ * src/ops/cuda/attention.cu (which picks the batches, the document groups and the scratch);
+ * contract in include/linmoe/cuda_attention.h.
  *
- * The operation graph is the one cudnn-frontend's composite SDPA node lowers to for
- * cuDNN < 9.21 (its scaled_dot_product_flash_attention.h, softmax.h and
- * diagonal_band_mask.h; the fused engine recognises this pattern):
- *   S     = matmul(Q, K^T)                    fp32   [B, Hq, T, T]   (Hkv heads broadcast)
- *   S1    = S * scale                         by-value fp32 scalar
- *   r, c  = gen_index(S1, axis 2 / 3)         int32
- *   keep  = r >= c                            bool   (causal, top-left diagonal)
- *   S2    = keep ? S1 : -inf                  binary_select
- *   m     = reduce_max(S2) [B, Hq, T, 1];  E = exp(S2 - m);  l = reduce_add(E)
- *   Stats = m + log(l)                        fp32, written   [B, Hq, T, 1]
- *   P     = E / l                             bf16
- *   O     = matmul(P, V)                      bf16, written
- * Q, K, V, O are described with linmoe's [B, T, H, D] strides (K transposed by its
- * strides), Stats in [B, Hq, T] order (attention.cu transposes it to lse [B, T, Hq]).
- * Plans are built once per (B, T, Hq, Hkv, D) and kept with their descriptors in the
- * context's attention state; a shape cuDNN refuses is remembered and refused at once. */
+ * The operation graphs are the ones cudnn-frontend's composite SDPA nodes lower to for
+ * cuDNN < 9.21 (scaled_dot_product_flash_attention.h: CompositeSDPANode and
+ * CompositeSDPABackwardNode, with attn_score_modifiers.h padding_mask / causal_mask and
+ * diagonal_band_mask.h's composite lowering); the fused engines recognise exactly these
+ * patterns, so tensor shapes, strides and data types follow the frontend's. Notation: b
+ * batch entries, hq / hk query / kv heads, s the sequence dimension, d the head dim; dense
+ * tensors in linmoe's [b, s, h, d] layout described as [b, h, s, d] by strides.
+ *
+ * Forward:
+ *   S    = matmul(Q, K^T)           fp32  [b, hq, s, s]   (hk heads broadcast over groups)
+ *   S1   = S * scale                by-value fp32 scalar
+ *   [padded] r, c = gen_index(S1, axis 2 / 3) int32; keep = r < seq_q && c < seq_kv;
+ *            S1 = keep ? S1 : -inf
+ *   r, c = gen_index(S1, axis 2 / 3) int32;  S2 = (r >= c) ? S1 : -inf   (causal, top left)
+ *   m = max(S2) [b, hq, s, 1];  E = exp(S2 - m);  l = sum(E);  Stats = m + log(l)  (written)
+ *   P    = E / l                    bf16
+ *   O    = matmul(P, V)             bf16, written
+ * Backward (dP = dO V^T, dS = P (dP - rowsum(dO O)), FlashAttention-2's algorithm 2):
+ *   Dsum = rowsum(dO * O) * 1       fp32 [b, hq, s, 1], written to our scratch
+ *   S    = matmul(Q, K^T) * scale;  [padded] the padding select;  S - Stats;  causal select;
+ *   E    = exp(.)                   (= P: the stats are the forward's log-sum-exp)
+ *   dV   = matmul(E^T, dO)          E^T a reshape of E in bf16; GQA: matmul into
+ *                                   [b, hq, s, d] and a sum over each group of hq / hk heads
+ *   dP   = matmul(dO, V^T)          fp32
+ *   dS   = (dP - Dsum) * E * scale  fp32
+ *   dK   = matmul(dS^T, Q)          dS^T a reshape in bf16; GQA reduced as dV
+ *   dQ   = matmul(dS, K)            K a reshape of K^T;
+ *          non-deterministic:  into an fp32 accumulator (our scratch, cuDNN adds into it with
+ *                              atomics), then dQ = identity(accumulator);
+ *          deterministic:      straight into dQ: the frontend's "dP workspace" form
+ *                              (use_deterministic_algorithm on Hopper), where cuDNN keeps dS in
+ *                              its workspace (about b * hq * s^2 * 2 bytes) and forms dQ by a
+ *                              separate ordered GEMM; plan candidates whose engine carries the
+ *                              NONDETERMINISTIC numerical note are tried last.
+ * Packed documents ("ragged"): Q, K, V, O, dO, dQ, dK, dV and Stats carry ragged offset
+ * tensors (int64 [b + 1], element offsets of each document's first token; dQ shares Q's, dO
+ * O's, dK K's, dV V's), the padding mask above is on, every matmul gets its M / N / K
+ * override from seq_q / seq_kv (int32 [b]), Stats is the packed [tokens, hq] layout (linmoe's
+ * lse itself), and the scratch tensors follow the frontend with max_total_seq_len set: Dsum
+ * packed like Stats, the dQ accumulator packed like dQ, and for GQA the per-query-head dK / dV
+ * before the group sum packed [tokens, hq, d] bf16 with K's offsets (cuDNN scales those by
+ * hq / hk itself).
+ * Plans are built once per shape key and kept with their descriptors in the context's
+ * attention state; a shape cuDNN refuses is remembered and refused at once. */
 #include <cudnn.h>
 #include <stdint.h>
 #include <string.h>
@@ -28,18 +56,72 @@
 #include "linmoe/cuda_attention.h"
 #include "ops/cuda/ctx.cuh"
 
+/* One cuDNN call's shape and device pointers (attention.cu fills it; the same definition is
+ * there). Unused pointers NULL. */
+struct lm_attn_cudnn_io {
+    int b, s, Hq, Hkv, D;
+    int ragged; /* packed documents: ragged offsets and the padding mask */
+    int det;    /* backward: the deterministic algorithm */
+    float scale;
+    const void *q, *k, *v, *o, *dO;
+    void *o_out;                          /* forward output */
+    float *stats;                         /* forward output / backward input */
+    void *dq, *dk, *dv;                   /* backward outputs */
+    float *dsum;                          /* backward scratch: rowsum(dO O) */
+    float *dq_acc;                        /* backward scratch, non-deterministic only */
+    void *dk_full, *dv_full;              /* backward scratch, ragged GQA only */
+    const int *seq_len;                   /* ragged: int32 [b] */
+    const int64_t *off_q, *off_k, *off_s; /* ragged: int64 [b + 1] */
+};
 struct lm_attn_cudnn;
 void lm_attn_cudnn_destroy(lm_attn_cudnn *s);
-lm_status lm_attn_cudnn_forward(lm_cuda_ctx *ctx, lm_attn_cudnn **state, int B, int T, int Hq,
-                                int Hkv, int D, float scale, const void *q, const void *k,
-                                const void *v, void *o, float *stats, lm_error *err);
+lm_status lm_attn_cudnn_forward(lm_cuda_ctx *ctx, lm_attn_cudnn **state, const lm_attn_cudnn_io *io,
+                                lm_error *err);
+lm_status lm_attn_cudnn_backward(lm_cuda_ctx *ctx, lm_attn_cudnn **state,
+                                 const lm_attn_cudnn_io *io, lm_error *err);
 
 namespace {
 
-enum : int64_t { U_Q = 1, U_K, U_V, U_O, U_STATS, U_SCALE, U_NEGINF, U_VIRT = 100 };
+/* tensor UIDs of the variant pack; virtual tensors from U_VIRT up */
+enum : int64_t {
+    U_Q = 1,
+    U_K,
+    U_V,
+    U_O,
+    U_STATS,
+    U_DO,
+    U_DQ,
+    U_DK,
+    U_DV,
+    U_DSUM,
+    U_DQACC,
+    U_DKFULL,
+    U_DVFULL,
+    U_SCALE,
+    U_NEGINF,
+    U_NEGINF_PAD,
+    U_ONE,
+    U_SEQ_Q,
+    U_SEQ_KV,
+    U_OFF_Q,
+    U_OFF_K,
+    U_OFF_V,
+    U_OFF_O,
+    U_OFF_S,
+    U_VIRT = 100
+};
+
+struct Key {
+    int bwd = 0, ragged = 0, det = 0, variant = 0;
+    int b = 0, s = 0, Hq = 0, Hkv = 0, D = 0;
+    bool operator==(const Key &o) const {
+        return bwd == o.bwd && ragged == o.ragged && det == o.det && variant == o.variant &&
+               b == o.b && s == o.s && Hq == o.Hq && Hkv == o.Hkv && D == o.D;
+    }
+};
 
 struct Plan {
-    int B = 0, T = 0, Hq = 0, Hkv = 0, D = 0;
+    Key key;
     bool ok = false;
     char why[512] = "";
     cudnnBackendDescriptor_t plan = nullptr;
@@ -53,6 +135,7 @@ struct Builder {
     std::vector<cudnnBackendDescriptor_t> made;
     cudnnStatus_t st = CUDNN_STATUS_SUCCESS;
     char what[512] = "";
+    int64_t next_uid = U_VIRT;
 
     bool fail(cudnnStatus_t s, const char *call) {
         if (st == CUDNN_STATUS_SUCCESS && s != CUDNN_STATUS_SUCCESS) {
@@ -90,8 +173,12 @@ struct Builder {
         made.clear();
     }
 
+    /* 4-d tensor; uid < 0 takes the next virtual uid. ragged: the offset tensor or NULL */
     cudnnBackendDescriptor_t tensor(int64_t uid, cudnnDataType_t dt, const int64_t dim[4],
-                                    const int64_t str[4], bool virt, bool by_value = false) {
+                                    const int64_t str[4], bool virt, bool by_value = false,
+                                    cudnnBackendDescriptor_t ragged = nullptr) {
+        if (uid < 0)
+            uid = next_uid++;
         cudnnBackendDescriptor_t d = create(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
         const int64_t align = 16;
         set(d, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &dt, "tensor data type");
@@ -107,8 +194,15 @@ struct Builder {
             const bool t = true;
             set(d, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &t, "tensor by value");
         }
+        if (ragged)
+            set(d, CUDNN_ATTR_TENSOR_RAGGED_OFFSET_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &ragged,
+                "tensor ragged offset");
         fin(d, "tensor finalize");
         return d;
+    }
+    /* a virtual tensor */
+    cudnnBackendDescriptor_t virt(cudnnDataType_t dt, const int64_t dim[4], const int64_t str[4]) {
+        return tensor(-1, dt, dim, str, true);
     }
 
     /* y = op(x [, b [, t]]); compute type ct; axis for GEN_INDEX (else -1) */
@@ -142,8 +236,12 @@ struct Builder {
         return op;
     }
 
+    /* c = a b; optional GEMM M / N / K overrides (padded batches) */
     cudnnBackendDescriptor_t matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b,
-                                    cudnnBackendDescriptor_t c) {
+                                    cudnnBackendDescriptor_t c,
+                                    cudnnBackendDescriptor_t mo = nullptr,
+                                    cudnnBackendDescriptor_t no = nullptr,
+                                    cudnnBackendDescriptor_t ko = nullptr) {
         cudnnBackendDescriptor_t md = create(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
         const cudnnDataType_t ct = CUDNN_DATA_FLOAT;
         set(md, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &ct, "matmul comp type");
@@ -157,6 +255,15 @@ struct Builder {
             "matmul c");
         set(op, CUDNN_ATTR_OPERATION_MATMUL_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &md,
             "matmul desc");
+        if (mo)
+            set(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                1, &mo, "matmul m override");
+        if (no)
+            set(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                1, &no, "matmul n override");
+        if (ko)
+            set(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                1, &ko, "matmul k override");
         fin(op, "matmul op finalize");
         return op;
     }
@@ -179,68 +286,287 @@ struct Builder {
         fin(op, "reduction op finalize");
         return op;
     }
+
+    cudnnBackendDescriptor_t reshape(cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
+        cudnnBackendDescriptor_t op = create(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR);
+        set(op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x,
+            "reshape x");
+        set(op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y,
+            "reshape y");
+        fin(op, "reshape op finalize");
+        return op;
+    }
 };
 
-/* Builds the graph of the file comment for p's shape and the first plan that finalizes. */
+constexpr cudnnDataType_t F32 = CUDNN_DATA_FLOAT, BF16 = CUDNN_DATA_BFLOAT16,
+                          I32 = CUDNN_DATA_INT32, I64 = CUDNN_DATA_INT64, BOOL = CUDNN_DATA_BOOLEAN;
+
+/* The shapes and tensors both graphs share. */
+struct Common {
+    int64_t b, hq, hk, s, d;
+    int64_t dS[4], sS[4], dR[4], sR[4], d1[4], s1[4];
+    cudnnBackendDescriptor_t seq_q = nullptr, seq_kv = nullptr; /* padded only */
+    cudnnBackendDescriptor_t off_q = nullptr, off_k = nullptr, off_v = nullptr, off_o = nullptr,
+                             off_s = nullptr; /* ragged only */
+
+    Common(Builder &bd, const Key &k) {
+        b = k.b, hq = k.Hq, hk = k.Hkv, s = k.s, d = k.D;
+        const int64_t ds[4] = {b, hq, s, s}, ss[4] = {hq * s * s, s * s, s, 1};
+        const int64_t dr[4] = {b, hq, s, 1}, sr[4] = {hq * s, s, 1, 1};
+        for (int i = 0; i < 4; i++) {
+            dS[i] = ds[i], sS[i] = ss[i], dR[i] = dr[i], sR[i] = sr[i];
+            d1[i] = 1, s1[i] = 1;
+        }
+        if (k.ragged) {
+            const int64_t dl[4] = {b, 1, 1, 1}, sl[4] = {1, 1, 1, 1};
+            const int64_t dof[4] = {b + 1, 1, 1, 1};
+            seq_q = bd.tensor(U_SEQ_Q, I32, dl, sl, false);
+            seq_kv = bd.tensor(U_SEQ_KV, I32, dl, sl, false);
+            off_q = bd.tensor(U_OFF_Q, I64, dof, sl, false);
+            off_k = bd.tensor(U_OFF_K, I64, dof, sl, false);
+            off_v = bd.tensor(U_OFF_V, I64, dof, sl, false);
+            off_o = bd.tensor(U_OFF_O, I64, dof, sl, false);
+            off_s = bd.tensor(U_OFF_S, I64, dof, sl, false);
+        }
+    }
+    /* [b, h, s, d] in linmoe's [b, s, h, d] memory */
+    void bshd(int64_t h, int64_t dim[4], int64_t str[4]) const {
+        const int64_t dd[4] = {b, h, s, d}, st[4] = {s * h * d, d, h * d, 1};
+        for (int i = 0; i < 4; i++)
+            dim[i] = dd[i], str[i] = st[i];
+    }
+    /* X^T as [b, h, d, s] of the same memory */
+    void bshd_t(int64_t h, int64_t dim[4], int64_t str[4]) const {
+        const int64_t dd[4] = {b, h, d, s}, st[4] = {s * h * d, d, 1, h * d};
+        for (int i = 0; i < 4; i++)
+            dim[i] = dd[i], str[i] = st[i];
+    }
+    /* Stats-like [b, hq, s, 1]: dense BHS1, ragged packed [tokens, hq] */
+    void stats(bool ragged, int64_t dim[4], int64_t str[4]) const {
+        const int64_t dd[4] = {b, hq, s, 1}, sd[4] = {hq * s, s, 1, 1}, sp[4] = {s * hq, 1, hq, 1};
+        for (int i = 0; i < 4; i++)
+            dim[i] = dd[i], str[i] = ragged ? sp[i] : sd[i];
+    }
+
+    /* the padding select of the frontend's padding_mask (ragged only) */
+    cudnnBackendDescriptor_t padding(Builder &bd, std::vector<cudnnBackendDescriptor_t> &ops,
+                                     cudnnBackendDescriptor_t x) {
+        auto tNeg = bd.tensor(U_NEGINF_PAD, F32, d1, s1, false, true);
+        auto r = bd.virt(I32, dS, sS), c = bd.virt(I32, dS, sS);
+        auto rm = bd.virt(BOOL, dS, sS), cm = bd.virt(BOOL, dS, sS), m = bd.virt(BOOL, dS, sS);
+        auto y = bd.virt(F32, dS, sS);
+        ops.push_back(bd.pointwise(CUDNN_POINTWISE_GEN_INDEX, I32, x, nullptr, nullptr, r, 2));
+        ops.push_back(bd.pointwise(CUDNN_POINTWISE_GEN_INDEX, I32, x, nullptr, nullptr, c, 3));
+        ops.push_back(bd.pointwise(CUDNN_POINTWISE_CMP_LT, BOOL, r, seq_q, nullptr, rm));
+        ops.push_back(bd.pointwise(CUDNN_POINTWISE_CMP_LT, BOOL, c, seq_kv, nullptr, cm));
+        ops.push_back(bd.pointwise(CUDNN_POINTWISE_LOGICAL_AND, BOOL, rm, cm, nullptr, m));
+        ops.push_back(bd.pointwise(CUDNN_POINTWISE_BINARY_SELECT, F32, x, tNeg, m, y));
+        return y;
+    }
+    /* the causal (top-left diagonal, right bound 0) select of diagonal_band_mask.h */
+    cudnnBackendDescriptor_t causal(Builder &bd, std::vector<cudnnBackendDescriptor_t> &ops,
+                                    cudnnBackendDescriptor_t x) {
+        auto tNeg = bd.tensor(U_NEGINF, F32, d1, s1, false, true);
+        auto r = bd.virt(I32, dS, sS), c = bd.virt(I32, dS, sS), keep = bd.virt(BOOL, dS, sS);
+        auto y = bd.virt(F32, dS, sS);
+        ops.push_back(bd.pointwise(CUDNN_POINTWISE_GEN_INDEX, F32, x, nullptr, nullptr, r, 2));
+        ops.push_back(bd.pointwise(CUDNN_POINTWISE_GEN_INDEX, F32, x, nullptr, nullptr, c, 3));
+        ops.push_back(bd.pointwise(CUDNN_POINTWISE_CMP_GE, BOOL, r, c, nullptr, keep));
+        ops.push_back(bd.pointwise(CUDNN_POINTWISE_BINARY_SELECT, F32, x, tNeg, keep, y));
+        return y;
+    }
+};
+
+/* The forward graph of the file comment. */
+void forward_graph(Builder &bd, const Key &k, std::vector<cudnnBackendDescriptor_t> &ops) {
+    Common g(bd, k);
+    const bool rg = k.ragged != 0;
+    int64_t dq[4], sq[4], dk[4], sk[4], dv[4], sv[4], dst[4], sst[4];
+    g.bshd(g.hq, dq, sq);
+    g.bshd_t(g.hk, dk, sk);
+    g.bshd(g.hk, dv, sv);
+    g.stats(rg, dst, sst);
+    auto tQ = bd.tensor(U_Q, BF16, dq, sq, false, false, g.off_q);
+    auto tK = bd.tensor(U_K, BF16, dk, sk, false, false, g.off_k);
+    auto tV = bd.tensor(U_V, BF16, dv, sv, false, false, g.off_v);
+    auto tO = bd.tensor(U_O, BF16, dq, sq, false, false, g.off_o);
+    auto tStats = bd.tensor(U_STATS, F32, dst, sst, false, false, g.off_s);
+    auto tScale = bd.tensor(U_SCALE, F32, g.d1, g.s1, false, true);
+    auto tS = bd.virt(F32, g.dS, g.sS), tS1 = bd.virt(F32, g.dS, g.sS);
+    ops.push_back(bd.matmul(tQ, tK, tS, g.seq_q, g.seq_kv, nullptr));
+    ops.push_back(bd.pointwise(CUDNN_POINTWISE_MUL, F32, tS, tScale, nullptr, tS1));
+    auto x = tS1;
+    if (rg)
+        x = g.padding(bd, ops, x);
+    auto tS2 = g.causal(bd, ops, x);
+    auto tM = bd.virt(F32, g.dR, g.sR), tSub = bd.virt(F32, g.dS, g.sS);
+    auto tE = bd.virt(F32, g.dS, g.sS), tL = bd.virt(F32, g.dR, g.sR);
+    auto tLog = bd.virt(F32, g.dR, g.sR), tP = bd.virt(BF16, g.dS, g.sS);
+    ops.push_back(bd.reduction(CUDNN_REDUCE_TENSOR_MAX, tS2, tM));
+    ops.push_back(bd.pointwise(CUDNN_POINTWISE_SUB, F32, tS2, tM, nullptr, tSub));
+    ops.push_back(bd.pointwise(CUDNN_POINTWISE_EXP, F32, tSub, nullptr, nullptr, tE));
+    ops.push_back(bd.reduction(CUDNN_REDUCE_TENSOR_ADD, tE, tL));
+    ops.push_back(bd.pointwise(CUDNN_POINTWISE_LOG, F32, tL, nullptr, nullptr, tLog));
+    ops.push_back(bd.pointwise(CUDNN_POINTWISE_ADD, F32, tM, tLog, nullptr, tStats));
+    ops.push_back(bd.pointwise(CUDNN_POINTWISE_DIV, F32, tE, tL, nullptr, tP));
+    ops.push_back(bd.matmul(tP, tV, tO, g.seq_q, nullptr, g.seq_kv));
+}
+
+/* The backward graph of the file comment. variant 0: the reshape of K^T back to K is fp32
+ * (what the frontend's type inference gives a virtual reshape output), 1: bf16 (K's type, as
+ * Transformer Engine's hand-built cuDNN 8.9 graph had it); the second is tried when the first
+ * builds no plan. */
+void backward_graph(Builder &bd, const Key &k, std::vector<cudnnBackendDescriptor_t> &ops) {
+    Common g(bd, k);
+    const bool rg = k.ragged != 0, gqa = k.Hq != k.Hkv;
+    const int64_t b = g.b, hq = g.hq, hk = g.hk, s = g.s, d = g.d;
+    int64_t dq[4], sq[4], dkT[4], skT[4], dk[4], sk[4], dst[4], sst[4];
+    g.bshd(hq, dq, sq);
+    g.bshd_t(hk, dkT, skT);
+    g.bshd(hk, dk, sk);
+    g.stats(rg, dst, sst);
+    auto tQ = bd.tensor(U_Q, BF16, dq, sq, false, false, g.off_q);
+    auto tKT = bd.tensor(U_K, BF16, dkT, skT, false, false, g.off_k);
+    auto tVT = bd.tensor(U_V, BF16, dkT, skT, false, false, g.off_v);
+    auto tO = bd.tensor(U_O, BF16, dq, sq, false, false, g.off_o);
+    auto tdO = bd.tensor(U_DO, BF16, dq, sq, false, false, g.off_o);
+    auto tStats = bd.tensor(U_STATS, F32, dst, sst, false, false, g.off_s);
+    auto tdQ = bd.tensor(U_DQ, BF16, dq, sq, false, false, g.off_q);
+    auto tdK = bd.tensor(U_DK, BF16, dk, sk, false, false, g.off_k);
+    auto tdV = bd.tensor(U_DV, BF16, dk, sk, false, false, g.off_v);
+    auto tScale = bd.tensor(U_SCALE, F32, g.d1, g.s1, false, true);
+    auto tOne = bd.tensor(U_ONE, F32, g.d1, g.s1, false, true);
+
+    /* Dsum = rowsum(dO * O) * 1 */
+    const int64_t dm[4] = {b, hq, s, d}, sm[4] = {hq * s * d, s * d, hq * d, 1};
+    auto tdOO = bd.virt(F32, dm, sm), tRed = bd.virt(F32, g.dR, g.sR);
+    auto tDsum = bd.tensor(U_DSUM, F32, dst, sst, false, false, g.off_s);
+    ops.push_back(bd.pointwise(CUDNN_POINTWISE_MUL, F32, tdO, tO, nullptr, tdOO));
+    ops.push_back(bd.reduction(CUDNN_REDUCE_TENSOR_ADD, tdOO, tRed));
+    ops.push_back(bd.pointwise(CUDNN_POINTWISE_MUL, F32, tRed, tOne, nullptr, tDsum));
+
+    /* E = exp(mask(Q K^T * scale) - Stats) */
+    auto tS = bd.virt(F32, g.dS, g.sS), tS1 = bd.virt(F32, g.dS, g.sS);
+    ops.push_back(bd.matmul(tQ, tKT, tS, g.seq_q, g.seq_kv, nullptr));
+    ops.push_back(bd.pointwise(CUDNN_POINTWISE_MUL, F32, tS, tScale, nullptr, tS1));
+    auto x = tS1;
+    if (rg)
+        x = g.padding(bd, ops, x);
+    auto tSub = bd.virt(F32, g.dS, g.sS);
+    ops.push_back(bd.pointwise(CUDNN_POINTWISE_SUB, F32, x, tStats, nullptr, tSub));
+    auto tMasked = g.causal(bd, ops, tSub);
+    auto tE = bd.virt(F32, g.dS, g.sS);
+    ops.push_back(bd.pointwise(CUDNN_POINTWISE_EXP, F32, tMasked, nullptr, nullptr, tE));
+
+    /* dV = E^T dO (GQA: per query head, then summed over each group) */
+    const int64_t dSt[4] = {b, hq, s, s}, sSt[4] = {hq * s * s, s * s, 1, s};
+    auto tPT = bd.virt(BF16, dSt, sSt);
+    ops.push_back(bd.reshape(tE, tPT));
+    int64_t dfull[4], sfull[4];
+    {
+        const int64_t df[4] = {b, hq, s, d};
+        const int64_t sfv[4] = {hq * s * d, s * d, d, 1};  /* dense: virtual BHSD */
+        const int64_t sfr[4] = {s * hq * d, d, hq * d, 1}; /* ragged: packed, K's offsets */
+        for (int i = 0; i < 4; i++)
+            dfull[i] = df[i], sfull[i] = rg ? sfr[i] : sfv[i];
+    }
+    if (!gqa) {
+        ops.push_back(bd.matmul(tPT, tdO, tdV, g.seq_kv, nullptr, g.seq_q));
+    } else {
+        auto tdVf = rg ? bd.tensor(U_DVFULL, BF16, dfull, sfull, false, false, g.off_v)
+                       : bd.virt(BF16, dfull, sfull);
+        ops.push_back(bd.matmul(tPT, tdO, tdVf, g.seq_kv, nullptr, g.seq_q));
+        ops.push_back(bd.reduction(CUDNN_REDUCE_TENSOR_ADD, tdVf, tdV));
+    }
+
+    /* dS = (dO V^T - Dsum) * E * scale */
+    auto tdP = bd.virt(F32, g.dS, g.sS), tdP1 = bd.virt(F32, g.dS, g.sS);
+    auto tdP2 = bd.virt(F32, g.dS, g.sS), tdS = bd.virt(F32, g.dS, g.sS);
+    ops.push_back(bd.matmul(tdO, tVT, tdP, g.seq_q, g.seq_kv, nullptr));
+    ops.push_back(bd.pointwise(CUDNN_POINTWISE_SUB, F32, tdP, tDsum, nullptr, tdP1));
+    ops.push_back(bd.pointwise(CUDNN_POINTWISE_MUL, F32, tdP1, tE, nullptr, tdP2));
+    ops.push_back(bd.pointwise(CUDNN_POINTWISE_MUL, F32, tdP2, tScale, nullptr, tdS));
+
+    /* dK = dS^T Q (GQA as dV) */
+    auto tdST = bd.virt(BF16, dSt, sSt);
+    ops.push_back(bd.reshape(tdS, tdST));
+    if (!gqa) {
+        ops.push_back(bd.matmul(tdST, tQ, tdK, g.seq_kv, nullptr, g.seq_q));
+    } else {
+        auto tdKf = rg ? bd.tensor(U_DKFULL, BF16, dfull, sfull, false, false, g.off_k)
+                       : bd.virt(BF16, dfull, sfull);
+        ops.push_back(bd.matmul(tdST, tQ, tdKf, g.seq_kv, nullptr, g.seq_q));
+        ops.push_back(bd.reduction(CUDNN_REDUCE_TENSOR_ADD, tdKf, tdK));
+    }
+
+    /* dQ = dS K */
+    auto tK = bd.tensor(-1, k.variant == 0 ? F32 : BF16, dk, sk, true, false, g.off_k);
+    ops.push_back(bd.reshape(tKT, tK));
+    if (k.det) {
+        ops.push_back(bd.matmul(tdS, tK, tdQ, g.seq_q, nullptr, g.seq_kv));
+    } else {
+        const int64_t sa[4] = {hq * s * d, s * d, d, 1};
+        auto tAcc = rg ? bd.tensor(U_DQACC, F32, dq, sq, false, false, g.off_q)
+                       : bd.tensor(U_DQACC, F32, dq, sa, false);
+        ops.push_back(bd.matmul(tdS, tK, tAcc, g.seq_q, nullptr, g.seq_kv));
+        ops.push_back(bd.pointwise(CUDNN_POINTWISE_IDENTITY, F32, tAcc, nullptr, nullptr, tdQ));
+    }
+}
+
+/* The engine of cfg carries CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC (or cannot be asked). */
+bool nondeterministic(cudnnBackendDescriptor_t cfg) {
+    cudnnBackendDescriptor_t eng = nullptr;
+    if (cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &eng) != CUDNN_STATUS_SUCCESS)
+        return true;
+    int64_t n = 0;
+    bool nd = true;
+    if (cudnnBackendGetAttribute(cfg, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+                                 &n, &eng) == CUDNN_STATUS_SUCCESS &&
+        n == 1) {
+        cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
+        int64_t nn = 0;
+        if (cudnnBackendGetAttribute(eng, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE,
+                                     CUDNN_TYPE_NUMERICAL_NOTE, CUDNN_NUMERICAL_NOTE_TYPE_COUNT,
+                                     &nn, notes) == CUDNN_STATUS_SUCCESS) {
+            nd = false;
+            for (int64_t i = 0; i < nn && i < CUDNN_NUMERICAL_NOTE_TYPE_COUNT; i++)
+                if (notes[i] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC)
+                    nd = true;
+        }
+    }
+    cudnnBackendDestroyDescriptor(eng);
+    return nd;
+}
+
+/* Builds p->key's graph and the first plan that finalizes (engine configs of heuristics
+ * mode A, then FALLBACK, as the frontend's default policy). */
 void build_plan(cudnnHandle_t h, Plan *p) {
     Builder bd;
-    const int64_t B = p->B, T = p->T, Hq = p->Hq, Hkv = p->Hkv, D = p->D;
-    int64_t uid = U_VIRT;
-    const int64_t dq[4] = {B, Hq, T, D}, sq[4] = {T * Hq * D, D, Hq * D, 1};
-    const int64_t dk[4] = {B, Hkv, D, T}, sk[4] = {T * Hkv * D, D, 1, Hkv * D};
-    const int64_t dv[4] = {B, Hkv, T, D}, sv[4] = {T * Hkv * D, D, Hkv * D, 1};
-    const int64_t ds[4] = {B, Hq, T, T}, ss[4] = {Hq * T * T, T * T, T, 1};
-    const int64_t dr[4] = {B, Hq, T, 1}, sr[4] = {Hq * T, T, 1, 1};
-    const int64_t d1[4] = {1, 1, 1, 1}, s1[4] = {1, 1, 1, 1};
-    const cudnnDataType_t F = CUDNN_DATA_FLOAT, H = CUDNN_DATA_BFLOAT16, I = CUDNN_DATA_INT32,
-                          BO = CUDNN_DATA_BOOLEAN;
-    auto tQ = bd.tensor(U_Q, H, dq, sq, false);
-    auto tK = bd.tensor(U_K, H, dk, sk, false);
-    auto tV = bd.tensor(U_V, H, dv, sv, false);
-    auto tO = bd.tensor(U_O, H, dq, sq, false);
-    auto tStats = bd.tensor(U_STATS, F, dr, sr, false);
-    auto tScale = bd.tensor(U_SCALE, F, d1, s1, false, true);
-    auto tNeg = bd.tensor(U_NEGINF, F, d1, s1, false, true);
-    auto tS = bd.tensor(uid++, F, ds, ss, true);
-    auto tS1 = bd.tensor(uid++, F, ds, ss, true);
-    auto tRow = bd.tensor(uid++, I, ds, ss, true);
-    auto tCol = bd.tensor(uid++, I, ds, ss, true);
-    auto tKeep = bd.tensor(uid++, BO, ds, ss, true);
-    auto tS2 = bd.tensor(uid++, F, ds, ss, true);
-    auto tM = bd.tensor(uid++, F, dr, sr, true);
-    auto tSub = bd.tensor(uid++, F, ds, ss, true);
-    auto tE = bd.tensor(uid++, F, ds, ss, true);
-    auto tL = bd.tensor(uid++, F, dr, sr, true);
-    auto tLog = bd.tensor(uid++, F, dr, sr, true);
-    auto tP = bd.tensor(uid++, H, ds, ss, true);
     std::vector<cudnnBackendDescriptor_t> ops;
-    ops.push_back(bd.matmul(tQ, tK, tS));
-    ops.push_back(bd.pointwise(CUDNN_POINTWISE_MUL, F, tS, tScale, nullptr, tS1));
-    ops.push_back(bd.pointwise(CUDNN_POINTWISE_GEN_INDEX, F, tS1, nullptr, nullptr, tRow, 2));
-    ops.push_back(bd.pointwise(CUDNN_POINTWISE_GEN_INDEX, F, tS1, nullptr, nullptr, tCol, 3));
-    ops.push_back(bd.pointwise(CUDNN_POINTWISE_CMP_GE, BO, tRow, tCol, nullptr, tKeep));
-    ops.push_back(bd.pointwise(CUDNN_POINTWISE_BINARY_SELECT, F, tS1, tNeg, tKeep, tS2));
-    ops.push_back(bd.reduction(CUDNN_REDUCE_TENSOR_MAX, tS2, tM));
-    ops.push_back(bd.pointwise(CUDNN_POINTWISE_SUB, F, tS2, tM, nullptr, tSub));
-    ops.push_back(bd.pointwise(CUDNN_POINTWISE_EXP, F, tSub, nullptr, nullptr, tE));
-    ops.push_back(bd.reduction(CUDNN_REDUCE_TENSOR_ADD, tE, tL));
-    ops.push_back(bd.pointwise(CUDNN_POINTWISE_LOG, F, tL, nullptr, nullptr, tLog));
-    ops.push_back(bd.pointwise(CUDNN_POINTWISE_ADD, F, tM, tLog, nullptr, tStats));
-    ops.push_back(bd.pointwise(CUDNN_POINTWISE_DIV, F, tE, tL, nullptr, tP));
-    ops.push_back(bd.matmul(tP, tV, tO));
-
+    if (p->key.bwd)
+        backward_graph(bd, p->key, ops);
+    else
+        forward_graph(bd, p->key, ops);
     cudnnBackendDescriptor_t graph = bd.create(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
     bd.set(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, (int64_t)ops.size(),
            ops.data(), "graph ops");
     bd.set(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h, "graph handle");
     bd.fin(graph, "operation graph finalize");
 
-    /* engine configs of heuristics mode A, then FALLBACK (as the frontend's default
-     * policy); the first configuration whose plan finalizes wins */
+    /* deterministic backward: first only engines without the NONDETERMINISTIC note; when
+     * every candidate carries it, the candidates again in order (the graph form is what
+     * selects cuDNN's deterministic algorithm on Hopper, as in the frontend, which does not
+     * look at the notes) */
+    const bool want_det = p->key.bwd && p->key.det;
     cudnnBackendDescriptor_t plan = nullptr;
     char tried[384] = "";
-    const cudnnBackendHeurMode_t modes[2] = {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK};
-    for (int mi = 0; mi < 2 && bd.st == CUDNN_STATUS_SUCCESS && !plan; mi++) {
+    int skipped = 0;
+    const cudnnBackendHeurMode_t modes[4] = {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK,
+                                             CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK};
+    for (int mi = 0; mi < (want_det ? 4 : 2) && bd.st == CUDNN_STATUS_SUCCESS && !plan; mi++) {
+        if (mi == 2 && skipped == 0)
+            break; /* nothing was skipped: the second round would repeat the first */
+        const bool filter = want_det && mi < 2;
         cudnnBackendDescriptor_t heur = bd.create(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
         if (!heur)
             break;
@@ -268,6 +594,10 @@ void build_plan(cudnnHandle_t h, Plan *p) {
                                          cfgs.data());
         cudnnStatus_t last_st = s;
         for (int64_t i = 0; i < got && s == CUDNN_STATUS_SUCCESS && !plan; i++) {
+            if (filter && nondeterministic(cfgs[i])) {
+                skipped++;
+                continue;
+            }
             cudnnBackendDescriptor_t pl = nullptr;
             cudnnStatus_t ps =
                 cudnnBackendCreateDescriptor(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &pl);
@@ -291,9 +621,9 @@ void build_plan(cudnnHandle_t h, Plan *p) {
             char last[160] = "";
             cudnnGetLastErrorString(last, sizeof last);
             const size_t n = strlen(tried);
-            snprintf(tried + n, sizeof tried - n, "%s%s: %lld configs, %s %s", n ? "; " : "",
-                     mi == 0 ? "heuristics A" : "fallback", (long long)got,
-                     cudnnGetErrorString(last_st), last);
+            snprintf(tried + n, sizeof tried - n, "%s%s%s: %lld configs, %s %s", n ? "; " : "",
+                     mi % 2 == 0 ? "heuristics A" : "fallback", filter ? " (deterministic)" : "",
+                     (long long)got, cudnnGetErrorString(last_st), last);
         }
     }
     if (bd.st == CUDNN_STATUS_SUCCESS && !plan) {
@@ -331,7 +661,7 @@ void plan_free(Plan *p) {
     delete p;
 }
 
-constexpr size_t MAX_PLANS = 32; /* shapes kept; the oldest goes first beyond that */
+constexpr size_t MAX_PLANS = 48; /* shapes kept; the oldest goes first beyond that */
 
 } // namespace
 
@@ -348,10 +678,9 @@ struct lm_attn_cudnn {
 
 void lm_attn_cudnn_destroy(lm_attn_cudnn *s) { delete s; }
 
-/* stats: fp32 [B, Hq, T]. LM_ERR_UNSUPPORTED when cuDNN builds no plan for the shape. */
-lm_status lm_attn_cudnn_forward(lm_cuda_ctx *ctx, lm_attn_cudnn **state, int B, int T, int Hq,
-                                int Hkv, int D, float scale, const void *q, const void *k,
-                                const void *v, void *o, float *stats, lm_error *err) {
+namespace {
+
+lm_status get_state(lm_cuda_ctx *ctx, lm_attn_cudnn **state, lm_error *err) {
     if (!*state) {
         lm_attn_cudnn *s = new lm_attn_cudnn();
         cudnnStatus_t cs = cudnnCreate(&s->h);
@@ -362,45 +691,56 @@ lm_status lm_attn_cudnn_forward(lm_cuda_ctx *ctx, lm_attn_cudnn **state, int B, 
         }
         *state = s;
     }
-    lm_attn_cudnn *s = *state;
-    cudnnStatus_t cs = cudnnSetStream(s->h, ctx->stream);
+    cudnnStatus_t cs = cudnnSetStream((*state)->h, ctx->stream);
     if (cs != CUDNN_STATUS_SUCCESS)
         return lm_errorf(err, LM_ERR_IO, "attention cudnn: cudnnSetStream: %s",
                          cudnnGetErrorString(cs));
-    Plan *p = nullptr;
+    return LM_OK;
+}
+
+/* The cached plan of key (built on first use); NULL after an error in err. */
+Plan *get_plan(lm_cuda_ctx *ctx, lm_attn_cudnn *s, const Key &key, lm_error *err) {
     for (Plan *x : s->plans)
-        if (x->B == B && x->T == T && x->Hq == Hq && x->Hkv == Hkv && x->D == D)
-            p = x;
-    if (!p) {
-        if (s->plans.size() >= MAX_PLANS) {
-            /* queued work may still run the oldest plan's kernels */
-            LM_CK(cudaStreamSynchronize(ctx->stream));
-            plan_free(s->plans.front());
-            s->plans.erase(s->plans.begin());
+        if (x->key == key)
+            return x;
+    if (s->plans.size() >= MAX_PLANS) {
+        /* queued work may still run the oldest plan's kernels */
+        cudaError_t e = cudaStreamSynchronize(ctx->stream);
+        if (e != cudaSuccess) {
+            lm_cuda_fail(err, e, "cudaStreamSynchronize");
+            return nullptr;
         }
-        p = new Plan();
-        p->B = B, p->T = T, p->Hq = Hq, p->Hkv = Hkv, p->D = D;
-        build_plan(s->h, p);
-        s->plans.push_back(p);
+        plan_free(s->plans.front());
+        s->plans.erase(s->plans.begin());
     }
-    if (!p->ok)
-        return lm_errorf(err, LM_ERR_UNSUPPORTED,
-                         "attention cudnn: no fused-attention plan for B=%d T=%d H=%d/%d D=%d: %s",
-                         B, T, Hq, Hkv, D, p->why);
+    Plan *p = new Plan();
+    p->key = key;
+    build_plan(s->h, p);
+    s->plans.push_back(p);
+    return p;
+}
+
+const char *key_text(const Key &k, char *buf, size_t n) {
+    snprintf(buf, n, "%s %s%s b=%d s=%d H=%d/%d D=%d", k.bwd ? "backward" : "forward",
+             k.ragged ? "packed" : "dense", k.bwd ? (k.det ? " deterministic" : " atomic") : "",
+             k.b, k.s, k.Hq, k.Hkv, k.D);
+    return buf;
+}
+
+lm_status execute(lm_cuda_ctx *ctx, lm_attn_cudnn *s, const Plan *p,
+                  const std::vector<int64_t> &uids, const std::vector<void *> &ptrs,
+                  lm_error *err) {
     void *ws = nullptr;
     if (p->ws > 0)
         LM_TRY(lm_cuda_ctx_scratch(ctx, LM_SCRATCH_B, (size_t)p->ws, &ws, err));
-    float neg_inf = -INFINITY, sc = scale;
-    int64_t uids[7] = {U_Q, U_K, U_V, U_O, U_STATS, U_SCALE, U_NEGINF};
-    void *ptrs[7] = {(void *)q, (void *)k, (void *)v, o, stats, &sc, &neg_inf};
     cudnnBackendDescriptor_t vp = nullptr;
-    cs = cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp);
+    cudnnStatus_t cs = cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp);
     if (cs == CUDNN_STATUS_SUCCESS)
-        cs = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, 7,
-                                      uids);
+        cs = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64,
+                                      (int64_t)uids.size(), uids.data());
     if (cs == CUDNN_STATUS_SUCCESS)
         cs = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS,
-                                      CUDNN_TYPE_VOID_PTR, 7, ptrs);
+                                      CUDNN_TYPE_VOID_PTR, (int64_t)ptrs.size(), ptrs.data());
     if (cs == CUDNN_STATUS_SUCCESS)
         cs = cudnnBackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1,
                                       &ws);
@@ -411,10 +751,100 @@ lm_status lm_attn_cudnn_forward(lm_cuda_ctx *ctx, lm_attn_cudnn **state, int B, 
     if (vp)
         cudnnBackendDestroyDescriptor(vp);
     if (cs != CUDNN_STATUS_SUCCESS) {
-        char last[256] = "";
+        char last[256] = "", kt[128];
         cudnnGetLastErrorString(last, sizeof last);
-        return lm_errorf(err, LM_ERR_IO, "attention cudnn: execute B=%d T=%d H=%d/%d D=%d: %s %s",
-                         B, T, Hq, Hkv, D, cudnnGetErrorString(cs), last);
+        return lm_errorf(err, LM_ERR_IO, "attention cudnn: execute %s: %s %s",
+                         key_text(p->key, kt, sizeof kt), cudnnGetErrorString(cs), last);
     }
     return LM_OK;
+}
+
+/* Finds (or builds) the plan: LM_ERR_UNSUPPORTED naming cuDNN's reason when no plan
+ * builds. variants: how many graph variants to try (the backward has two). */
+lm_status find_plan(lm_cuda_ctx *ctx, lm_attn_cudnn *s, Key key, int variants, const Plan **out,
+                    lm_error *err) {
+    Plan *p = nullptr;
+    for (int v = 0; v < variants; v++) {
+        key.variant = v;
+        p = get_plan(ctx, s, key, err);
+        if (!p)
+            return err ? err->status : LM_ERR_IO;
+        if (p->ok)
+            break;
+    }
+    if (!p->ok) {
+        char kt[128];
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "attention cudnn: no fused-attention plan for %s: %s",
+                         key_text(key, kt, sizeof kt), p->why);
+    }
+    *out = p;
+    return LM_OK;
+}
+
+void push_ragged(const lm_attn_cudnn_io *io, std::vector<int64_t> &u, std::vector<void *> &p) {
+    if (!io->ragged)
+        return;
+    const int64_t uu[7] = {U_SEQ_Q, U_SEQ_KV, U_OFF_Q, U_OFF_K, U_OFF_V, U_OFF_O, U_OFF_S};
+    void *pp[7] = {(void *)io->seq_len, (void *)io->seq_len, (void *)io->off_q, (void *)io->off_k,
+                   (void *)io->off_k,   (void *)io->off_q,   (void *)io->off_s};
+    for (int i = 0; i < 7; i++)
+        u.push_back(uu[i]), p.push_back(pp[i]);
+}
+
+Key make_key(const lm_attn_cudnn_io *io, int bwd) {
+    Key k;
+    k.bwd = bwd;
+    k.ragged = io->ragged ? 1 : 0;
+    k.det = bwd && io->det ? 1 : 0;
+    k.b = io->b, k.s = io->s, k.Hq = io->Hq, k.Hkv = io->Hkv, k.D = io->D;
+    return k;
+}
+
+} // namespace
+
+/* Dense stats fp32 [b, Hq, s]; packed: Stats is linmoe's lse [tokens, Hq] with offsets.
+ * LM_ERR_UNSUPPORTED when cuDNN builds no plan for the shape. */
+lm_status lm_attn_cudnn_forward(lm_cuda_ctx *ctx, lm_attn_cudnn **state, const lm_attn_cudnn_io *io,
+                                lm_error *err) {
+    LM_TRY(get_state(ctx, state, err));
+    lm_attn_cudnn *s = *state;
+    const Plan *p = nullptr;
+    LM_TRY(find_plan(ctx, s, make_key(io, 0), 1, &p, err));
+    float neg_inf = -INFINITY, sc = io->scale;
+    std::vector<int64_t> u = {U_Q, U_K, U_V, U_O, U_STATS, U_SCALE, U_NEGINF};
+    std::vector<void *> ptr = {(void *)io->q, (void *)io->k, (void *)io->v, io->o_out,
+                               io->stats,     &sc,           &neg_inf};
+    if (io->ragged)
+        u.push_back(U_NEGINF_PAD), ptr.push_back(&neg_inf);
+    push_ragged(io, u, ptr);
+    return execute(ctx, s, p, u, ptr, err);
+}
+
+/* The backward of the file comment; dsum (and dq_acc when not deterministic, dk_full /
+ * dv_full for packed GQA) are the caller's scratch; cuDNN zeroes the dQ accumulator itself
+ * from 9.6 on, the caller clears it anyway. */
+lm_status lm_attn_cudnn_backward(lm_cuda_ctx *ctx, lm_attn_cudnn **state,
+                                 const lm_attn_cudnn_io *io, lm_error *err) {
+    LM_TRY(get_state(ctx, state, err));
+    lm_attn_cudnn *s = *state;
+    const Plan *p = nullptr;
+    LM_TRY(find_plan(ctx, s, make_key(io, 1), 2, &p, err));
+    float neg_inf = -INFINITY, sc = io->scale, one = 1.0f;
+    std::vector<int64_t> u = {U_Q,  U_K,  U_V,    U_O,     U_DO,  U_STATS, U_DQ,
+                              U_DK, U_DV, U_DSUM, U_SCALE, U_ONE, U_NEGINF};
+    std::vector<void *> ptr = {(void *)io->q,  (void *)io->k, (void *)io->v, (void *)io->o,
+                               (void *)io->dO, io->stats,     io->dq,        io->dk,
+                               io->dv,         io->dsum,      &sc,           &one,
+                               &neg_inf};
+    if (io->ragged)
+        u.push_back(U_NEGINF_PAD), ptr.push_back(&neg_inf);
+    if (!io->det)
+        u.push_back(U_DQACC), ptr.push_back(io->dq_acc);
+    if (io->ragged && io->Hq != io->Hkv) {
+        u.push_back(U_DKFULL), ptr.push_back(io->dk_full);
+        u.push_back(U_DVFULL), ptr.push_back(io->dv_full);
+    }
+    push_ragged(io, u, ptr);
+    return execute(ctx, s, p, u, ptr, err);
 }

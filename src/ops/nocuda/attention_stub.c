@@ -51,3 +51,19 @@ int lm_cuda_attention_last_impl(lm_cuda_ctx *ctx) {
     (void)ctx;
     return 0;
 }
+
+lm_status lm_cuda_attention_set_bwd_impl(lm_cuda_ctx *ctx, int impl, lm_error *err) {
+    (void)ctx, (void)impl;
+    return no_cuda(err, "set_bwd_impl");
+}
+
+int lm_cuda_attention_last_bwd_impl(lm_cuda_ctx *ctx) {
+    (void)ctx;
+    return 0;
+}
+
+lm_status lm_cuda_attention_set_cudnn_workspace_limit(lm_cuda_ctx *ctx, int64_t bytes,
+                                                      lm_error *err) {
+    (void)ctx, (void)bytes;
+    return no_cuda(err, "set_cudnn_workspace_limit");
+}
