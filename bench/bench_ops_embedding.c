@@ -9,21 +9,26 @@
  * chunks must handle.
  *
  * Rows (name, shape, pass):
- *   embedding  N=32768 V=50304 D=1024|2048   fwd, fwd+bwd
- * Bytes: forward ids, the N gathered rows read and out written (4 N + 4 N D); backward
- * dout read (2 N D), the distinct ids' rows of dweight read and written (8 U D, U
- * counted on the host), ids and the sort's keys (~40 N). FLOPs: N D adds. */
+ *   embedding     N=32768 V=50304 D=1024|2048   fwd, fwd+bwd (the public entry points)
+ *   embedding/v<B>  the same shapes             fwd+bwd, bwd (backward variant B alone;
+ *                                               src/ops/cuda/layers_variants.h)
+ * Bytes, the fewest each pass must move: forward ids, the U distinct ids' rows read once
+ * and out written (4 N + 2 U D + 2 N D; U counted on the host: the rows of repeated ids
+ * come from L2); backward ids, dout read (4 N + 2 N D) and the distinct ids' rows of
+ * dweight read and written (8 U D). The sort's keys and the cross-chunk partials are
+ * not counted. FLOPs: N D adds. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "bench_ops.h"
 #include "linmoe/cuda_layers.h"
+#include "ops/cuda/layers_variants.h"
 
 typedef struct {
     lm_cuda_ctx *ctx;
     int64_t N;
-    int V, D, bwd;
+    int V, D, fwd, bwd, variant;
     int32_t *ids;
     void *W, *out, *dout;
     float *dW;
@@ -32,10 +37,12 @@ typedef struct {
 static int emb_run(void *p) {
     emb_arg *a = p;
     lm_error e = {0};
-    lm_status st =
-        lm_cuda_embedding_forward(a->ctx, a->N, a->V, a->D, a->ids, a->W, a->out, NULL, &e);
+    lm_status st = LM_OK;
+    if (a->fwd)
+        st = lm_cuda_embedding_forward(a->ctx, a->N, a->V, a->D, a->ids, a->W, a->out, NULL, &e);
     if (st == LM_OK && a->bwd)
-        st = lm_cuda_embedding_backward(a->ctx, a->N, a->V, a->D, a->ids, a->dout, a->dW, &e);
+        st = lm_cuda_embedding_backward_v(a->ctx, a->variant, a->N, a->V, a->D, a->ids, a->dout,
+                                          a->dW, &e);
     if (st != LM_OK)
         fprintf(stderr, "bench ops embedding: %s\n", e.msg);
     return st != LM_OK;
@@ -81,18 +88,32 @@ int lm_bench_ops_embedding(lm_bench_ops_env *env) {
         a.D = s ? 2048 : 1024;
         char shape[64];
         snprintf(shape, sizeof shape, "N=%lld V=%d D=%d", (long long)N, V, a.D);
-        for (a.bwd = 0; a.bwd < 2 && !rc; a.bwd++) {
-            const double ms = lm_bench_ops_time(env, emb_run, &a);
-            if (ms < 0) {
-                rc = 1;
-                break;
+        /* pass 0 fwd, 1 fwd+bwd, 2 bwd; variant 0 (public) rows: fwd, fwd+bwd */
+        for (int v = 0; v <= LM_LAYERS_EMB_BWD_VARIANTS && !rc; v++) {
+            char name[32] = "embedding";
+            if (v)
+                snprintf(name, sizeof name, "embedding/v%d", v);
+            for (int pass = v ? 1 : 0; pass < (v ? 3 : 2) && !rc; pass++) {
+                a.variant = v;
+                a.fwd = pass != 2;
+                a.bwd = pass != 0;
+                const double ms = lm_bench_ops_time(env, emb_run, &a);
+                if (ms < 0) {
+                    rc = 1;
+                    break;
+                }
+                const double nd = (double)N * a.D, ud = (double)uniq * a.D;
+                double bytes = 0;
+                if (a.fwd)
+                    bytes += 4.0 * N + 2.0 * ud + 2.0 * nd;
+                if (a.bwd)
+                    bytes += 4.0 * N + 2.0 * nd + 8.0 * ud;
+                lm_bench_ops_row(env, name, shape,
+                                 pass == 0   ? "fwd"
+                                 : pass == 1 ? "fwd+bwd"
+                                             : "bwd",
+                                 ms, a.bwd ? nd : 0.0, bytes, (double)N);
             }
-            const double nd = (double)N * a.D;
-            double bytes = 4.0 * N + 4.0 * nd;
-            if (a.bwd)
-                bytes += 2.0 * nd + 8.0 * (double)uniq * a.D + 40.0 * N;
-            lm_bench_ops_row(env, "embedding", shape, a.bwd ? "fwd+bwd" : "fwd", ms,
-                             a.bwd ? nd : 0.0, bytes, (double)N);
         }
     }
     lm_cuda_ctx_free_mem(env->ctx, a.ids);

@@ -6,6 +6,9 @@
  * Rows (name, shape, pass):
  *   short_conv       T=32768 C=3072 W=4 docs=8   fwd, fwd+bwd
  *   short_conv_step  B=64 C=3072 W=4             step (decode, state in place)
+ * (the public entry points, the default variant), then the kernel variants side by side
+ * (src/ops/cuda/layers_variants.h; no peer rows):
+ *   short_conv/v<V>  T=32768 C=3072 W=4 docs=8   fwd, fwd+bwd, bwd (the backward alone)
  * Bytes (bf16 activations, fp32 state and dweight): forward x read, y written = 4 T C;
  * backward x, dy read, dx written = 6 T C, dweight read and written 8 C W; the step x, y
  * = 4 B C and the state read and written 8 B C (W-1). FLOPs 2 W per element (+ SiLU),
@@ -14,11 +17,12 @@
 
 #include "bench_ops.h"
 #include "linmoe/cuda_layers.h"
+#include "ops/cuda/layers_variants.h"
 
 typedef struct {
     lm_cuda_ctx *ctx;
     lm_short_conv_config cfg;
-    int bwd, step, B;
+    int fwd, bwd, step, B, variant;
     void *x, *w, *y, *dy, *dx;
     float *dw, *state;
 } sc_arg;
@@ -31,10 +35,13 @@ static int sc_run(void *p) {
         st = lm_cuda_short_conv_step(a->ctx, a->B, a->cfg.C, a->cfg.W, LM_ACT_SILU, a->x, a->w,
                                      a->state, a->y, &e);
     } else {
-        st = lm_cuda_short_conv_forward(a->ctx, &a->cfg, a->x, a->w, NULL, a->y, NULL, &e);
+        st = LM_OK;
+        if (a->fwd)
+            st = lm_cuda_short_conv_forward_v(a->ctx, a->variant, &a->cfg, a->x, a->w, NULL, a->y,
+                                              NULL, &e);
         if (st == LM_OK && a->bwd)
-            st = lm_cuda_short_conv_backward(a->ctx, &a->cfg, a->x, a->w, NULL, a->dy, a->dx, a->dw,
-                                             NULL, &e);
+            st = lm_cuda_short_conv_backward_v(a->ctx, a->variant, &a->cfg, a->x, a->w, NULL, a->dy,
+                                               a->dx, a->dw, NULL, &e);
     }
     if (st != LM_OK)
         fprintf(stderr, "bench ops short_conv: %s\n", e.msg);
@@ -72,15 +79,28 @@ int lm_bench_ops_short_conv(lm_bench_ops_env *env) {
     }
     char shape[64];
     snprintf(shape, sizeof shape, "T=%d C=%d W=%d docs=8", T, C, W);
-    for (a.bwd = 0; a.bwd < 2 && !rc; a.bwd++) {
-        const double ms = lm_bench_ops_time(env, sc_run, &a);
-        if (ms < 0) {
-            rc = 1;
-            break;
+    /* the public entry points (variant 0), then each variant: fwd, fwd+bwd, bwd */
+    for (int v = 0; v <= LM_LAYERS_CONV_VARIANTS && !rc; v++) {
+        char name[32] = "short_conv";
+        if (v)
+            snprintf(name, sizeof name, "short_conv/v%d", v);
+        for (int pass = 0; pass < (v ? 3 : 2) && !rc; pass++) {
+            a.variant = v;
+            a.fwd = pass != 2;
+            a.bwd = pass != 0;
+            const double ms = lm_bench_ops_time(env, sc_run, &a);
+            if (ms < 0) {
+                rc = 1;
+                break;
+            }
+            const double bytes = (a.fwd ? 4.0 * n : 0) + (a.bwd ? 6.0 * n + 8.0 * C * W : 0);
+            const double flops = ((a.fwd ? 1.0 : 0) + (a.bwd ? 3.0 : 0)) * (2.0 * W + 4) * n;
+            lm_bench_ops_row(env, name, shape,
+                             pass == 0   ? "fwd"
+                             : pass == 1 ? "fwd+bwd"
+                                         : "bwd",
+                             ms, flops, bytes, (double)T);
         }
-        const double bytes = 4.0 * n + (a.bwd ? 6.0 * n + 8.0 * C * W : 0);
-        lm_bench_ops_row(env, "short_conv", shape, a.bwd ? "fwd+bwd" : "fwd", ms,
-                         (a.bwd ? 4.0 : 1.0) * (2.0 * W + 4) * n, bytes, (double)T);
     }
     if (!rc) {
         a.step = 1;

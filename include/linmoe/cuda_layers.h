@@ -75,15 +75,18 @@ lm_status lm_cuda_embedding_forward(lm_cuda_ctx *ctx, int64_t N, int V, int D, c
 /* Backward of the gather, a scatter-add (src/model/model.c backward, "embedding rows"):
  *     dweight[v, :] += sum over n with ids[n] = v of dout[n, :]    (fp32)
  * summed in token order n for each v, deterministically and without atomics: the
- * pairs (id, n) are sorted by CUB's radix sort (keys id << bits(N) | n, unique, so the
- * order is fixed), each block of 32 sorted positions sums its runs of equal ids in
- * order, runs inside the block go straight into dweight, and runs that cross a block
- * boundary are finished by one owner in block order (two kernels). Rows of dweight
- * that no token hits are untouched. Out-of-range ids contribute nothing.
+ * pairs (id, n) are sorted by CUB's radix sort (keys id << bits(N) | n made in token
+ * order, 32-bit when they fit, sorted stably on their id bits: by id, then by token),
+ * each block of 16 sorted positions sums its runs of equal ids in order, runs inside the
+ * block go straight into dweight (one addition per row), and runs that cross a block
+ * boundary are finished by the block where they start, its pieces summed in a fixed
+ * grouping (two kernels). Rows of dweight that no token hits are untouched.
+ * Out-of-range ids contribute nothing.
  *   ids      [N] int32 device (those of the forward)
  *   dout     [N, D] bf16, the gradient of out
  *   dweight  [V, D] fp32, accumulated (may already hold the tied LM head's gradient)
- * Scratch: 16 N + 8 ceil(N/32) D bytes plus CUB's temporary storage (LM_SCRATCH_A).
+ * Scratch: 8 N (16 N with 64-bit keys) + 8 ceil(N/16) D bytes plus CUB's temporary
+ * storage (LM_SCRATCH_A).
  * Errors: as the forward. */
 lm_status lm_cuda_embedding_backward(lm_cuda_ctx *ctx, int64_t N, int V, int D, const int32_t *ids,
                                      const void *dout, float *dweight, lm_error *err);
@@ -103,8 +106,9 @@ lm_status lm_cuda_embedding_backward(lm_cuda_ctx *ctx, int64_t N, int V, int D, 
  *   y            [N, D] bf16 output; must not alias x, residual or h
  *   rstd         [N] fp32 output or NULL (the statistic, for the backward)
  *   eps          finite, > 0 (the config's rms_norm_eps)
- * One warp per row; rows of D <= 2048 stay in registers (one read of x), longer rows
- * are read twice (the second time from L1/L2). Errors: LM_ERR_INVALID for N < 0,
+ * One warp per row (a group of 8 / 16 lanes for D <= 128); rows of D <= 2048 stay in
+ * registers (one read of x), longer rows are read twice (the second time from L1/L2);
+ * a persistent grid of one wave of resident CTAs. Errors: LM_ERR_INVALID for N < 0,
  * D < 1, eps, a missing or aliased tensor. */
 lm_status lm_cuda_rmsnorm_forward(lm_cuda_ctx *ctx, int64_t N, int D, float eps, const void *x,
                                   const void *residual, const void *weight, void *h, void *y,
@@ -121,10 +125,11 @@ lm_status lm_cuda_rmsnorm_forward(lm_cuda_ctx *ctx, int64_t N, int D, float eps,
  *              residual stream's gradient in a pre-norm block); may alias dx
  *   dx         [N, D] bf16 output or NULL; must not alias x or dy
  *   dweight    [D] fp32, accumulated, or NULL
- * dweight is reduced deterministically: each CTA sums its rows per column in shared
- * memory (one accumulator row per warp, or per group of 8 / 16 lanes for short rows; no
- * atomics), writes one fp32 row of partials to scratch (LM_SCRATCH_A, [CTAs, D]), and a
- * second kernel adds the partials to dweight in CTA order. Errors: as the forward;
+ * dweight is reduced deterministically: each CTA (one wave of resident CTAs, a few
+ * hundred) sums its rows per column in shared memory (one accumulator row per warp, or
+ * per group of 8 / 16 lanes for short rows; no atomics), writes one fp32 row of partials
+ * to scratch (LM_SCRATCH_A, [CTAs, D]), and a second kernel adds the partials to dweight
+ * in CTA order. Errors: as the forward;
  * LM_ERR_UNSUPPORTED when one warp's accumulator row (D fp32 values, rounded up to a
  * multiple of 256) does not fit the device's shared memory per CTA (D above about 56000
  * on the H200). */
@@ -183,8 +188,11 @@ lm_status lm_cuda_gated_rmsnorm_backward(lm_cuda_ctx *ctx, int64_t N, int H, int
  *                  sequence (a sequence shorter than W-1 keeps the newer entries of
  *                  its initial state); may alias initial_state (a second kernel writes
  *                  it after every read of the initial state)
- * Each thread walks 64 tokens of 8 channels (4 with W > 4; 1 when C or the pointers
- * do not allow vectors) with the W-1 previous inputs in registers.
+ * W = 4 with C % 8 == 0 and 16-byte aligned x, y: a CTA stages 32 tokens (+ the W-1
+ * halo rows) of 512 channels in shared memory (cp.async) and each thread walks 16 tokens
+ * of 4 channels out of it; other shapes: each thread walks 64 tokens of 8 channels (4
+ * with W > 4; 1 when C or the pointers do not allow vectors) from global memory. Both
+ * keep the W-1 previous inputs in registers.
  * Errors: LM_ERR_INVALID as lm_short_conv_forward (minus the finiteness scan) and for
  * aliasing; LM_ERR_UNSUPPORTED for W > LM_CUDA_SHORT_CONV_MAX_W. */
 lm_status lm_cuda_short_conv_forward(lm_cuda_ctx *ctx, lm_short_conv_config *c, const void *x,

@@ -9,7 +9,11 @@
  * ids (-1 and V), which must give zero rows, be counted in n_bad and add nothing. The
  * gradient accumulates into a random prefill of the whole table (rows no token hits
  * must stay as they were), and the backward runs twice into two copies of the prefill:
- * the results must be the same bits.
+ * the results must be the same bits. The backward runs through the public entry point
+ * (op "embedding") and each variant of src/ops/cuda/layers_variants.h ("embedding/v1",
+ * "/v2"); V = 1 with N = 5000 gives one run over 313 chunks of 16 (variant 2 probes 256
+ * chunk starts at a time), N = 70000 with V = 50304 needs 33-bit keys (variant 2's 64-bit
+ * instance).
  *
  * Tolerances: out exact (a copy). dweight 1e-5 (fp32 sums of bf16 values against fp64;
  * ~1e-7 expected).
@@ -20,6 +24,7 @@
 
 #include "bo.h"
 #include "linmoe/cuda_layers.h"
+#include "ops/cuda/layers_variants.h"
 
 #define TOL_EXACT 1e-6
 #define TOL_DW 1e-5
@@ -89,23 +94,36 @@ static void emb_case(bo_ctx *c, const ecase *k) {
         goto out;
     }
     if (lm_cuda_embedding_forward(c->cuda, N, k->V, k->D, dids, dWd, outd, dbad, &e) != LM_OK ||
-        lm_cuda_embedding_backward(c->cuda, N, k->V, k->D, dids, doutd, dW0d, &e) != LM_OK ||
-        lm_cuda_embedding_backward(c->cuda, N, k->V, k->D, dids, doutd, dW0d2, &e) != LM_OK ||
         bo_download_bf16(c, gout, outd, nO, &e) != LM_OK ||
-        bo_download_f32(c, gdW, dW0d, nW, &e) != LM_OK ||
-        bo_download_f32(c, gdW2, dW0d2, nW, &e) != LM_OK ||
         lm_cuda_ctx_download(c->cuda, &gbad, dbad, sizeof gbad, &e) != LM_OK) {
         bo_fail(c, "embedding", shape, &e);
         goto out;
     }
     bo_check(c, "embedding", "bf16", shape, "out", gout, out, nO, TOL_EXACT);
-    bo_check(c, "embedding", "f32", shape, "dweight", gdW, dWref, nW, TOL_DW);
-    /* bitwise rerun and the bad-id count, each as a one-element row that is 0 when right */
+    /* the bad-id count and (below) the bitwise rerun, each as a one-element row that is 0
+     * when right */
     const float z = 0.0f;
-    const float rerun = memcmp(gdW, gdW2, sizeof(float) * (size_t)nW) == 0 ? 0.0f : 1.0f;
-    bo_check(c, "embedding", "f32", shape, "dw rerun", &rerun, &z, 1, 0.0);
     const float badd = (float)(gbad - expect_bad);
     bo_check(c, "embedding", "i32", shape, "n_bad", &badd, &z, 1, 0.0);
+    for (int v = 0; v <= LM_LAYERS_EMB_BWD_VARIANTS; v++) {
+        char op[32] = "embedding";
+        if (v)
+            snprintf(op, sizeof op, "embedding/v%d", v);
+        if (lm_cuda_ctx_upload(c->cuda, dW0d, dW0, sizeof(float) * (size_t)nW, &e) != LM_OK ||
+            lm_cuda_ctx_upload(c->cuda, dW0d2, dW0, sizeof(float) * (size_t)nW, &e) != LM_OK ||
+            lm_cuda_embedding_backward_v(c->cuda, v, N, k->V, k->D, dids, doutd, dW0d, &e) !=
+                LM_OK ||
+            lm_cuda_embedding_backward_v(c->cuda, v, N, k->V, k->D, dids, doutd, dW0d2, &e) !=
+                LM_OK ||
+            bo_download_f32(c, gdW, dW0d, nW, &e) != LM_OK ||
+            bo_download_f32(c, gdW2, dW0d2, nW, &e) != LM_OK) {
+            bo_fail(c, op, shape, &e);
+            continue;
+        }
+        bo_check(c, op, "f32", shape, "dweight", gdW, dWref, nW, TOL_DW);
+        const float rerun = memcmp(gdW, gdW2, sizeof(float) * (size_t)nW) == 0 ? 0.0f : 1.0f;
+        bo_check(c, op, "f32", shape, "dw rerun", &rerun, &z, 1, 0.0);
+    }
 out:
     bo_free(c, dids);
     bo_free(c, dWd);
@@ -122,8 +140,9 @@ int bo_family_embedding(bo_ctx *c) {
     const int failed0 = c->failed;
     /* N, V, D, dist, bad */
     const ecase ec[] = {
-        {1, 10, 8, 0, 0},        {37, 50, 1000, 0, 0},  {300, 7, 2048, 1, 0}, {1000, 3, 64, 1, 0},
-        {2000, 50304, 64, 2, 0}, {333, 40, 1001, 0, 0}, {257, 20, 136, 1, 5}, {64, 2, 16, 1, 0},
+        {1, 10, 8, 0, 0},        {37, 50, 1000, 0, 0},    {300, 7, 2048, 1, 0}, {1000, 3, 64, 1, 0},
+        {2000, 50304, 64, 2, 0}, {333, 40, 1001, 0, 0},   {257, 20, 136, 1, 5}, {64, 2, 16, 1, 0},
+        {5000, 1, 1024, 0, 0},   {70000, 50304, 8, 2, 3},
     };
     for (size_t i = 0; i < sizeof ec / sizeof ec[0]; i++)
         emb_case(c, &ec[i]);

@@ -9,6 +9,11 @@
  * vectors), W = 3 with C = 37 (scalar path), W = 6 (the 8-tap instance), W = 1, SiLU and
  * none, with and without initial state, final state in place over the initial state;
  * three decode steps fed back in place. dweight is accumulated into a random prefill.
+ * Every conv case runs through the public entry points (op "short_conv", the default
+ * variant) and each variant of src/ops/cuda/layers_variants.h ("short_conv/v1", "/v2";
+ * v2 covers W = 4 with C % 8 == 0, where C = 520 leaves a partial 512-channel CTA and
+ * T = 1000 documents of length 1, 2 and 127 cross its 32-token sub-tiles and 128-token
+ * dweight tiles).
  *
  * Tolerances: y, dx: BO_TOL_FWD / BO_TOL_GRAD (bf16 output rounding). final_state:
  * exact (copies of bf16 inputs or fp32 state). dweight, dinitial_state: 1e-4 (fp32 sums
@@ -20,6 +25,7 @@
 #include "bo.h"
 #include "linmoe/cuda_layers.h"
 #include "linmoe/layers.h"
+#include "ops/cuda/layers_variants.h"
 
 #define TOL_EXACT 1e-6
 #define TOL_SUM 1e-4
@@ -85,45 +91,50 @@ static void conv_case(bo_ctx *c, const ccase *k) {
     }
     for (int64_t i = 0; i < nw; i++)
         dw[i] += dw0[i];
-    dpool P = {0};
-    void *dxd = dp(&P, bo_upload_bf16(c, x, n, &e));
-    void *dwd = dp(&P, bo_upload_bf16(c, w, nw, &e));
-    float *dh0d = k->state ? dp(&P, bo_upload_f32(c, h0, ns, &e)) : NULL;
-    void *dyd = dp(&P, bo_upload_bf16(c, dy, n, &e));
-    float *dw0d = dp(&P, bo_upload_f32(c, dw0, nw, &e));
-    void *dyo = dp(&P, bo_alloc_poisoned(c, (size_t)n * 2, &e));
-    float *dhT = k->inplace ? dh0d : dp(&P, bo_alloc_poisoned(c, sizeof(float) * ns, &e));
-    void *ddx = dp(&P, bo_alloc_poisoned(c, (size_t)n * 2, &e));
-    float *ddh0 = dp(&P, bo_alloc_poisoned(c, sizeof(float) * ns, &e));
-    if ((n > 0 && (!dxd || !dyd || !dyo || !ddx)) || !dwd || (k->state && ns && !dh0d) || !dw0d ||
-        (ns && (!dhT || !ddh0))) {
-        bo_fail(c, "short_conv", shape, &e);
+    for (int v = 0; v <= LM_LAYERS_CONV_VARIANTS; v++) {
+        char op[32] = "short_conv";
+        if (v)
+            snprintf(op, sizeof op, "short_conv/v%d", v);
+        dpool P = {0};
+        void *dxd = dp(&P, bo_upload_bf16(c, x, n, &e));
+        void *dwd = dp(&P, bo_upload_bf16(c, w, nw, &e));
+        float *dh0d = k->state ? dp(&P, bo_upload_f32(c, h0, ns, &e)) : NULL;
+        void *dyd = dp(&P, bo_upload_bf16(c, dy, n, &e));
+        float *dw0d = dp(&P, bo_upload_f32(c, dw0, nw, &e));
+        void *dyo = dp(&P, bo_alloc_poisoned(c, (size_t)n * 2, &e));
+        float *dhT = k->inplace ? dh0d : dp(&P, bo_alloc_poisoned(c, sizeof(float) * ns, &e));
+        void *ddx = dp(&P, bo_alloc_poisoned(c, (size_t)n * 2, &e));
+        float *ddh0 = dp(&P, bo_alloc_poisoned(c, sizeof(float) * ns, &e));
+        if ((n > 0 && (!dxd || !dyd || !dyo || !ddx)) || !dwd || (k->state && ns && !dh0d) ||
+            !dw0d || (ns && (!dhT || !ddh0))) {
+            bo_fail(c, op, shape, &e);
+            dp_free(c, &P);
+            continue;
+        }
+        /* the backward reads the initial state, so it runs before an in-place forward */
+        if (lm_cuda_short_conv_backward_v(c->cuda, v, &cfg, dxd, dwd, dh0d, dyd, ddx, dw0d, ddh0,
+                                          &e) != LM_OK ||
+            lm_cuda_short_conv_forward_v(c->cuda, v, &cfg, dxd, dwd, dh0d, dyo, dhT, &e) != LM_OK ||
+            bo_download_bf16(c, gy, dyo, n, &e) != LM_OK ||
+            bo_download_f32(c, ghT, dhT, ns, &e) != LM_OK ||
+            bo_download_bf16(c, gdx, ddx, n, &e) != LM_OK ||
+            bo_download_f32(c, gdw, dw0d, nw, &e) != LM_OK ||
+            bo_download_f32(c, gdh0, ddh0, ns, &e) != LM_OK) {
+            bo_fail(c, op, shape, &e);
+            dp_free(c, &P);
+            continue;
+        }
+        if (n > 0)
+            bo_check(c, op, "bf16", shape, "y", gy, y, n, BO_TOL_FWD);
+        if (ns > 0)
+            bo_check(c, op, "f32", shape, "final", ghT, hT, ns, TOL_EXACT);
+        if (n > 0)
+            bo_check(c, op, "bf16", shape, "dx", gdx, dx, n, BO_TOL_GRAD);
+        bo_check(c, op, "f32", shape, "dweight", gdw, dw, nw, TOL_SUM);
+        if (ns > 0)
+            bo_check(c, op, "f32", shape, "dinitial", gdh0, dh0, ns, TOL_SUM);
         dp_free(c, &P);
-        goto out;
     }
-    /* the backward reads the initial state, so it runs before an in-place forward */
-    if (lm_cuda_short_conv_backward(c->cuda, &cfg, dxd, dwd, dh0d, dyd, ddx, dw0d, ddh0, &e) !=
-            LM_OK ||
-        lm_cuda_short_conv_forward(c->cuda, &cfg, dxd, dwd, dh0d, dyo, dhT, &e) != LM_OK ||
-        bo_download_bf16(c, gy, dyo, n, &e) != LM_OK ||
-        bo_download_f32(c, ghT, dhT, ns, &e) != LM_OK ||
-        bo_download_bf16(c, gdx, ddx, n, &e) != LM_OK ||
-        bo_download_f32(c, gdw, dw0d, nw, &e) != LM_OK ||
-        bo_download_f32(c, gdh0, ddh0, ns, &e) != LM_OK) {
-        bo_fail(c, "short_conv", shape, &e);
-        dp_free(c, &P);
-        goto out;
-    }
-    if (n > 0)
-        bo_check(c, "short_conv", "bf16", shape, "y", gy, y, n, BO_TOL_FWD);
-    if (ns > 0)
-        bo_check(c, "short_conv", "f32", shape, "final", ghT, hT, ns, TOL_EXACT);
-    if (n > 0)
-        bo_check(c, "short_conv", "bf16", shape, "dx", gdx, dx, n, BO_TOL_GRAD);
-    bo_check(c, "short_conv", "f32", shape, "dweight", gdw, dw, nw, TOL_SUM);
-    if (ns > 0)
-        bo_check(c, "short_conv", "f32", shape, "dinitial", gdh0, dh0, ns, TOL_SUM);
-    dp_free(c, &P);
 out:
     free(x), free(w), free(h0), free(y), free(hT), free(dy), free(dx), free(dw), free(dw0);
     free(dh0), free(gy), free(ghT), free(gdx), free(gdw), free(gdh0);
@@ -189,6 +200,9 @@ int bo_family_short_conv(bo_ctx *c) {
         {2, 0, 8, 4, 1, 1, 0, 0, {0}},
         {1, 65, 24, 1, 1, 0, 0, 3, {0, 1, 65}},
         {1, 1000, 128, 2, 1, 1, 0, 4, {0, 1, 129, 1000}},
+        {1, 1000, 520, 4, 1, 1, 1, 7, {0, 31, 32, 34, 161, 288, 1000}},
+        {1, 129, 16, 4, 0, 1, 0, 3, {0, 2, 129}},
+        {2, 200, 1024, 4, 1, 0, 0, 0, {0}},
     };
     for (size_t i = 0; i < sizeof cc / sizeof cc[0]; i++)
         conv_case(c, &cc[i]);

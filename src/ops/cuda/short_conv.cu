@@ -32,6 +32,7 @@
 
 #include "linmoe/cuda_layers.h"
 #include "ops/cuda/ctx.cuh"
+#include "ops/cuda/layers_variants.h"
 
 namespace {
 
@@ -520,6 +521,317 @@ lm_status setup(lm_cuda_ctx *ctx, const lm_short_conv_config *c, ConvP &p, size_
     return LM_OK;
 }
 
+/* ---------------------------------------------------------------- v2 (tiled) */
+
+/* Variant 2 (layers_variants.h), for W = 4, C % 8 == 0 and 16-byte aligned x (and dy):
+ * a CTA of 256 threads owns 512 channels of a sub-tile of TS2 = 32 tokens and stages the
+ * rows it reads into shared memory with cp.async (16-byte copies straight to shared
+ * memory, every copy of the tile in flight at once, no registers held): x rows
+ * [ts - 3, ts + 32) for the forward; x rows [ts - 3, ts + 35) and dy rows [ts, ts + 35)
+ * for the backward (the 3-row halos come from L2: the neighbouring tile reads the same
+ * rows). Thread (h, tg) then owns channels 4h .. 4h + 3 of the CTA and the 16 tokens
+ * ts + 16 tg .. ts + 16 tg + 15, and runs the first kernels' walk over them (pieces cut
+ * at document boundaries, windows refilled from the initial state or zeros before a
+ * document start) reading shared memory. SiLU uses __expf and __fdividef. The backward
+ * CTA walks 4 sub-tiles (128 tokens, the first kernels' dweight tile) and sums its
+ * dweight terms in registers, then over its two token groups in shared memory (in
+ * order), one partial per (tile, channel, tap) as before. */
+constexpr int T2 = 256;      /* threads */
+constexpr int HV2 = 128;     /* 4-channel groups per CTA (512 channels) */
+constexpr int VV2 = HV2 / 2; /* 16-byte vectors per row per CTA */
+constexpr int TS2 = 32;      /* tokens per sub-tile */
+constexpr int TG2 = 16;      /* tokens per thread */
+constexpr int SUB2 = 4;      /* backward sub-tiles per tile (TT_BWD tokens) */
+constexpr int XF2 = TS2 + 3; /* forward x rows */
+constexpr int XB2 = TS2 + 6; /* backward x rows */
+constexpr int DB2 = TS2 + 3; /* backward dy rows */
+static_assert(SUB2 * TS2 == TT_BWD, "the v2 backward tile is the v1 dweight tile");
+static_assert(T2 == HV2 * (TS2 / TG2), "thread mapping");
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    asm volatile(
+        "cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(smem)),
+        "l"(gmem)
+        : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+}
+
+__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
+__device__ __forceinline__ float sigmoid_fast(float x) {
+    return __fdividef(1.0f, 1.0f + __expf(-x));
+}
+
+/* 4 channels of row r of a staged [rows][VV2] uint4 tile: group h is half (h & 1) of
+ * vector h >> 1 */
+__device__ __forceinline__ void ld_row4(const uint2 *tile, int r, int h, float (&f)[4]) {
+    const uint2 v = tile[r * HV2 + h];
+    f[0] = bf_lo(v.x), f[1] = bf_hi(v.x), f[2] = bf_lo(v.y), f[3] = bf_hi(v.y);
+}
+
+/* Stages rows q0 .. q0 + nr - 1 (those inside [0, rows)) of the CTA's 512 channels of
+ * src ([rows, C] bf16) into tile ([nr][VV2] 16-byte vectors). */
+__device__ __forceinline__ void stage_rows(const ConvP &p, const __nv_bfloat16 *src, uint4 *tile,
+                                           int64_t q0, int nr, int vb) {
+    const int nvc = p.C >> 3;
+    for (int i = threadIdx.x; i < nr * VV2; i += T2) {
+        const int r = i / VV2, v = i - r * VV2;
+        const int64_t q = q0 + r;
+        if (q >= 0 && q < p.rows && vb + v < nvc)
+            cp_async16(tile + i, src + q * p.C + (int64_t)(vb + v) * 8);
+    }
+}
+
+/* Taps of channels c0 .. c0 + 3 (W = 4: weight[c, 0..3] is 8 bytes). */
+__device__ __forceinline__ void load_taps4(const ConvP &p, int c0, float (&wp)[4][4]) {
+#pragma unroll
+    for (int cc = 0; cc < 4; cc++) {
+        const uint2 v = *reinterpret_cast<const uint2 *>(p.w + (int64_t)(c0 + cc) * 4);
+        wp[0][cc] = bf_lo(v.x), wp[1][cc] = bf_hi(v.x), wp[2][cc] = bf_lo(v.y),
+        wp[3][cc] = bf_hi(v.y);
+    }
+}
+
+/* The window of the 3 inputs before token a of sequence n (from bos): the staged x
+ * (row of token q: q - qbase) where q >= bos, the initial state (or zeros) before. */
+__device__ __forceinline__ void window4(const ConvP &p, const uint2 *xt, int64_t qbase, int h,
+                                        int n, int64_t bos, int64_t a, int c0, float (&xw)[3][4]) {
+#pragma unroll
+    for (int j = 0; j < 3; j++) {
+        const int64_t q = a - 3 + j;
+        if (q >= bos) {
+            ld_row4(xt, (int)(q - qbase), h, xw[j]);
+        } else {
+            const int64_t i = 3 + (q - bos);
+#pragma unroll
+            for (int cc = 0; cc < 4; cc++)
+                xw[j][cc] = (i >= 0 && p.h0) ? p.h0[((int64_t)n * p.C + c0 + cc) * 3 + i] : 0.0f;
+        }
+    }
+}
+
+__global__ void __launch_bounds__(T2) conv_fwd2(const ConvP p) {
+    __shared__ __align__(16) uint4 xs[XF2 * VV2];
+    const int64_t ts = (int64_t)blockIdx.x * TS2;
+    const int vb = blockIdx.y * VV2;
+    stage_rows(p, p.x, xs, ts - 3, XF2, vb);
+    cp_async_wait_all();
+    __syncthreads();
+    const uint2 *xt = reinterpret_cast<const uint2 *>(xs);
+    const int h = threadIdx.x % HV2, tg = threadIdx.x / HV2;
+    const int c0 = vb * 8 + h * 4;
+    const int64_t ta = ts + tg * TG2;
+    const int64_t tb = ta + TG2 < p.rows ? ta + TG2 : p.rows;
+    if (c0 >= p.C || ta >= tb)
+        return;
+    float wp[4][4];
+    load_taps4(p, c0, wp);
+    const int64_t qbase = ts - 3; /* token of staged row 0 */
+    for (int n = doc_of(p, ta); n < p.N; n++) {
+        const int64_t bos = bound(p, n), eos = bound(p, n + 1);
+        if (bos >= tb)
+            break;
+        const int64_t a = bos > ta ? bos : ta, b = eos < tb ? eos : tb;
+        if (a >= b)
+            continue;
+        float xw[3][4];
+        window4(p, xt, qbase, h, n, bos, a, c0, xw);
+        for (int64_t t = a; t < b; t++) {
+            float xv[4], o[4];
+            ld_row4(xt, (int)(t - qbase), h, xv);
+#pragma unroll
+            for (int cc = 0; cc < 4; cc++) {
+                float acc = wp[0][cc] * xw[0][cc];
+                acc += wp[1][cc] * xw[1][cc];
+                acc += wp[2][cc] * xw[2][cc];
+                acc += wp[3][cc] * xv[cc];
+                o[cc] = p.silu ? silu_fast(acc) : acc;
+                xw[0][cc] = xw[1][cc], xw[1][cc] = xw[2][cc], xw[2][cc] = xv[cc];
+            }
+            st_bf<4>(p.y + t * p.C + c0, o);
+        }
+    }
+}
+
+__global__ void __launch_bounds__(T2, 2) conv_bwd2(const ConvP p) {
+    extern __shared__ uint4 sm2[]; /* x tile [XB2][VV2], then dy tile [DB2][VV2] */
+    uint4 *xs = sm2, *ds = sm2 + XB2 * VV2;
+    const uint2 *xt = reinterpret_cast<const uint2 *>(xs);
+    const uint2 *dt = reinterpret_cast<const uint2 *>(ds);
+    const int64_t t0 = (int64_t)blockIdx.x * TT_BWD;
+    const int vb = blockIdx.y * VV2;
+    const int h = threadIdx.x % HV2, tg = threadIdx.x / HV2;
+    const int c0 = vb * 8 + h * 4;
+    const bool chan = c0 < p.C;
+    const int S = 3;
+    float wp[4][4], dw[4][4];
+    if (chan)
+        load_taps4(p, c0, wp);
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int cc = 0; cc < 4; cc++)
+            dw[j][cc] = 0.0f;
+    for (int sub = 0; sub < SUB2; sub++) {
+        const int64_t ts = t0 + sub * TS2;
+        if (ts >= p.rows)
+            break;
+        if (sub > 0)
+            __syncthreads(); /* every read of the previous sub-tile is done */
+        stage_rows(p, p.x, xs, ts - 3, XB2, vb);
+        stage_rows(p, p.dy, ds, ts, DB2, vb);
+        cp_async_wait_all();
+        __syncthreads();
+        const int64_t ta = ts + tg * TG2;
+        const int64_t tb = ta + TG2 < p.rows ? ta + TG2 : p.rows;
+        if (!chan || ta >= tb)
+            continue;
+        const int64_t xbase = ts - 3, dbase = ts; /* tokens of staged row 0 */
+        for (int n = doc_of(p, ta); n < p.N; n++) {
+            const int64_t bos = bound(p, n), eos = bound(p, n + 1);
+            if (bos >= tb)
+                break;
+            const int64_t a = bos > ta ? bos : ta, b = eos < tb ? eos : tb;
+            if (a >= b)
+                continue;
+            float xw[3][4], gr[3][4];
+            window4(p, xt, xbase, h, n, bos, a, c0, xw);
+#pragma unroll
+            for (int j = 0; j < 3; j++)
+#pragma unroll
+                for (int cc = 0; cc < 4; cc++)
+                    gr[j][cc] = 0.0f;
+            const int64_t tend = b - 1 + 3; /* last step: emits dx[b-1] */
+            for (int64_t tt = a; tt <= tend; tt++) {
+                float gc[4];
+                if (tt < eos) {
+                    float xv[4], dv[4];
+                    ld_row4(xt, (int)(tt - xbase), h, xv);
+                    ld_row4(dt, (int)(tt - dbase), h, dv);
+#pragma unroll
+                    for (int cc = 0; cc < 4; cc++) {
+                        if (p.silu) {
+                            float pre = wp[0][cc] * xw[0][cc];
+                            pre += wp[1][cc] * xw[1][cc];
+                            pre += wp[2][cc] * xw[2][cc];
+                            pre += wp[3][cc] * xv[cc];
+                            const float s = sigmoid_fast(pre);
+                            gc[cc] = dv[cc] * (s * (1.0f + pre * (1.0f - s)));
+                        } else {
+                            gc[cc] = dv[cc];
+                        }
+                    }
+                    if (tt < b) {
+#pragma unroll
+                        for (int cc = 0; cc < 4; cc++) {
+                            dw[0][cc] += gc[cc] * xw[0][cc];
+                            dw[1][cc] += gc[cc] * xw[1][cc];
+                            dw[2][cc] += gc[cc] * xw[2][cc];
+                            dw[3][cc] += gc[cc] * xv[cc];
+                        }
+                    }
+#pragma unroll
+                    for (int cc = 0; cc < 4; cc++)
+                        xw[0][cc] = xw[1][cc], xw[1][cc] = xw[2][cc], xw[2][cc] = xv[cc];
+                } else {
+#pragma unroll
+                    for (int cc = 0; cc < 4; cc++)
+                        gc[cc] = 0.0f;
+                }
+                /* position s = tt - 3 has all of its taps now */
+                const int64_t s = tt - 3;
+                float o[4];
+#pragma unroll
+                for (int cc = 0; cc < 4; cc++)
+                    o[cc] = wp[3][cc] * gr[0][cc] + wp[2][cc] * gr[1][cc] + wp[1][cc] * gr[2][cc] +
+                            wp[0][cc] * gc[cc];
+                if (s >= a) {
+                    if (p.dx)
+                        st_bf<4>(p.dx + s * p.C + c0, o);
+                } else if (a == bos && p.dh0 && s >= bos - S) {
+                    const int64_t i = s - bos + S;
+#pragma unroll
+                    for (int cc = 0; cc < 4; cc++)
+                        p.dh0[((int64_t)n * p.C + c0 + cc) * S + i] = o[cc];
+                }
+#pragma unroll
+                for (int cc = 0; cc < 4; cc++)
+                    gr[0][cc] = gr[1][cc], gr[1][cc] = gr[2][cc], gr[2][cc] = gc[cc];
+            }
+        }
+    }
+    if (p.part) {
+        /* the two token groups' sums, in group order, into one partial per (tile,
+         * channel, tap) */
+        __syncthreads();
+        float *red = reinterpret_cast<float *>(sm2); /* [2][HV2][16] */
+        float *mine = red + ((int64_t)tg * HV2 + h) * 16;
+#pragma unroll
+        for (int cc = 0; cc < 4; cc++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                mine[cc * 4 + j] = dw[j][cc];
+        __syncthreads();
+        if (tg == 0 && chan) {
+            const float *other = red + ((int64_t)HV2 + h) * 16;
+            float4 *dst = reinterpret_cast<float4 *>(p.part + ((int64_t)blockIdx.x * p.C + c0) * 4);
+#pragma unroll
+            for (int cc = 0; cc < 4; cc++)
+                dst[cc] = make_float4(
+                    mine[cc * 4 + 0] + other[cc * 4 + 0], mine[cc * 4 + 1] + other[cc * 4 + 1],
+                    mine[cc * 4 + 2] + other[cc * 4 + 2], mine[cc * 4 + 3] + other[cc * 4 + 3]);
+        }
+    }
+}
+
+/* dst[col] += sum_{b < nb} part[b, col] in a fixed order: warp w of 32 sums the rows
+ * b = w, w + 32, ... (8 loads in flight), then the 32 warp sums in warp order. */
+__global__ void __launch_bounds__(1024)
+    colsum2_add(const float *__restrict__ part, int nb, int D, float *__restrict__ dst) {
+    __shared__ float red[32][33];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int col = blockIdx.x * 32 + lane;
+    float s = 0.0f;
+    if (col < D) {
+        for (int b0 = warp; b0 < nb; b0 += 8 * 32) {
+            float t[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int b = b0 + 32 * j;
+                t[j] = b < nb ? __ldg(part + (int64_t)b * D + col) : 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                s += t[j];
+        }
+    }
+    red[warp][lane] = s;
+    __syncthreads();
+    if (warp == 0 && col < D) {
+        float t = red[0][lane];
+        for (int w = 1; w < 32; w++)
+            t += red[w][lane];
+        dst[col] += t;
+    }
+}
+
+constexpr size_t BWD2_SMEM = (size_t)(XB2 + DB2) * VV2 * sizeof(uint4);
+
+/* v2 covers W = 4 with 16-byte vectors of x, y / dy, dx and 8-byte weight rows. */
+bool v2_conv_ok(const lm_short_conv_config *c, const void *w, const void *a, const void *b,
+                const void *d) {
+    return c->W == 4 && c->C % 8 == 0 && aligned(w, 8) && aligned(a, 16) && aligned(b, 16) &&
+           aligned(d, 16);
+}
+
+lm_status check_variant(int variant, lm_error *err) {
+    if (variant < 0 || variant > LM_LAYERS_CONV_VARIANTS)
+        return lm_errorf(err, LM_ERR_INVALID, "%s: variant = %d is outside [0, %d]", OP, variant,
+                         LM_LAYERS_CONV_VARIANTS);
+    return LM_OK;
+}
+
 typedef void (*ConvK)(ConvP);
 
 ConvK pick_fwd(int wm, int cv) {
@@ -539,11 +851,14 @@ ConvK pick_bwd(int wm, int cv) {
 
 } // namespace
 
-extern "C" lm_status lm_cuda_short_conv_forward(lm_cuda_ctx *ctx, lm_short_conv_config *c,
-                                                const void *x, const void *weight,
-                                                const float *initial_state, void *y,
-                                                float *final_state, lm_error *err) {
+extern "C" lm_status lm_cuda_short_conv_forward_v(lm_cuda_ctx *ctx, int variant,
+                                                  lm_short_conv_config *c, const void *x,
+                                                  const void *weight, const float *initial_state,
+                                                  void *y, float *final_state, lm_error *err) {
     LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    LM_TRY(check_variant(variant, err));
+    if (variant == 0)
+        variant = LM_LAYERS_CONV_DEFAULT;
     LM_TRY(validate(c, x, weight, err));
     const int64_t rows = (int64_t)c->B * c->T;
     if (!y && rows > 0)
@@ -564,7 +879,12 @@ extern "C" lm_status lm_cuda_short_conv_forward(lm_cuda_ctx *ctx, lm_short_conv_
     p.h0 = c->W > 1 ? initial_state : nullptr;
     p.y = (__nv_bfloat16 *)y;
     p.hT = final_state;
-    if (rows > 0) {
+    if (rows > 0 && variant == 2 && v2_conv_ok(c, weight, x, y, nullptr)) {
+        const dim3 grid((unsigned)((rows + TS2 - 1) / TS2),
+                        (unsigned)((c->C + 8 * VV2 - 1) / (8 * VV2)));
+        conv_fwd2<<<grid, T2, 0, ctx->stream>>>(p);
+        LM_CK_LAUNCH("conv_fwd2");
+    } else if (rows > 0) {
         const int wm = c->W <= 4 ? 4 : 8;
         const int cv = pick_cv(wm == 4 ? 8 : 4, c->C, x, y, nullptr);
         const dim3 grid((unsigned)((rows + TT_FWD - 1) / TT_FWD),
@@ -580,12 +900,15 @@ extern "C" lm_status lm_cuda_short_conv_forward(lm_cuda_ctx *ctx, lm_short_conv_
     return LM_OK;
 }
 
-extern "C" lm_status lm_cuda_short_conv_backward(lm_cuda_ctx *ctx, lm_short_conv_config *c,
-                                                 const void *x, const void *weight,
-                                                 const float *initial_state, const void *dy,
-                                                 void *dx, float *dweight, float *dinitial_state,
-                                                 lm_error *err) {
+extern "C" lm_status lm_cuda_short_conv_backward_v(lm_cuda_ctx *ctx, int variant,
+                                                   lm_short_conv_config *c, const void *x,
+                                                   const void *weight, const float *initial_state,
+                                                   const void *dy, void *dx, float *dweight,
+                                                   float *dinitial_state, lm_error *err) {
     LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    LM_TRY(check_variant(variant, err));
+    if (variant == 0)
+        variant = LM_LAYERS_CONV_DEFAULT;
     LM_TRY(validate(c, x, weight, err));
     const int64_t rows = (int64_t)c->B * c->T;
     if (!dy && rows > 0)
@@ -612,7 +935,15 @@ extern "C" lm_status lm_cuda_short_conv_backward(lm_cuda_ctx *ctx, lm_short_conv
     p.dx = (__nv_bfloat16 *)dx;
     p.dh0 = dinitial_state;
     p.part = (float *)part;
-    if (rows > 0) {
+    const bool v2 = variant == 2 && v2_conv_ok(c, weight, x, dy, dx);
+    if (rows > 0 && v2) {
+        if (lm_cuda_ctx_first_use(ctx, (const void *)conv_bwd2))
+            LM_CK(cudaFuncSetAttribute(conv_bwd2, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)BWD2_SMEM));
+        const dim3 grid((unsigned)tiles, (unsigned)((c->C + 8 * VV2 - 1) / (8 * VV2)));
+        conv_bwd2<<<grid, T2, BWD2_SMEM, ctx->stream>>>(p);
+        LM_CK_LAUNCH("conv_bwd2");
+    } else if (rows > 0) {
         const dim3 grid((unsigned)tiles, (unsigned)((c->C / cv + THREADS - 1) / THREADS));
         pick_bwd(wm, cv)<<<grid, THREADS, 0, ctx->stream>>>(p);
         LM_CK_LAUNCH("conv_bwd");
@@ -622,7 +953,11 @@ extern "C" lm_status lm_cuda_short_conv_backward(lm_cuda_ctx *ctx, lm_short_conv
         conv_dh0_empty<<<(unsigned)((n + 255) / 256), 256, 0, ctx->stream>>>(p);
         LM_CK_LAUNCH("conv_dh0_empty");
     }
-    if (dweight) {
+    if (dweight && v2) {
+        colsum2_add<<<(unsigned)((cw + 31) / 32), 1024, 0, ctx->stream>>>(p.part, (int)tiles,
+                                                                          (int)cw, dweight);
+        LM_CK_LAUNCH("conv colsum2_add");
+    } else if (dweight) {
         colsum_add<<<(unsigned)((cw + 31) / 32), 256, 0, ctx->stream>>>(p.part, (int)tiles, (int)cw,
                                                                         dweight);
         LM_CK_LAUNCH("conv colsum_add");
@@ -660,4 +995,21 @@ extern "C" lm_status lm_cuda_short_conv_step(lm_cuda_ctx *ctx, int B, int C, int
         C, W, act == LM_ACT_SILU);
     LM_CK_LAUNCH("conv_step");
     return LM_OK;
+}
+
+/* The public entry points: the default variants. */
+extern "C" lm_status lm_cuda_short_conv_forward(lm_cuda_ctx *ctx, lm_short_conv_config *c,
+                                                const void *x, const void *weight,
+                                                const float *initial_state, void *y,
+                                                float *final_state, lm_error *err) {
+    return lm_cuda_short_conv_forward_v(ctx, 0, c, x, weight, initial_state, y, final_state, err);
+}
+
+extern "C" lm_status lm_cuda_short_conv_backward(lm_cuda_ctx *ctx, lm_short_conv_config *c,
+                                                 const void *x, const void *weight,
+                                                 const float *initial_state, const void *dy,
+                                                 void *dx, float *dweight, float *dinitial_state,
+                                                 lm_error *err) {
+    return lm_cuda_short_conv_backward_v(ctx, 0, c, x, weight, initial_state, dy, dx, dweight,
+                                         dinitial_state, err);
 }
