@@ -1,11 +1,17 @@
 /* `linmoe info CKPT_DIR` / `linmoe info --config FILE`: print the model config
- * summary, the parameter counts (total and active per token) and the tensor table
- * (name, shape, count, decay / buffer flags). No math here (params.h). */
+ * summary, the parameter counts (total and active per token), the tensor table
+ * (name, shape, count, decay / buffer flags) and the training memory plan
+ * (model.h lm_model_mem_plan). No math here (params.h, model.h). */
 #include <stdio.h>
 #include <string.h>
 
 #include "cli.h"
+#include "linmoe/core.h"
+#include "linmoe/model.h"
 #include "linmoe/params.h"
+
+/* T of the memory plan when the config has no seq_len (as `linmoe eval`). */
+#define INFO_DEFAULT_SEQ_LEN 1024
 
 void lm_cli_info_usage(FILE *f) {
     fprintf(f, "usage: linmoe info CKPT_DIR\n"
@@ -14,8 +20,12 @@ void lm_cli_info_usage(FILE *f) {
                "Prints the model config, the parameter counts (total, and active per token:\n"
                "routed experts counted k/E of their size, buffers excluded) and the tensor list\n"
                "(name, shape, element count, flags: decay = weight decay applies, buffer = not a\n"
-               "trained parameter). CKPT_DIR holds config.json and model.safetensors (both are\n"
-               "loaded and checked); --config FILE prints the same for a config without weights.\n"
+               "trained parameter), then the memory plan of a training step on one sequence of\n"
+               "T tokens (B = 1; T = the config's seq_len, else 1024) at the current OpenMP\n"
+               "thread count: parameters, gradients, optimizer state, saved activations and\n"
+               "scratch, each one allocation. CKPT_DIR holds config.json and model.safetensors\n"
+               "(both are loaded and checked); --config FILE prints the same for a config\n"
+               "without weights.\n"
                "\n"
                "exit status: 0 success, 1 bad input, 2 usage error\n");
 }
@@ -41,6 +51,21 @@ static void print_params(const lm_params *p) {
         printf("  %-52s %-16s %10lld%s%s\n", e->name, shape, (long long)e->numel,
                e->decay ? "  decay" : "", e->buffer ? "  buffer" : "");
     }
+}
+
+/* The memory plan for B = 1, T = seq_len (or the default): one line. */
+static int print_plan(const lm_model_config *c) {
+    const int T = c->seq_len > 1 ? c->seq_len : INFO_DEFAULT_SEQ_LEN;
+    lm_mem_plan plan;
+    lm_error err = {0};
+    if (lm_model_mem_plan(c, 1, T, &plan, &err) != LM_OK) {
+        fprintf(stderr, "linmoe info: %s\n", err.msg);
+        return LM_EXIT_BAD_INPUT;
+    }
+    char line[512];
+    lm_mem_plan_format(&plan, line, sizeof line);
+    printf("%s%s\n", line, c->seq_len > 1 ? "" : " (T: the config has no seq_len, default 1024)");
+    return LM_EXIT_OK;
 }
 
 int lm_cli_info(int argc, char **argv) {
@@ -99,6 +124,7 @@ int lm_cli_info(int argc, char **argv) {
         printf("checkpoint: %s\n", dir);
     }
     print_params(&p);
+    const int rc = print_plan(&p.cfg);
     lm_params_free(&p);
-    return LM_EXIT_OK;
+    return rc;
 }

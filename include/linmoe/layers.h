@@ -63,6 +63,18 @@ lm_status lm_rmsnorm_backward(int64_t N, int D, float eps, const float *x, const
                               const float *rstd, const float *dy, float *dx, float *dweight,
                               lm_error *err);
 
+/* lm_rmsnorm_backward on caller scratch, so that the call allocates nothing (the
+ * model's memory plan reserves it): ws holds lm_rmsnorm_backward_ws_bytes(N, D) bytes
+ * (the fp64 partial dweight of each group of 256 rows; 0 for N = 0), 8-byte aligned,
+ * owned by the caller, contents undefined on entry and exit; used only when dweight
+ * is wanted. ws == NULL: allocated inside the call (= lm_rmsnorm_backward). Same
+ * results bit for bit either way. Errors: as lm_rmsnorm_backward; LM_ERR_INVALID for
+ * a misaligned ws. */
+int64_t lm_rmsnorm_backward_ws_bytes(int64_t N, int D);
+lm_status lm_rmsnorm_backward_ws(int64_t N, int D, float eps, const float *x, const float *weight,
+                                 const float *rstd, const float *dy, float *dx, float *dweight,
+                                 void *ws, lm_error *err);
+
 /* Head-wise RMSNorm gated by a sigmoid: the KDA layer output (reference/kda.md §7,
  * Kimi Linear tech report arXiv 2510.26692 §4 / Fig. 3; fla's FusedRMSNormGated with
  * activation 'sigmoid'):
@@ -86,6 +98,15 @@ lm_status lm_gated_rmsnorm_backward(int64_t N, int H, int Dh, float eps, const f
                                     const float *gate, const float *weight, const float *rstd,
                                     const float *do_, float *dx, float *dgate, float *dweight,
                                     lm_error *err);
+
+/* lm_gated_rmsnorm_backward on caller scratch ws of
+ * lm_gated_rmsnorm_backward_ws_bytes(N, H, Dh) bytes (the N*H rows' fp64 partials, as
+ * lm_rmsnorm_backward_ws); ws == NULL allocates inside the call. */
+int64_t lm_gated_rmsnorm_backward_ws_bytes(int64_t N, int H, int Dh);
+lm_status lm_gated_rmsnorm_backward_ws(int64_t N, int H, int Dh, float eps, const float *x,
+                                       const float *gate, const float *weight, const float *rstd,
+                                       const float *do_, float *dx, float *dgate, float *dweight,
+                                       void *ws, lm_error *err);
 
 /* ================================================================ short convolution */
 

@@ -202,6 +202,42 @@ static void attn_cfg(const lm_attn_layer_config *c, const lm_attn_layer_batch *b
     ac->ws = ctx->ws;
 }
 
+lm_status lm_attn_layer_ctx_reserve(const lm_attn_layer_config *c, int64_t N,
+                                    lm_attn_layer_ctx *ctx, lm_error *err) {
+    if (!c || !ctx || N < 1 || N > INT32_MAX)
+        return lm_errorf(err, LM_ERR_INVALID, "attn_layer reserve: config, ctx and N >= 1");
+    LM_TRY(validate_dims(c, 1, (int)N, "reserve", err));
+    const int64_t Cq = (int64_t)c->Hq * c->Dh, Ckv = (int64_t)c->Hkv * c->Dh;
+    ctx->have_fwd = 0;
+    ctx_carve(ctx, N, Cq, Ckv, c->Hq);
+    memset(ctx->q, 0, sizeof(float) * (size_t)(N * Cq));
+    memset(ctx->k, 0, sizeof(float) * (size_t)(N * Ckv));
+    memset(ctx->v, 0, sizeof(float) * (size_t)(N * Ckv));
+    memset(ctx->o, 0, sizeof(float) * (size_t)(N * Cq));
+    memset(ctx->lse, 0, sizeof(float) * (size_t)(N * c->Hq));
+    memset(ctx->d_o, 0, sizeof(float) * (size_t)(N * Cq));
+    const lm_attn_layer_batch one = {1, (int)N, NULL, 0};
+    lm_attention_config ac;
+    lm_attention_inputs in = {ctx->q, ctx->k, ctx->v};
+    if (c->position == LM_POS_ROPE) {
+        /* the RoPE table of positions 0..N-1: one document of N tokens, one head */
+        lm_attn_layer_config c1 = *c;
+        c1.Hq = c1.Hkv = 1;
+        attn_cfg(&c1, &one, ctx, &ac);
+        LM_TRY(lm_attention_forward(&ac, &in, ctx->o, NULL, err));
+    }
+    /* the buffer: N documents of one token, every head, backward */
+    int64_t *cu = LM_MALLOC(sizeof(int64_t) * (size_t)(N + 1));
+    for (int64_t j = 0; j <= N; j++)
+        cu[j] = j;
+    const lm_attn_layer_batch docs = {1, (int)N, cu, (int)N + 1};
+    attn_cfg(c, &docs, ctx, &ac);
+    lm_attention_grads ag = {ctx->d_o, ctx->dq, ctx->dk, ctx->dv};
+    const lm_status st = lm_attention_backward(&ac, &in, ctx->o, ctx->lse, &ag, err);
+    free(cu);
+    return st;
+}
+
 lm_status lm_attn_layer_forward(const lm_attn_layer_config *c, const lm_attn_layer_batch *b,
                                 const lm_attn_layer_weights *w, const float *x, float *out,
                                 lm_attn_layer_ctx *ctx, lm_error *err) {

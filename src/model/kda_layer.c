@@ -25,8 +25,8 @@ struct lm_kda_layer_ctx {
     const int64_t *cu;
     /* saved activations (carved from buf) */
     float *pq, *pk, *pv, *q, *k, *v, *fa, *graw, *braw, *o, *ga, *gate, *rstd, *y;
-    /* backward scratch */
-    float *dy, *d_o, *dgate, *dq, *dk, *dv, *dg, *dbeta, *dlow;
+    /* backward scratch (norm_ws: the gated RMSNorm backward's fp64 partials) */
+    float *dy, *d_o, *dgate, *dq, *dk, *dv, *dg, *dbeta, *dlow, *norm_ws;
     /* inference: a copy of the recurrent state entering a prefill (the chunked op does
      * not promise that initial_state and final_state may alias) */
     float *h0;
@@ -67,9 +67,16 @@ int64_t lm_kda_layer_act_floats(const lm_kda_layer_config *c, int64_t N) {
     return 10 * PAD16(N * C) + 2 * PAD16(N * c->Dh) + 2 * PAD16(N * c->H);
 }
 
+/* Floats of the gated RMSNorm backward's scratch (fp64: the slices are 64-byte
+ * aligned). */
+static int64_t norm_ws_floats(int64_t N, int64_t H, int64_t Dh) {
+    return (lm_gated_rmsnorm_backward_ws_bytes(N, (int)H, (int)Dh) + 3) / 4;
+}
+
 int64_t lm_kda_layer_scratch_floats(const lm_kda_layer_config *c, int64_t N) {
     const int64_t C = (int64_t)c->H * c->Dh;
-    return 7 * PAD16(N * C) + PAD16(N * c->H) + PAD16(N * c->Dh);
+    return 7 * PAD16(N * C) + PAD16(N * c->H) + PAD16(N * c->Dh) +
+           PAD16(norm_ws_floats(N, c->H, c->Dh));
 }
 
 int64_t lm_kda_layer_stage_floats(const lm_kda_layer_config *c) {
@@ -231,6 +238,7 @@ static void ctx_carve(lm_kda_layer_ctx *x, int64_t N, int64_t C, int64_t Dh, int
     TAKE(dg, N * C);
     TAKE(dbeta, N * H);
     TAKE(dlow, N * Dh);
+    TAKE(norm_ws, norm_ws_floats(N, H, Dh));
     LM_CHECK(p == ps + lm_kda_layer_scratch_floats(&dims, N));
 #undef TAKE
 }
@@ -377,9 +385,9 @@ lm_status lm_kda_layer_backward_acc(const lm_kda_layer_config *c, const lm_kda_l
     lm_model_mm(1, 0, d, C, N, dout, d, ctx->y, C, acc, g->o_proj, C);
 
     /* gated RMSNorm -> d_o, dgate, do_norm */
-    LM_TRY(lm_gated_rmsnorm_backward(N, H, Dh, LM_GATED_RMSNORM_EPS, ctx->o, ctx->gate, w->o_norm,
-                                     ctx->rstd, ctx->dy, ctx->d_o, ctx->dgate,
-                                     acc ? stage : g->o_norm, err));
+    LM_TRY(lm_gated_rmsnorm_backward_ws(N, H, Dh, LM_GATED_RMSNORM_EPS, ctx->o, ctx->gate,
+                                        w->o_norm, ctx->rstd, ctx->dy, ctx->d_o, ctx->dgate,
+                                        acc ? stage : g->o_norm, ctx->norm_ws, err));
     if (acc)
         add_small(g->o_norm, stage, Dh);
     /* gate = (x Wga^T) Wgb^T */

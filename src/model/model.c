@@ -74,6 +74,7 @@ struct lm_model {
     float *swiglu_ws;
     float *ce_ws; /* the cross-entropy's scratch (thread-count dependent) */
     int64_t ce_ws_floats;
+    void *norm_ws; /* the RMSNorm backward's scratch (lm_rmsnorm_backward_ws_bytes) */
     /* gradient stage: what an op that overwrites its weight gradients writes when a
      * backward accumulates (then added in), [stage_floats] */
     float *stage;
@@ -285,6 +286,10 @@ static void layout(const lm_model_config *c, int64_t B, int64_t T, int threads, 
         m->ce_ws = ce_ws;
         m->ce_ws_floats = ce;
     }
+    /* the RMSNorm backward's fp64 partial weight gradients (pre-norms, final norm) */
+    void *norm_ws = take(sc, lm_rmsnorm_backward_ws_bytes(N, d));
+    if (carve)
+        m->norm_ws = norm_ws;
     /* layers: saved activations per layer; backward scratch, SwiGLU scratch and the
      * gradient stage shared (the max over layers) */
     int64_t lscr = 0, swi = 0;
@@ -569,6 +574,18 @@ lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_erro
     LM_CHECK(ac.off == m->plan.bytes[LM_MEM_ACTS] && sc.off == m->plan.bytes[LM_MEM_SCRATCH]);
     m->acts.used = m->acts.cap;
     m->scratch.used = m->scratch.cap;
+    /* the attention op's own grow-only workspace, at its worst case for max_tokens now
+     * (no training step allocates: tests/test_mem_plan.c) */
+    for (int i = 0; i < m->L; i++) {
+        if (m->ly[i].kind != LM_LAYER_ATTN)
+            continue;
+        const lm_status rs =
+            lm_attn_layer_ctx_reserve(&m->ly[i].ac, max_tokens, m->ly[i].actx, err);
+        if (rs != LM_OK) {
+            lm_model_free(m);
+            return rs;
+        }
+    }
     *out = m;
     return LM_OK;
 }
@@ -877,8 +894,8 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
     LM_TRY(lm_cross_entropy_backward(&cc, m->xfin, m->W_head, m->labels, m->lse, loss_scale, m->tmp,
                                      G_dst(m, m->W_head, 0), err));
     stage_add(m, m->W_head, 0, nhead);
-    LM_TRY(lm_rmsnorm_backward(N, (int)d, eps, m->hfin, m->norm_fin, m->rstd_fin, m->tmp, m->dh,
-                               G_dst(m, m->norm_fin, 0), err));
+    LM_TRY(lm_rmsnorm_backward_ws(N, (int)d, eps, m->hfin, m->norm_fin, m->rstd_fin, m->tmp,
+                                  m->dh, G_dst(m, m->norm_fin, 0), m->norm_ws, err));
     stage_add(m, m->norm_fin, 0, d);
     const int attnres = m->run != NULL;
     const float *srcs[LM_MAX_LAYERS * 2 + 2];
@@ -919,8 +936,9 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
             return lm_errorf(err, st, "model: layer %d %s backward: %s", l / 2,
                              l % 2 ? "ffn" : "mixer", buf);
         }
-        LM_TRY(lm_rmsnorm_backward(N, (int)d, eps, m->h[l], ly->norm_w[l % 2], m->rstd[l], m->dxn,
-                                   m->dh, G_dst(m, ly->norm_w[l % 2], 0), err));
+        LM_TRY(lm_rmsnorm_backward_ws(N, (int)d, eps, m->h[l], ly->norm_w[l % 2], m->rstd[l],
+                                      m->dxn, m->dh, G_dst(m, ly->norm_w[l % 2], 0), m->norm_ws,
+                                      err));
         stage_add(m, ly->norm_w[l % 2], 0, d);
         if (!attnres) {
             add_into(m->G, m->dh, Nd); /* h_l feeds both h_{l+1} and the sublayer */

@@ -55,6 +55,15 @@ lm_status lm_kda_layer_backward_acc(const lm_kda_layer_config *c, const lm_kda_l
 int64_t lm_attn_layer_act_floats(const lm_attn_layer_config *c, int64_t N);
 int64_t lm_attn_layer_scratch_floats(const lm_attn_layer_config *c, int64_t N);
 void lm_attn_layer_ctx_bind(lm_attn_layer_ctx *ctx, int64_t N, float *acts, float *scratch);
+/* Grow the attention op's workspace (its grow-only buffer and RoPE table, which live
+ * outside the memory plan: attention.h exposes no sizing) to what any batch of up to
+ * N tokens needs, so that no later step makes it grow: one forward over one
+ * document of N tokens on one head (the RoPE table of N positions) and one backward
+ * over N documents of one token (the most documents and tiles) on every head, on
+ * zeros in the bound buffers (overwritten; the ctx has no forward afterwards). Cost:
+ * about one head of one attention forward at N tokens. Errors: the config checks. */
+lm_status lm_attn_layer_ctx_reserve(const lm_attn_layer_config *c, int64_t N,
+                                    lm_attn_layer_ctx *ctx, lm_error *err);
 lm_status lm_attn_layer_backward_acc(const lm_attn_layer_config *c, const lm_attn_layer_batch *b,
                                      const lm_attn_layer_weights *w, const float *x,
                                      const float *dout, float *dx, const lm_attn_layer_grads *g,

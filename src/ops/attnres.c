@@ -319,6 +319,23 @@ static void backward_chunk(const lm_attnres_config *c, const srcset *S, const do
     }
 }
 
+/* Chunk ci of the forward / backward (rows [ci * k->rows, ...) of N) with its slices
+ * of the scratch. */
+static void forward_chunk_at(const lm_attnres_config *c, const srcset *S, const chunking *k,
+                             const scratch *s, int ci, float *o) {
+    const int64_t n0 = (int64_t)ci * k->rows;
+    const int64_t n1 = n0 + k->rows < c->N ? n0 + k->rows : c->N;
+    forward_chunk(c, S, s->ud, n0, n1, s->rowd + (size_t)ci * 4 * c->L, o);
+}
+
+static void backward_chunk_at(const lm_attnres_config *c, const srcset *S, const chunking *k,
+                              const scratch *s, const float *do_, const dstset *G, int ci) {
+    const int64_t n0 = (int64_t)ci * k->rows;
+    const int64_t n1 = n0 + k->rows < c->N ? n0 + k->rows : c->N;
+    backward_chunk(c, S, s->ud, s->uf, do_, G, n0, n1, s->rowd + (size_t)ci * 4 * c->L,
+                   s->dup + (size_t)ci * c->D);
+}
+
 /* ---------------------------------------------------------------- entry points */
 
 static lm_status forward_impl(const lm_attnres_config *c, srcset *S, const float *query,
@@ -330,12 +347,16 @@ static lm_status forward_impl(const lm_attnres_config *c, srcset *S, const float
     scratch s;
     scratch_get(c, k.nchunk, 0, &s);
     make_u(query, rms_weight, c->D, &s);
+    /* small problems: a plain loop, outside any OpenMP region (a one-thread region
+     * still enters the runtime, which allocates a team for it) */
     const int par = k.nchunk > 1 && (int64_t)c->L * c->N * c->D >= AR_PAR_MIN_WORK;
-#pragma omp parallel for schedule(static) if (par)
-    for (int ci = 0; ci < k.nchunk; ci++) {
-        const int64_t n0 = (int64_t)ci * k.rows;
-        const int64_t n1 = n0 + k.rows < c->N ? n0 + k.rows : c->N;
-        forward_chunk(c, S, s.ud, n0, n1, s.rowd + (size_t)ci * 4 * c->L, o);
+    if (par) {
+#pragma omp parallel for schedule(static)
+        for (int ci = 0; ci < k.nchunk; ci++)
+            forward_chunk_at(c, S, &k, &s, ci, o);
+    } else {
+        for (int ci = 0; ci < k.nchunk; ci++)
+            forward_chunk_at(c, S, &k, &s, ci, o);
     }
     free(s.owned);
     return LM_OK;
@@ -352,12 +373,13 @@ static lm_status backward_impl(const lm_attnres_config *c, srcset *S, const floa
     const int D = c->D;
     make_u(query, rms_weight, D, &s);
     const int par = k.nchunk > 1 && (int64_t)c->L * c->N * c->D >= AR_PAR_MIN_WORK;
-#pragma omp parallel for schedule(static) if (par)
-    for (int ci = 0; ci < k.nchunk; ci++) {
-        const int64_t n0 = (int64_t)ci * k.rows;
-        const int64_t n1 = n0 + k.rows < c->N ? n0 + k.rows : c->N;
-        backward_chunk(c, S, s.ud, s.uf, do_, G, n0, n1, s.rowd + (size_t)ci * 4 * c->L,
-                       s.dup + (size_t)ci * D);
+    if (par) {
+#pragma omp parallel for schedule(static)
+        for (int ci = 0; ci < k.nchunk; ci++)
+            backward_chunk_at(c, S, &k, &s, do_, G, ci);
+    } else {
+        for (int ci = 0; ci < k.nchunk; ci++)
+            backward_chunk_at(c, S, &k, &s, do_, G, ci);
     }
     /* fixed-order reduction over chunks: dw = du (.) g, dg = du (.) w */
     for (int j = 0; j < D; j++) {

@@ -114,53 +114,72 @@ static void scratch_init(const lm_ce_config *c, ce_scratch *s) {
 
 static int counted(const lm_ce_config *c, int32_t t) { return t != c->ignore_index; }
 
+/* Token block b (rows [b*RB, b*RB + RB) of N) against the vocabulary chunk
+ * [v0, v0 + vc): its logits in buf, folded into the running max / sum, the target
+ * logits into tl. */
+static void lse_block(const lm_ce_config *c, const float *h, const float *W, const int32_t *targets,
+                      const ce_scratch *s, int v0, int vc, int b, float *buf, float *tl) {
+    const int64_t N = c->N;
+    const int D = c->D;
+    float *mx = s->state, *sm = s->state + N;
+    const int64_t r0 = (int64_t)b * RB;
+    const int m = (int)(N - r0 < RB ? N - r0 : RB);
+    lm_sgemm(0, 1, m, vc, D, 1.0f, h + r0 * D, D, W + (int64_t)v0 * D, D, 0.0f, buf, vc);
+    for (int i = 0; i < m; i++) {
+        const int64_t n = r0 + i;
+        const float *restrict row = buf + (int64_t)i * vc;
+        float cmax = -INFINITY, bad = 0.0f;
+#pragma omp simd reduction(max : cmax) reduction(+ : bad)
+        for (int j = 0; j < vc; j++) {
+            cmax = row[j] > cmax ? row[j] : cmax;
+            bad += row[j] * 0.0f; /* NaN once a logit is not finite */
+        }
+        if (bad != 0.0f || isnan(mx[n])) { /* overflow: lse = NaN, reported */
+            mx[n] = NAN;
+            continue;
+        }
+        const float mnew = cmax > mx[n] ? cmax : mx[n];
+        float csum = 0.0f;
+#pragma omp simd reduction(+ : csum)
+        for (int j = 0; j < vc; j++)
+            csum += lm_fexp(row[j] - mnew);
+        /* exp(-inf) = 0 rescales the empty initial sum */
+        sm[n] = (float)((double)sm[n] * exp((double)mx[n] - (double)mnew) + csum);
+        mx[n] = mnew;
+        const int32_t t = targets[n];
+        if (counted(c, t) && t >= v0 && t < v0 + vc)
+            tl[n] = row[t - v0];
+    }
+}
+
 /* lse[n] for every row and tl[n] = logits[n, target[n]] for counted rows. */
 static void ce_lse(const lm_ce_config *c, const float *h, const float *W, const int32_t *targets,
                    ce_scratch *s, float *lse, float *tl) {
     const int64_t N = c->N;
-    const int D = c->D, V = c->V, CH = chunk_of(c);
+    const int V = c->V, CH = chunk_of(c);
     float *mx = s->state, *sm = s->state + N;
     for (int64_t n = 0; n < N; n++)
         mx[n] = -INFINITY, sm[n] = 0.0f, tl[n] = 0.0f;
     const int nrb = (int)((N + RB - 1) / RB);
     lm_layers_blas_guard g = lm_layers_blas_single();
-#pragma omp parallel num_threads(s->nthr) if (nrb > 1)
-    {
-        float *buf = s->logits + (int64_t)omp_get_thread_num() * s->per_thread;
+    if (nrb > 1) {
+#pragma omp parallel num_threads(s->nthr)
+        {
+            float *buf = s->logits + (int64_t)omp_get_thread_num() * s->per_thread;
+            for (int v0 = 0; v0 < V; v0 += CH) {
+                const int vc = V - v0 < CH ? V - v0 : CH;
+#pragma omp for schedule(dynamic, 1)
+                for (int b = 0; b < nrb; b++)
+                    lse_block(c, h, W, targets, s, v0, vc, b, buf, tl);
+            }
+        }
+    } else {
+        /* one token block: a plain loop, outside any OpenMP region (a one-thread
+         * region still enters the runtime, which allocates a team for it) */
         for (int v0 = 0; v0 < V; v0 += CH) {
             const int vc = V - v0 < CH ? V - v0 : CH;
-#pragma omp for schedule(dynamic, 1)
-            for (int b = 0; b < nrb; b++) {
-                const int64_t r0 = (int64_t)b * RB;
-                const int m = (int)(N - r0 < RB ? N - r0 : RB);
-                lm_sgemm(0, 1, m, vc, D, 1.0f, h + r0 * D, D, W + (int64_t)v0 * D, D, 0.0f, buf,
-                         vc);
-                for (int i = 0; i < m; i++) {
-                    const int64_t n = r0 + i;
-                    const float *restrict row = buf + (int64_t)i * vc;
-                    float cmax = -INFINITY, bad = 0.0f;
-#pragma omp simd reduction(max : cmax) reduction(+ : bad)
-                    for (int j = 0; j < vc; j++) {
-                        cmax = row[j] > cmax ? row[j] : cmax;
-                        bad += row[j] * 0.0f; /* NaN once a logit is not finite */
-                    }
-                    if (bad != 0.0f || isnan(mx[n])) { /* overflow: lse = NaN, reported */
-                        mx[n] = NAN;
-                        continue;
-                    }
-                    const float mnew = cmax > mx[n] ? cmax : mx[n];
-                    float csum = 0.0f;
-#pragma omp simd reduction(+ : csum)
-                    for (int j = 0; j < vc; j++)
-                        csum += lm_fexp(row[j] - mnew);
-                    /* exp(-inf) = 0 rescales the empty initial sum */
-                    sm[n] = (float)((double)sm[n] * exp((double)mx[n] - (double)mnew) + csum);
-                    mx[n] = mnew;
-                    const int32_t t = targets[n];
-                    if (counted(c, t) && t >= v0 && t < v0 + vc)
-                        tl[n] = row[t - v0];
-                }
-            }
+            for (int b = 0; b < nrb; b++)
+                lse_block(c, h, W, targets, s, v0, vc, b, s->logits, tl);
         }
     }
     lm_layers_blas_restore(g);

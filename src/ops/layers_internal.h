@@ -14,28 +14,40 @@
  * costs more than the work). Results do not depend on it. */
 #define LM_LAYERS_PAR_MIN 16384
 
-/* Index of the first non-finite element of x[0..n), or -1. Blocks are tested with
- * sum(x * 0), which is 0 exactly when every element is finite (x * 0 is NaN for
- * NaN and +-Inf), so the common case is one vectorised pass. */
-static inline int64_t lm_layers_first_nonfinite(const float *x, int64_t n) {
-    const int64_t BS = 4096;
-    const int64_t nb = (n + BS - 1) / BS;
-    int64_t first = INT64_MAX;
-#pragma omp parallel for schedule(static) reduction(min : first) if (n > 4 * LM_LAYERS_PAR_MIN)
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t i0 = b * BS, i1 = i0 + BS < n ? i0 + BS : n;
-        float acc = 0.0f;
+/* Index of the first non-finite element of block b (4096 elements) of x[0..n), or
+ * INT64_MAX. The block is tested with sum(x * 0), which is 0 exactly when every
+ * element is finite (x * 0 is NaN for NaN and +-Inf), so the common case is one
+ * vectorised pass. */
+#define LM_LAYERS_FINITE_BLOCK 4096
+static inline int64_t lm_layers_block_nonfinite(const float *x, int64_t n, int64_t b) {
+    const int64_t i0 = b * LM_LAYERS_FINITE_BLOCK;
+    const int64_t i1 = i0 + LM_LAYERS_FINITE_BLOCK < n ? i0 + LM_LAYERS_FINITE_BLOCK : n;
+    float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
+    for (int64_t i = i0; i < i1; i++)
+        acc += x[i] * 0.0f;
+    if (acc != 0.0f) /* NaN compares unequal */
         for (int64_t i = i0; i < i1; i++)
-            acc += x[i] * 0.0f;
-        if (acc != 0.0f) { /* NaN compares unequal */
-            for (int64_t i = i0; i < i1; i++)
-                if (!isfinite(x[i])) {
-                    if (i < first)
-                        first = i;
-                    break;
-                }
+            if (!isfinite(x[i]))
+                return i;
+    return INT64_MAX;
+}
+
+/* Index of the first non-finite element of x[0..n), or -1. Small inputs are a plain
+ * loop outside any OpenMP region (a one-thread region still enters the runtime,
+ * which allocates a team for it). */
+static inline int64_t lm_layers_first_nonfinite(const float *x, int64_t n) {
+    const int64_t nb = (n + LM_LAYERS_FINITE_BLOCK - 1) / LM_LAYERS_FINITE_BLOCK;
+    int64_t first = INT64_MAX;
+    if (n > 4 * LM_LAYERS_PAR_MIN) {
+#pragma omp parallel for schedule(static) reduction(min : first)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t i = lm_layers_block_nonfinite(x, n, b);
+            first = i < first ? i : first;
         }
+    } else {
+        for (int64_t b = 0; b < nb && first == INT64_MAX; b++)
+            first = lm_layers_block_nonfinite(x, n, b);
     }
     return first == INT64_MAX ? -1 : first;
 }

@@ -43,6 +43,7 @@ struct lm_route_priv {
     size_t coef_cap;
     void *ds; /* backward per-thread score gradients [threads, E] */
     size_t ds_cap;
+    int64_t tok_cap; /* tokens the route's arrays (topk_idx, ...) hold */
 };
 
 /* ---------------------------------------------------------------- config */
@@ -595,96 +596,155 @@ static size_t qb_bytes(int T, int E, int k, int nt) {
            64;
 }
 
-/* The alternations of lm_router_quantile_solve on caller scratch (qb_bytes). */
+/* qb_solve's shared state (carved from the caller's scratch) and one thread's
+ * slice of it. */
+typedef struct {
+    const float *S;
+    int T, E, k, q;
+    float w0;
+    double *mid;
+    float *alpha, *ST, *bcur, *dprev, *beta;
+    int *top;
+} qb_state;
+
+typedef struct {
+    float *key, *tk, *m, *ba, *bb;
+    int *cand, *tid;
+} qb_thread;
+
+static qb_thread qb_thread_carve(float *tw, int T, int E, int k) {
+    qb_thread w;
+    w.key = tw;
+    w.tk = tw + 2 * (size_t)E;
+    w.m = w.tk + 2 * ((size_t)k + 2);
+    w.ba = w.m + T;
+    w.bb = w.ba + T;
+    w.cand = (int *)(tw + E);
+    w.tid = (int *)(w.tk + k + 2);
+    return w;
+}
+
+/* Transpose tokens [t0, t0 + 64) so each expert's column is contiguous. */
+static void qb_transpose(const qb_state *q, int t0) {
+    const int t1 = t0 + 64 < q->T ? t0 + 64 : q->T;
+    for (int e = 0; e < q->E; e++)
+        for (int t = t0; t < t1; t++)
+            q->ST[(size_t)e * q->T + t] = q->S[(size_t)t * q->E + e];
+}
+
+/* Row multiplier of token t: alpha_t = (k+1)-th largest of s_t + b. After the first
+ * alternation, the last top-(k+1) set under the new bias gives the threshold (its
+ * smallest new key: k+1 keys reach it), which leaves only a few candidates. */
+static void qb_alpha(const qb_state *q, const qb_thread *w, int it, int t) {
+    const int E = q->E, k1 = q->k + 1;
+    const float *s = q->S + (size_t)t * E;
+    int *tp = q->top + (size_t)t * k1;
+    for (int e = 0; e < E; e++)
+        w->key[e] = s[e] + q->bcur[e];
+    if (it == 0) {
+        topk_keys(w->key, E, k1, w->tk, w->tid, w->cand);
+    } else {
+        float thr = w->key[tp[0]];
+        for (int i = 1; i < k1; i++)
+            thr = w->key[tp[i]] < thr ? w->key[tp[i]] : thr;
+        topk_from_thr(w->key, E, k1, thr, w->tk, w->tid, w->cand);
+    }
+    memcpy(tp, w->tid, sizeof(int) * (size_t)k1);
+    q->alpha[t] = w->tk[q->k];
+}
+
+/* Column multiplier of expert j: beta_j = (q+1)-th largest of s[:, j] - alpha; the
+ * bias takes the midpoint between it and the q-th largest (see the header). From the
+ * second alternation on, the last beta_j brackets the new one. */
+static void qb_beta(const qb_state *q, const qb_thread *w, int it, int j) {
+    const float *col = q->ST + (size_t)j * q->T;
+    const float prev = it > 0 ? q->beta[j] : 0.0f;
+    int hit = 0;
+    if (it > 0) {
+        const float wd = fmaxf(q->w0, 2.0f * q->dprev[j]);
+        hit = col_step_bracket(col, q->alpha, q->T, q->q, prev - wd, prev + wd, w->m, w->ba, w->bb,
+                               &q->beta[j], &q->mid[j]);
+    }
+    if (!hit)
+        col_step_full(col, q->alpha, q->T, q->q, w->m, w->ba, w->bb, &q->beta[j], &q->mid[j]);
+    q->dprev[j] = it > 0 ? fabsf(q->beta[j] - prev) : 0.0f;
+}
+
+/* b = -mid, centred. */
+static void qb_centre(const qb_state *q) {
+    double mean = 0.0;
+    for (int j = 0; j < q->E; j++)
+        mean += -q->mid[j];
+    mean /= q->E;
+    for (int j = 0; j < q->E; j++)
+        q->bcur[j] = (float)(-q->mid[j] - mean);
+}
+
+/* The alternations of lm_router_quantile_solve on caller scratch (qb_bytes). Small
+ * problems run as plain loops, outside any OpenMP region (a one-thread region still
+ * enters the runtime, which allocates a team for it), in the order one thread of the
+ * parallel version runs them. */
 static void qb_solve(const lm_router_config *c, const float *S, int T, const float *bias, int iters,
                      float *beta, float *b_centred, void *scratch, int nt) {
     const int E = c->num_experts, k = c->num_experts_per_tok, k1 = k + 1;
-    double *mid = scratch; /* first: the scratch is malloc-aligned */
-    float *alpha = (float *)(mid + E);
-    float *ST = alpha + T;
-    float *bcur = ST + (size_t)E * T;
-    float *dprev = bcur + E;
-    int *top = (int *)(dprev + E);
-    float *tbase = (float *)(top + (size_t)T * k1);
+    qb_state st;
+    st.S = S;
+    st.T = T;
+    st.E = E;
+    st.k = k;
+    st.beta = beta;
+    st.mid = scratch; /* first: the scratch is malloc-aligned */
+    st.alpha = (float *)(st.mid + E);
+    st.ST = st.alpha + T;
+    st.bcur = st.ST + (size_t)E * T;
+    st.dprev = st.bcur + E;
+    st.top = (int *)(st.dprev + E);
+    float *tbase = (float *)(st.top + (size_t)T * k1);
     const size_t tf = qb_thread_floats(T, E, k);
     int q = (int)llround((double)T * k / E);
     if (q > T - 1)
         q = T - 1;
     if (q < 0)
         q = 0;
+    st.q = q;
     /* bracket half-width floor: margins lie in (-1, 1) (scores in (0, 1)), so
      * 32/T holds some tens of margins around the target at typical densities */
-    const float w0 = 32.0f / (float)T;
+    st.w0 = 32.0f / (float)T;
     for (int e = 0; e < E; e++)
-        bcur[e] = bias ? bias[e] : 0.0f;
-    const int par = (int64_t)T * E >= ROUTER_PAR_MIN;
-#pragma omp parallel num_threads(nt) if (par)
-    {
-        float *tw = tbase + tf * (size_t)omp_get_thread_num();
-        float *key = tw, *tk = tw + 2 * (size_t)E, *m = tk + 2 * ((size_t)k + 2), *ba = m + T,
-              *bb = ba + T;
-        int *cand = (int *)(tw + E), *tid = (int *)(tk + k + 2);
-        /* transpose in blocks of 64 tokens so each expert's column is contiguous */
+        st.bcur[e] = bias ? bias[e] : 0.0f;
+    const qb_state *qs = &st;
+    if ((int64_t)T * E >= ROUTER_PAR_MIN) {
+#pragma omp parallel num_threads(nt)
+        {
+            const qb_thread w = qb_thread_carve(tbase + tf * (size_t)omp_get_thread_num(), T, E, k);
 #pragma omp for schedule(static)
-        for (int t0 = 0; t0 < T; t0 += 64) {
-            const int t1 = t0 + 64 < T ? t0 + 64 : T;
-            for (int e = 0; e < E; e++)
-                for (int t = t0; t < t1; t++)
-                    ST[(size_t)e * T + t] = S[(size_t)t * E + e];
-        }
-        for (int it = 0; it < iters; it++) {
-            /* row multipliers: alpha_t = (k+1)-th largest of s_t + b. After the first
-             * alternation, the last top-(k+1) set under the new bias gives the
-             * threshold (its smallest new key: k+1 keys reach it), which leaves
-             * only a few candidates. */
+            for (int t0 = 0; t0 < T; t0 += 64)
+                qb_transpose(qs, t0);
+            for (int it = 0; it < iters; it++) {
 #pragma omp for schedule(static)
-            for (int t = 0; t < T; t++) {
-                const float *s = S + (size_t)t * E;
-                int *tp = top + (size_t)t * k1;
-                for (int e = 0; e < E; e++)
-                    key[e] = s[e] + bcur[e];
-                if (it == 0) {
-                    topk_keys(key, E, k1, tk, tid, cand);
-                } else {
-                    float thr = key[tp[0]];
-                    for (int i = 1; i < k1; i++)
-                        thr = key[tp[i]] < thr ? key[tp[i]] : thr;
-                    topk_from_thr(key, E, k1, thr, tk, tid, cand);
-                }
-                memcpy(tp, tid, sizeof(int) * (size_t)k1);
-                alpha[t] = tk[k];
-            }
-            /* column multipliers: beta_j = (q+1)-th largest of s[:, j] - alpha; the
-             * bias takes the midpoint between it and the q-th largest (see the
-             * header). From the second alternation on, the last beta_j brackets
-             * the new one. */
+                for (int t = 0; t < T; t++)
+                    qb_alpha(qs, &w, it, t);
 #pragma omp for schedule(dynamic, 1)
-            for (int j = 0; j < E; j++) {
-                const float *col = ST + (size_t)j * T;
-                const float prev = it > 0 ? beta[j] : 0.0f;
-                int hit = 0;
-                if (it > 0) {
-                    const float w = fmaxf(w0, 2.0f * dprev[j]);
-                    hit = col_step_bracket(col, alpha, T, q, prev - w, prev + w, m, ba, bb,
-                                           &beta[j], &mid[j]);
-                }
-                if (!hit)
-                    col_step_full(col, alpha, T, q, m, ba, bb, &beta[j], &mid[j]);
-                dprev[j] = it > 0 ? fabsf(beta[j] - prev) : 0.0f;
-            }
+                for (int j = 0; j < E; j++)
+                    qb_beta(qs, &w, it, j);
 #pragma omp single
-            {
-                double mean = 0.0;
-                for (int j = 0; j < E; j++)
-                    mean += -mid[j];
-                mean /= E;
-                for (int j = 0; j < E; j++)
-                    bcur[j] = (float)(-mid[j] - mean);
+                qb_centre(qs);
             }
+        }
+    } else {
+        const qb_thread w = qb_thread_carve(tbase, T, E, k);
+        for (int t0 = 0; t0 < T; t0 += 64)
+            qb_transpose(qs, t0);
+        for (int it = 0; it < iters; it++) {
+            for (int t = 0; t < T; t++)
+                qb_alpha(qs, &w, it, t);
+            for (int j = 0; j < E; j++)
+                qb_beta(qs, &w, it, j);
+            qb_centre(qs);
         }
     }
     if (b_centred)
-        memcpy(b_centred, bcur, sizeof(float) * (size_t)E);
+        memcpy(b_centred, st.bcur, sizeof(float) * (size_t)E);
 }
 
 lm_status lm_router_quantile_solve(const lm_router_config *c, const float *scores, int T,
@@ -727,13 +787,41 @@ typedef struct {
     int32_t a; /* assignment t*k + j */
 } cap_item;
 
-static int cap_item_cmp(const void *pa, const void *pb) {
-    const cap_item *x = pa, *y = pb;
-    if (x->s > y->s)
-        return -1;
-    if (x->s < y->s)
-        return 1;
-    return (x->a > y->a) - (x->a < y->a);
+/* x goes before y: higher score first, then the lower assignment (a total order:
+ * assignments are distinct, scores finite). */
+static inline int cap_item_before(const cap_item *x, const cap_item *y) {
+    return x->s > y->s || (x->s == y->s && x->a < y->a);
+}
+
+static void cap_sift_down(cap_item *v, int64_t i, int64_t n) {
+    for (;;) {
+        int64_t m = i;
+        const int64_t l = 2 * i + 1, r = l + 1;
+        if (l < n && cap_item_before(&v[m], &v[l]))
+            m = l;
+        if (r < n && cap_item_before(&v[m], &v[r]))
+            m = r;
+        if (m == i)
+            return;
+        const cap_item t = v[i];
+        v[i] = v[m];
+        v[m] = t;
+        i = m;
+    }
+}
+
+/* Sort v[0..n) into cap_item_before order in place: a heap sort, so no allocation
+ * (glibc's qsort takes a malloc'd merge buffer past 1 KiB). The order is total, so
+ * the result is the one any correct sort gives. */
+static void cap_items_sort(cap_item *v, int64_t n) {
+    for (int64_t i = n / 2 - 1; i >= 0; i--)
+        cap_sift_down(v, i, n);
+    for (int64_t end = n - 1; end > 0; end--) {
+        const cap_item t = v[0];
+        v[0] = v[end];
+        v[end] = t;
+        cap_sift_down(v, 0, end);
+    }
 }
 
 /* Token dropping by capacity C per expert; sets keep[] and the drop counters.
@@ -749,12 +837,14 @@ static void apply_capacity(const lm_router_config *c, lm_route *r, const int64_t
     if (kept_out)
         for (int e = 0; e < E; e++)
             kept_out[e] = counts[e] < C ? counts[e] : C;
-    if (!over)
-        return;
-    /* Bucket the assignments by expert, in token order (a counting sort). */
+    /* the scratch is taken on the first call, overflow or not, so that a later step's
+     * first overflow does not allocate */
     struct lm_route_priv *pv = r->priv;
     size_t bytes = sizeof(int64_t) * (size_t)(E + 1) + sizeof(cap_item) * (size_t)nA;
     char *base = grow(&pv->cap, &pv->cap_cap, bytes);
+    if (!over)
+        return;
+    /* Bucket the assignments by expert, in token order (a counting sort). */
     int64_t *off = (int64_t *)base;
     cap_item *items = (cap_item *)(base + sizeof(int64_t) * (size_t)(E + 1));
     off[0] = 0;
@@ -775,7 +865,7 @@ static void apply_capacity(const lm_router_config *c, lm_route *r, const int64_t
             continue;
         cap_item *b = items + (off[e] - counts[e]);
         if (c->drop_policy == LM_DROP_PROBS)
-            qsort(b, (size_t)counts[e], sizeof(cap_item), cap_item_cmp);
+            cap_items_sort(b, counts[e]);
         for (int64_t i = C; i < counts[e]; i++) {
             r->keep[b[i].a] = 0;
             r->n_dropped_assign++;
@@ -831,8 +921,9 @@ static double aux_loss_value(const lm_router_config *c, const lm_route *r) {
 static lm_status prepare_route(lm_route *r, int T, int E, int k) {
     if (!r->priv)
         r->priv = LM_CALLOC(1, sizeof(struct lm_route_priv));
-    if (r->T != T || r->E != E || r->k != k || !r->topk_idx || !r->topk_weight || !r->keep ||
-        !r->scores) {
+    /* grow-only: a smaller batch reuses the arrays */
+    if (r->E != E || r->k != k || T > r->priv->tok_cap || !r->topk_idx || !r->topk_weight ||
+        !r->keep || !r->scores) {
         free(r->topk_idx);
         free(r->topk_weight);
         free(r->keep);
@@ -841,12 +932,32 @@ static lm_status prepare_route(lm_route *r, int T, int E, int k) {
         r->topk_weight = LM_MALLOC(sizeof(float) * (size_t)T * k);
         r->keep = LM_MALLOC((size_t)T * k);
         r->scores = LM_MALLOC(sizeof(float) * (size_t)T * E);
+        r->priv->tok_cap = T;
     }
     r->T = T, r->E = E, r->k = k;
     r->aux_loss = 0.0f;
     r->capacity = 0;
     r->n_dropped_assign = r->n_dropped_tokens = 0;
     return LM_OK;
+}
+
+/* Token t of the forward: scores, selection, gate weights (w: this thread's
+ * selection scratch). */
+static void route_token(const lm_router_config *c, const float *logits, const float *bias,
+                        lm_route *out, sel_scratch *w, double scale, int norm, int t) {
+    const int E = out->E, k = out->k;
+    float *s = out->scores + (size_t)t * E;
+    int64_t *idx = out->topk_idx + (size_t)t * k;
+    float *wt = out->topk_weight + (size_t)t * k;
+    token_scores(c->scoring_func, logits + (size_t)t * E, E, s);
+    token_select(c, s, bias, w, idx);
+    double Z = 0.0;
+    for (int j = 0; j < k; j++)
+        Z += s[idx[j]];
+    const double mul = norm ? scale / (Z + ROUTER_DENOM_EPS) : scale;
+    for (int j = 0; j < k; j++)
+        wt[j] = (float)(s[idx[j]] * mul);
+    memset(out->keep + (size_t)t * k, 1, (size_t)k);
 }
 
 lm_status lm_router_forward(const lm_router_config *c, lm_router_state *st, const float *logits,
@@ -904,7 +1015,10 @@ lm_status lm_router_forward(const lm_router_config *c, lm_router_state *st, cons
     /* sequence bounds for the aux loss (batch-wise: one sequence) */
     const int seqwise = c->aux_loss_seq && cu_seqlens;
     const int ncu = seqwise ? n_cu : 2;
-    int64_t *cu = grow((void **)&pv->cu, &pv->cu_cap, sizeof(int64_t) * (size_t)ncu);
+    /* sequence-wise aux loss: room for T + 1 bounds (every document non-empty), so that
+     * the packing of later batches does not make it grow */
+    const int ncu_cap = c->aux_loss_seq && ncu < T + 1 ? T + 1 : ncu;
+    int64_t *cu = grow((void **)&pv->cu, &pv->cu_cap, sizeof(int64_t) * (size_t)ncu_cap);
     if (seqwise)
         memcpy(cu, cu_seqlens, sizeof(int64_t) * (size_t)ncu);
     else
@@ -921,24 +1035,18 @@ lm_status lm_router_forward(const lm_router_config *c, lm_router_state *st, cons
     const int par = (int64_t)T * E >= ROUTER_PAR_MIN;
     const double scale = c->routed_scaling_factor;
     const int norm = c->norm_topk_prob && k > 1;
-#pragma omp parallel num_threads(nt) if (par)
-    {
-        sel_scratch w = sel_carve(selbase + sb * (size_t)omp_get_thread_num(), E, k, ng);
+    if (par) {
+#pragma omp parallel num_threads(nt)
+        {
+            sel_scratch w = sel_carve(selbase + sb * (size_t)omp_get_thread_num(), E, k, ng);
 #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) {
-            float *s = out->scores + (size_t)t * E;
-            int64_t *idx = out->topk_idx + (size_t)t * k;
-            float *wt = out->topk_weight + (size_t)t * k;
-            token_scores(c->scoring_func, logits + (size_t)t * E, E, s);
-            token_select(c, s, bias, &w, idx);
-            double Z = 0.0;
-            for (int j = 0; j < k; j++)
-                Z += s[idx[j]];
-            const double mul = norm ? scale / (Z + ROUTER_DENOM_EPS) : scale;
-            for (int j = 0; j < k; j++)
-                wt[j] = (float)(s[idx[j]] * mul);
-            memset(out->keep + (size_t)t * k, 1, (size_t)k);
+            for (int t = 0; t < T; t++)
+                route_token(c, logits, bias, out, &w, scale, norm, t);
         }
+    } else {
+        sel_scratch w = sel_carve(selbase, E, k, ng);
+        for (int t = 0; t < T; t++)
+            route_token(c, logits, bias, out, &w, scale, norm, t);
     }
 
     /* pre-capacity demand */
@@ -982,6 +1090,89 @@ lm_status lm_router_forward(const lm_router_config *c, lm_router_state *st, cons
 
 /* ---------------------------------------------------------------- backward */
 
+/* The backward's operands (lm_router_backward). */
+typedef struct {
+    const lm_route *r;
+    const float *dtopk_weight;
+    float *dlogits;
+    const double *coef; /* aux-loss coefficients [nseq, E], or NULL */
+    int nseq;
+    double scale;
+    int norm, sig;
+} bwd_args;
+
+/* Token t of the backward (ds: this thread's [E] fp64 scratch). */
+static void backward_token(const bwd_args *a, double *ds, int t) {
+    const lm_route *r = a->r;
+    const struct lm_route_priv *pv = r->priv;
+    const int E = r->E, k = r->k, nseq = a->nseq, norm = a->norm, sig = a->sig;
+    const double scale = a->scale, *coef = a->coef;
+    const float *dtopk_weight = a->dtopk_weight;
+    float *dlogits = a->dlogits;
+    const float *s = r->scores + (size_t)t * E;
+    const int64_t *idx = r->topk_idx + (size_t)t * k;
+    const uint8_t *keep = r->keep + (size_t)t * k;
+    float *dl = dlogits + (size_t)t * E;
+    for (int e = 0; e < E; e++)
+        ds[e] = 0.0;
+    /* gate weights: w_j = scale * s_j / (Z + eps) (or scale * s_j) */
+    if (dtopk_weight) {
+        const float *dw = dtopk_weight + (size_t)t * k;
+        if (norm) {
+            double Z = 0.0, A = 0.0;
+            for (int j = 0; j < k; j++) {
+                const double sj = s[idx[j]];
+                Z += sj;
+                A += keep[j] ? dw[j] * sj : 0.0;
+            }
+            Z += ROUTER_DENOM_EPS;
+            const double a2 = A / (Z * Z);
+            for (int j = 0; j < k; j++)
+                ds[idx[j]] += scale * ((keep[j] ? dw[j] : 0.0) / Z - a2);
+        } else {
+            for (int j = 0; j < k; j++)
+                if (keep[j])
+                    ds[idx[j]] += scale * dw[j];
+        }
+    }
+    /* aux loss through P: s' = s / (sum s + eps) (sigmoid) or s (softmax) */
+    if (coef) {
+        int lo = 0, hi = nseq - 1; /* sequence n with cu[n] <= t < cu[n+1] */
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (pv->cu[mid] <= t)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        const double *cf = coef + (size_t)lo * E;
+        if (sig) {
+            double S = 0.0, B = 0.0;
+            for (int e = 0; e < E; e++) {
+                S += s[e];
+                B += cf[e] * s[e];
+            }
+            S += ROUTER_DENOM_EPS;
+            B /= S;
+            for (int e = 0; e < E; e++)
+                ds[e] += (cf[e] - B) / S;
+        } else {
+            for (int e = 0; e < E; e++)
+                ds[e] += cf[e];
+        }
+    }
+    if (sig) {
+        for (int e = 0; e < E; e++)
+            dl[e] = (float)(ds[e] * s[e] * (1.0 - (double)s[e]));
+    } else {
+        double D = 0.0;
+        for (int e = 0; e < E; e++)
+            D += ds[e] * s[e];
+        for (int e = 0; e < E; e++)
+            dl[e] = (float)(s[e] * (ds[e] - D));
+    }
+}
+
 lm_status lm_router_backward(const lm_router_config *c, const lm_route *r,
                              const float *dtopk_weight, float *dlogits, lm_error *err) {
     LM_TRY(lm_router_config_validate(c, err));
@@ -1013,7 +1204,9 @@ lm_status lm_router_backward(const lm_router_config *c, const lm_route *r,
     const int nseq = pv->n_cu - 1;
     double *coef = NULL;
     if (c->balance == LM_BAL_AUX_LOSS && c->aux_loss_alpha > 0.0f) {
-        coef = grow(&pv->coef, &pv->coef_cap, sizeof(double) * (size_t)(nseq > 0 ? nseq : 1) * E);
+        /* sequence-wise: room for T sequences (see the forward's cu) */
+        const int64_t ncap = c->aux_loss_seq && nseq < T ? T : (nseq > 0 ? nseq : 1);
+        coef = grow(&pv->coef, &pv->coef_cap, sizeof(double) * (size_t)ncap * E);
         memset(coef, 0, sizeof(double) * (size_t)(nseq > 0 ? nseq : 1) * E);
         int nne = 0;
         for (int n = 0; n < nseq; n++)
@@ -1037,74 +1230,18 @@ lm_status lm_router_backward(const lm_router_config *c, const lm_route *r,
     const double scale = c->routed_scaling_factor;
     const int norm = c->norm_topk_prob && k > 1;
     const int sig = c->scoring_func == LM_SCORE_SIGMOID;
-#pragma omp parallel num_threads(nt) if (par)
-    {
-        double *ds = dsall + (size_t)E * omp_get_thread_num();
+    const bwd_args a = {r, dtopk_weight, dlogits, coef, nseq, scale, norm, sig};
+    if (par) {
+#pragma omp parallel num_threads(nt)
+        {
+            double *ds = dsall + (size_t)E * omp_get_thread_num();
 #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) {
-            const float *s = r->scores + (size_t)t * E;
-            const int64_t *idx = r->topk_idx + (size_t)t * k;
-            const uint8_t *keep = r->keep + (size_t)t * k;
-            float *dl = dlogits + (size_t)t * E;
-            for (int e = 0; e < E; e++)
-                ds[e] = 0.0;
-            /* gate weights: w_j = scale * s_j / (Z + eps) (or scale * s_j) */
-            if (dtopk_weight) {
-                const float *dw = dtopk_weight + (size_t)t * k;
-                if (norm) {
-                    double Z = 0.0, A = 0.0;
-                    for (int j = 0; j < k; j++) {
-                        const double sj = s[idx[j]];
-                        Z += sj;
-                        A += keep[j] ? dw[j] * sj : 0.0;
-                    }
-                    Z += ROUTER_DENOM_EPS;
-                    const double a2 = A / (Z * Z);
-                    for (int j = 0; j < k; j++)
-                        ds[idx[j]] += scale * ((keep[j] ? dw[j] : 0.0) / Z - a2);
-                } else {
-                    for (int j = 0; j < k; j++)
-                        if (keep[j])
-                            ds[idx[j]] += scale * dw[j];
-                }
-            }
-            /* aux loss through P: s' = s / (sum s + eps) (sigmoid) or s (softmax) */
-            if (coef) {
-                int lo = 0, hi = nseq - 1; /* sequence n with cu[n] <= t < cu[n+1] */
-                while (lo < hi) {
-                    const int mid = (lo + hi + 1) / 2;
-                    if (pv->cu[mid] <= t)
-                        lo = mid;
-                    else
-                        hi = mid - 1;
-                }
-                const double *cf = coef + (size_t)lo * E;
-                if (sig) {
-                    double S = 0.0, B = 0.0;
-                    for (int e = 0; e < E; e++) {
-                        S += s[e];
-                        B += cf[e] * s[e];
-                    }
-                    S += ROUTER_DENOM_EPS;
-                    B /= S;
-                    for (int e = 0; e < E; e++)
-                        ds[e] += (cf[e] - B) / S;
-                } else {
-                    for (int e = 0; e < E; e++)
-                        ds[e] += cf[e];
-                }
-            }
-            if (sig) {
-                for (int e = 0; e < E; e++)
-                    dl[e] = (float)(ds[e] * s[e] * (1.0 - (double)s[e]));
-            } else {
-                double D = 0.0;
-                for (int e = 0; e < E; e++)
-                    D += ds[e] * s[e];
-                for (int e = 0; e < E; e++)
-                    dl[e] = (float)(s[e] * (ds[e] - D));
-            }
+            for (int t = 0; t < T; t++)
+                backward_token(&a, ds, t);
         }
+    } else {
+        for (int t = 0; t < T; t++)
+            backward_token(&a, dsall, t);
     }
     return LM_OK;
 }

@@ -103,6 +103,47 @@ static inline const float *window_row(const float *x, int64_t bos, int64_t p, in
     return p >= 0 ? x + (bos + p) * C + c0 : pre[S + p];
 }
 
+/* Forward task `task` = (sequence n, channel block): every token of the block. */
+static void forward_task(const lm_short_conv_config *c, const float *x, const float *weight,
+                         const float *initial_state, float *y, float *final_state, int task) {
+    const int C = c->C, W = c->W, S = W - 1, silu = c->activation == LM_ACT_SILU;
+    const int nb = (C + CB - 1) / CB;
+    const int n = task / nb, c0 = (task % nb) * CB, w = C - c0 < CB ? C - c0 : CB;
+    float wt[LM_SHORT_CONV_MAX_W][CB], pre[LM_SHORT_CONV_MAX_W][CB];
+    load_block(c, n, c0, w, weight, initial_state, wt, pre);
+    int64_t bos, len;
+    seq_range(c, n, &bos, &len);
+    for (int64_t t = 0; t < len; t++) {
+        float acc[CB];
+        for (int cc = 0; cc < CB; cc++)
+            acc[cc] = 0.0f;
+        for (int j = 0; j < W; j++) {
+            const float *restrict xr = window_row(x, bos, t - S + j, C, c0, S, pre);
+            const float *restrict wj = wt[j];
+#pragma omp simd
+            for (int cc = 0; cc < w; cc++)
+                acc[cc] += wj[cc] * xr[cc];
+        }
+        float *restrict yr = y + (bos + t) * C + c0;
+        if (silu) {
+#pragma omp simd
+            for (int cc = 0; cc < w; cc++)
+                yr[cc] = acc[cc] * lm_layers_sigmoid(acc[cc]);
+        } else {
+            for (int cc = 0; cc < w; cc++)
+                yr[cc] = acc[cc];
+        }
+    }
+    if (final_state) {
+        /* the last W-1 inputs: state entries shift by len, then the sequence's tail */
+        for (int i = 0; i < S; i++) {
+            const float *restrict src = window_row(x, bos, len - S + i, C, c0, S, pre);
+            for (int cc = 0; cc < w; cc++)
+                final_state[((int64_t)n * C + c0 + cc) * S + i] = src[cc];
+        }
+    }
+}
+
 lm_status lm_short_conv_forward(lm_short_conv_config *c, const float *x, const float *weight,
                                 const float *initial_state, float *y, float *final_state,
                                 lm_error *err) {
@@ -114,46 +155,101 @@ lm_status lm_short_conv_forward(lm_short_conv_config *c, const float *x, const f
         return lm_errorf(err, LM_ERR_INVALID, "%s: output 'y' must not alias input 'x'", OP);
     if (final_state && (final_state == x || final_state == y))
         return lm_errorf(err, LM_ERR_INVALID, "%s: 'final_state' must not alias 'x' or 'y'", OP);
+    const int nb = (c->C + CB - 1) / CB, ntask = c->N * nb, W = c->W;
+    if (nx * W > LM_LAYERS_PAR_MIN && ntask > 1) {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int task = 0; task < ntask; task++)
+            forward_task(c, x, weight, initial_state, y, final_state, task);
+    } else {
+        for (int task = 0; task < ntask; task++)
+            forward_task(c, x, weight, initial_state, y, final_state, task);
+    }
+    return LM_OK;
+}
+
+/* Backward task: channel block b over every sequence and token, in order. */
+static void backward_block(const lm_short_conv_config *c, const float *x, const float *weight,
+                           const float *initial_state, const float *dy, float *dx, float *dweight,
+                           float *dinitial_state, int b) {
     const int C = c->C, W = c->W, S = W - 1, silu = c->activation == LM_ACT_SILU;
-    const int nb = (C + CB - 1) / CB, ntask = c->N * nb;
-#pragma omp parallel for schedule(dynamic, 1) if (nx * W > LM_LAYERS_PAR_MIN && ntask > 1)
-    for (int task = 0; task < ntask; task++) {
-        const int n = task / nb, c0 = (task % nb) * CB, w = C - c0 < CB ? C - c0 : CB;
-        float wt[LM_SHORT_CONV_MAX_W][CB], pre[LM_SHORT_CONV_MAX_W][CB];
+    const int c0 = b * CB, w = C - c0 < CB ? C - c0 : CB;
+    float wt[LM_SHORT_CONV_MAX_W][CB], pre[LM_SHORT_CONV_MAX_W][CB];
+    float ring[LM_SHORT_CONV_MAX_W][CB]; /* gradients of pre-activations, slot t % W */
+    double dwacc[LM_SHORT_CONV_MAX_W][CB];
+    memset(dwacc, 0, sizeof(dwacc));
+    for (int n = 0; n < c->N; n++) {
         load_block(c, n, c0, w, weight, initial_state, wt, pre);
         int64_t bos, len;
         seq_range(c, n, &bos, &len);
-        for (int64_t t = 0; t < len; t++) {
+        /* token t's pre-activation gradient g_t enters the ring at step t; the input
+         * at position s = t - (W-1) has then received all of its W taps:
+         *   dx[s] = sum_j w[j] * g[s + (W-1) - j] = sum_j w[j] * g[t - j]
+         * (g = 0 past the end). t runs over [0, len + W-1), so s covers [-(W-1), len):
+         * s < 0 are the state rows (dinitial_state). */
+        for (int64_t t = 0; t < len + S; t++) {
+            float *restrict gt = ring[t % W];
+            if (t < len) {
+                const float *restrict dyr = dy + (bos + t) * C + c0;
+                if (silu) {
+                    float acc[CB];
+                    for (int cc = 0; cc < CB; cc++)
+                        acc[cc] = 0.0f;
+                    for (int j = 0; j < W; j++) {
+                        const float *restrict xr = window_row(x, bos, t - S + j, C, c0, S, pre);
+#pragma omp simd
+                        for (int cc = 0; cc < w; cc++)
+                            acc[cc] += wt[j][cc] * xr[cc];
+                    }
+#pragma omp simd
+                    for (int cc = 0; cc < w; cc++) {
+                        const float s = lm_layers_sigmoid(acc[cc]);
+                        gt[cc] = dyr[cc] * (s * (1.0f + acc[cc] * (1.0f - s)));
+                    }
+                } else {
+                    for (int cc = 0; cc < w; cc++)
+                        gt[cc] = dyr[cc];
+                }
+                if (dweight) {
+                    for (int j = 0; j < W; j++) {
+                        const float *restrict xr = window_row(x, bos, t - S + j, C, c0, S, pre);
+                        double *restrict dj = dwacc[j];
+#pragma omp simd
+                        for (int cc = 0; cc < w; cc++)
+                            dj[cc] += (double)gt[cc] * (double)xr[cc];
+                    }
+                }
+            } else {
+                for (int cc = 0; cc < w; cc++)
+                    gt[cc] = 0.0f;
+            }
+            const int64_t s = t - S;
+            float *restrict out = NULL;
+            int64_t ostride = 1;
+            if (s >= 0) {
+                out = dx ? dx + (bos + s) * C + c0 : NULL;
+            } else if (dinitial_state) {
+                out = dinitial_state + ((int64_t)n * C + c0) * S + (S + s);
+                ostride = S;
+            }
+            if (!out)
+                continue;
             float acc[CB];
             for (int cc = 0; cc < CB; cc++)
                 acc[cc] = 0.0f;
-            for (int j = 0; j < W; j++) {
-                const float *restrict xr = window_row(x, bos, t - S + j, C, c0, S, pre);
-                const float *restrict wj = wt[j];
+            for (int j = 0; j < W && j <= t; j++) {
+                const float *restrict gj = ring[(t - j) % W];
 #pragma omp simd
                 for (int cc = 0; cc < w; cc++)
-                    acc[cc] += wj[cc] * xr[cc];
+                    acc[cc] += wt[j][cc] * gj[cc];
             }
-            float *restrict yr = y + (bos + t) * C + c0;
-            if (silu) {
-#pragma omp simd
-                for (int cc = 0; cc < w; cc++)
-                    yr[cc] = acc[cc] * lm_layers_sigmoid(acc[cc]);
-            } else {
-                for (int cc = 0; cc < w; cc++)
-                    yr[cc] = acc[cc];
-            }
-        }
-        if (final_state) {
-            /* the last W-1 inputs: state entries shift by len, then the sequence's tail */
-            for (int i = 0; i < S; i++) {
-                const float *restrict src = window_row(x, bos, len - S + i, C, c0, S, pre);
-                for (int cc = 0; cc < w; cc++)
-                    final_state[((int64_t)n * C + c0 + cc) * S + i] = src[cc];
-            }
+            for (int cc = 0; cc < w; cc++)
+                out[cc * ostride] = acc[cc];
         }
     }
-    return LM_OK;
+    if (dweight)
+        for (int j = 0; j < W; j++)
+            for (int cc = 0; cc < w; cc++)
+                dweight[(int64_t)(c0 + cc) * W + j] = (float)dwacc[j][cc];
 }
 
 lm_status lm_short_conv_backward(lm_short_conv_config *c, const float *x, const float *weight,
@@ -166,88 +262,14 @@ lm_status lm_short_conv_backward(lm_short_conv_config *c, const float *x, const 
     if (dx && (dx == dy || dx == x))
         return lm_errorf(err, LM_ERR_INVALID, "%s: output 'dx' must not alias 'x' or 'dy'", OP);
     LM_TRY(lm_layers_check_finite(OP, "dy", dy, nx, c->C, err));
-    const int C = c->C, W = c->W, S = W - 1, silu = c->activation == LM_ACT_SILU;
-    const int nb = (C + CB - 1) / CB;
-#pragma omp parallel for schedule(dynamic, 1) if (nx * W > LM_LAYERS_PAR_MIN && nb > 1)
-    for (int b = 0; b < nb; b++) {
-        const int c0 = b * CB, w = C - c0 < CB ? C - c0 : CB;
-        float wt[LM_SHORT_CONV_MAX_W][CB], pre[LM_SHORT_CONV_MAX_W][CB];
-        float ring[LM_SHORT_CONV_MAX_W][CB]; /* gradients of pre-activations, slot t % W */
-        double dwacc[LM_SHORT_CONV_MAX_W][CB];
-        memset(dwacc, 0, sizeof(dwacc));
-        for (int n = 0; n < c->N; n++) {
-            load_block(c, n, c0, w, weight, initial_state, wt, pre);
-            int64_t bos, len;
-            seq_range(c, n, &bos, &len);
-            /* token t's pre-activation gradient g_t enters the ring at step t; the input
-             * at position s = t - (W-1) has then received all of its W taps:
-             *   dx[s] = sum_j w[j] * g[s + (W-1) - j] = sum_j w[j] * g[t - j]
-             * (g = 0 past the end). t runs over [0, len + W-1), so s covers [-(W-1), len):
-             * s < 0 are the state rows (dinitial_state). */
-            for (int64_t t = 0; t < len + S; t++) {
-                float *restrict gt = ring[t % W];
-                if (t < len) {
-                    const float *restrict dyr = dy + (bos + t) * C + c0;
-                    if (silu) {
-                        float acc[CB];
-                        for (int cc = 0; cc < CB; cc++)
-                            acc[cc] = 0.0f;
-                        for (int j = 0; j < W; j++) {
-                            const float *restrict xr = window_row(x, bos, t - S + j, C, c0, S, pre);
-#pragma omp simd
-                            for (int cc = 0; cc < w; cc++)
-                                acc[cc] += wt[j][cc] * xr[cc];
-                        }
-#pragma omp simd
-                        for (int cc = 0; cc < w; cc++) {
-                            const float s = lm_layers_sigmoid(acc[cc]);
-                            gt[cc] = dyr[cc] * (s * (1.0f + acc[cc] * (1.0f - s)));
-                        }
-                    } else {
-                        for (int cc = 0; cc < w; cc++)
-                            gt[cc] = dyr[cc];
-                    }
-                    if (dweight) {
-                        for (int j = 0; j < W; j++) {
-                            const float *restrict xr = window_row(x, bos, t - S + j, C, c0, S, pre);
-                            double *restrict dj = dwacc[j];
-#pragma omp simd
-                            for (int cc = 0; cc < w; cc++)
-                                dj[cc] += (double)gt[cc] * (double)xr[cc];
-                        }
-                    }
-                } else {
-                    for (int cc = 0; cc < w; cc++)
-                        gt[cc] = 0.0f;
-                }
-                const int64_t s = t - S;
-                float *restrict out = NULL;
-                int64_t ostride = 1;
-                if (s >= 0) {
-                    out = dx ? dx + (bos + s) * C + c0 : NULL;
-                } else if (dinitial_state) {
-                    out = dinitial_state + ((int64_t)n * C + c0) * S + (S + s);
-                    ostride = S;
-                }
-                if (!out)
-                    continue;
-                float acc[CB];
-                for (int cc = 0; cc < CB; cc++)
-                    acc[cc] = 0.0f;
-                for (int j = 0; j < W && j <= t; j++) {
-                    const float *restrict gj = ring[(t - j) % W];
-#pragma omp simd
-                    for (int cc = 0; cc < w; cc++)
-                        acc[cc] += wt[j][cc] * gj[cc];
-                }
-                for (int cc = 0; cc < w; cc++)
-                    out[cc * ostride] = acc[cc];
-            }
-        }
-        if (dweight)
-            for (int j = 0; j < W; j++)
-                for (int cc = 0; cc < w; cc++)
-                    dweight[(int64_t)(c0 + cc) * W + j] = (float)dwacc[j][cc];
+    const int nb = (c->C + CB - 1) / CB, W = c->W;
+    if (nx * W > LM_LAYERS_PAR_MIN && nb > 1) {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int b = 0; b < nb; b++)
+            backward_block(c, x, weight, initial_state, dy, dx, dweight, dinitial_state, b);
+    } else {
+        for (int b = 0; b < nb; b++)
+            backward_block(c, x, weight, initial_state, dy, dx, dweight, dinitial_state, b);
     }
     return LM_OK;
 }

@@ -64,6 +64,16 @@ static void swiglu_rows(int m, int F, const float *H, float *A) {
     }
 }
 
+/* Forward row task i: tokens [i*RB, i*RB + RB) of N. */
+static void forward_block(int i, int64_t N, int D, int F, const lm_swiglu_weights *w,
+                          const float *x, float *hid, float *A, float *out) {
+    const int64_t r0 = (int64_t)i * RB;
+    const int m = (int)(N - r0 < RB ? N - r0 : RB);
+    project(r0, m, D, F, w, x, hid);
+    swiglu_rows(m, F, hid + r0 * 2 * F, A + r0 * F);
+    lm_sgemm(0, 1, m, D, F, 1.0f, A + r0 * F, F, w->down_proj, F, 0.0f, out + r0 * D, D);
+}
+
 lm_status lm_swiglu_forward(int64_t N, int D, int F, const lm_swiglu_weights *w, const float *x,
                             float *out, float *hidden, float *ws, lm_error *err) {
     LM_TRY(validate(N, D, F, w, x, err));
@@ -80,17 +90,87 @@ lm_status lm_swiglu_forward(int64_t N, int D, int F, const lm_swiglu_weights *w,
     float *A = hidden ? scratch : scratch + 2 * N * F;
     const int nt = (int)((N + RB - 1) / RB);
     lm_layers_blas_guard g = lm_layers_blas_single();
-#pragma omp parallel for schedule(dynamic, 1) if (nt > 1)
-    for (int i = 0; i < nt; i++) {
-        const int64_t r0 = (int64_t)i * RB;
-        const int m = (int)(N - r0 < RB ? N - r0 : RB);
-        project(r0, m, D, F, w, x, hid);
-        swiglu_rows(m, F, hid + r0 * 2 * F, A + r0 * F);
-        lm_sgemm(0, 1, m, D, F, 1.0f, A + r0 * F, F, w->down_proj, F, 0.0f, out + r0 * D, D);
+    if (nt > 1) {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int i = 0; i < nt; i++)
+            forward_block(i, N, D, F, w, x, hid, A, out);
+    } else {
+        for (int i = 0; i < nt; i++)
+            forward_block(i, N, D, F, w, x, hid, A, out);
     }
     lm_layers_blas_restore(g);
     free(own);
     return LM_OK;
+}
+
+/* The backward's operands (lm_swiglu_backward). */
+typedef struct {
+    int64_t N;
+    int D, F;
+    const lm_swiglu_weights *w;
+    const float *x, *hidden;
+    float *hid; /* the saved hidden, or scratch for it (written when hidden == NULL) */
+    const float *dout;
+    float *dx, *A, *dH, *dWg, *dWu, *dWd;
+} bwd_args;
+
+/* Backward phase 1, row task i: (hidden), a = silu(g) u, da = dout down_proj, dg, du. */
+static void backward_rows(const bwd_args *ar, int i) {
+    const int64_t N = ar->N;
+    const int D = ar->D, F = ar->F;
+    const lm_swiglu_weights *w = ar->w;
+    const float *x = ar->x, *dout = ar->dout;
+    float *dx = ar->dx, *A = ar->A, *dH = ar->dH;
+    float *dWg = ar->dWg, *dWu = ar->dWu, *dWd = ar->dWd;
+    const float *hidden = ar->hidden;
+    float *hid = ar->hid;
+    const int64_t r0 = (int64_t)i * RB;
+    const int m = (int)(N - r0 < RB ? N - r0 : RB);
+    if (!hidden)
+        project(r0, m, D, F, w, x, hid);
+    const float *H = hid + r0 * 2 * F;
+    float *dHr = dH + r0 * 2 * F;
+    if (dWd)
+        swiglu_rows(m, F, H, A + r0 * F);
+    if (!dx && !dWg && !dWu)
+        return;
+    lm_sgemm(0, 0, m, F, D, 1.0f, dout + r0 * D, D, w->down_proj, F, 0.0f, dHr, 2 * F);
+    for (int r = 0; r < m; r++) {
+        const float *restrict gg = H + (int64_t)r * 2 * F, *restrict u = gg + F;
+        float *restrict dg = dHr + (int64_t)r * 2 * F, *restrict du = dg + F;
+#pragma omp simd
+        for (int c = 0; c < F; c++) {
+            const float s = lm_layers_sigmoid(gg[c]), da = dg[c];
+            du[c] = da * gg[c] * s;
+            dg[c] = da * u[c] * (s * (1.0f + gg[c] * (1.0f - s)));
+        }
+    }
+}
+
+/* Backward phase 2, task i of ntx dx row tasks, then nd down_proj, ng gate_proj and the
+ * up_proj row blocks of the weight gradients. */
+static void backward_task(const bwd_args *ar, int ntx, int nd, int ng, int i) {
+    const int64_t N = ar->N;
+    const int D = ar->D, F = ar->F;
+    const lm_swiglu_weights *w = ar->w;
+    const float *x = ar->x, *dout = ar->dout;
+    float *dx = ar->dx, *A = ar->A, *dH = ar->dH;
+    float *dWg = ar->dWg, *dWu = ar->dWu, *dWd = ar->dWd;
+    if (i < ntx) {
+        const int64_t r0 = (int64_t)i * RB;
+        const int m = (int)(N - r0 < RB ? N - r0 : RB);
+        const float *dHr = dH + r0 * 2 * F;
+        lm_sgemm(0, 0, m, D, F, 1.0f, dHr, 2 * F, w->gate_proj, D, 0.0f, dx + r0 * D, D);
+        lm_sgemm(0, 0, m, D, F, 1.0f, dHr + F, 2 * F, w->up_proj, D, 1.0f, dx + r0 * D, D);
+    } else if (i < ntx + nd) {
+        const int a = (i - ntx) * WB, b = a + WB < D ? a + WB : D;
+        lm_sgemm(1, 0, b - a, F, (int)N, 1.0f, dout + a, D, A, F, 0.0f, dWd + (int64_t)a * F, F);
+    } else {
+        const int up = i >= ntx + nd + ng;
+        const int a = (i - ntx - nd - (up ? ng : 0)) * WB, b = a + WB < F ? a + WB : F;
+        lm_sgemm(1, 0, b - a, D, (int)N, 1.0f, dH + (up ? F : 0) + a, 2 * F, x, D, 0.0f,
+                 (up ? dWu : dWg) + (int64_t)a * D, D);
+    }
 }
 
 lm_status lm_swiglu_backward(int64_t N, int D, int F, const lm_swiglu_weights *w, const float *x,
@@ -123,29 +203,14 @@ lm_status lm_swiglu_backward(int64_t N, int D, int F, const lm_swiglu_weights *w
     lm_layers_blas_guard g = lm_layers_blas_single();
 
     /* phase 1, by token blocks: (hidden), a = silu(g) u, da = dout down_proj, dg, du */
-#pragma omp parallel for schedule(dynamic, 1) if (nt > 1)
-    for (int i = 0; i < nt; i++) {
-        const int64_t r0 = (int64_t)i * RB;
-        const int m = (int)(N - r0 < RB ? N - r0 : RB);
-        if (!hidden)
-            project(r0, m, D, F, w, x, hid);
-        const float *H = hid + r0 * 2 * F;
-        float *dHr = dH + r0 * 2 * F;
-        if (dWd)
-            swiglu_rows(m, F, H, A + r0 * F);
-        if (!dx && !dWg && !dWu)
-            continue;
-        lm_sgemm(0, 0, m, F, D, 1.0f, dout + r0 * D, D, w->down_proj, F, 0.0f, dHr, 2 * F);
-        for (int r = 0; r < m; r++) {
-            const float *restrict gg = H + (int64_t)r * 2 * F, *restrict u = gg + F;
-            float *restrict dg = dHr + (int64_t)r * 2 * F, *restrict du = dg + F;
-#pragma omp simd
-            for (int c = 0; c < F; c++) {
-                const float s = lm_layers_sigmoid(gg[c]), da = dg[c];
-                du[c] = da * gg[c] * s;
-                dg[c] = da * u[c] * (s * (1.0f + gg[c] * (1.0f - s)));
-            }
-        }
+    const bwd_args a = {N, D, F, w, x, hidden, hid, dout, dx, A, dH, dWg, dWu, dWd};
+    if (nt > 1) {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int i = 0; i < nt; i++)
+            backward_rows(&a, i);
+    } else {
+        for (int i = 0; i < nt; i++)
+            backward_rows(&a, i);
     }
 
     /* phase 2: dx by token blocks; each weight gradient by blocks of its rows, summing
@@ -153,24 +218,13 @@ lm_status lm_swiglu_backward(int64_t N, int D, int F, const lm_swiglu_weights *w
     const int ntx = dx ? nt : 0, nd = dWd ? (D + WB - 1) / WB : 0;
     const int ng = dWg ? (F + WB - 1) / WB : 0, nu = dWu ? (F + WB - 1) / WB : 0;
     const int ntask = ntx + nd + ng + nu;
-#pragma omp parallel for schedule(dynamic, 1) if (ntask > 1)
-    for (int i = 0; i < ntask; i++) {
-        if (i < ntx) {
-            const int64_t r0 = (int64_t)i * RB;
-            const int m = (int)(N - r0 < RB ? N - r0 : RB);
-            const float *dHr = dH + r0 * 2 * F;
-            lm_sgemm(0, 0, m, D, F, 1.0f, dHr, 2 * F, w->gate_proj, D, 0.0f, dx + r0 * D, D);
-            lm_sgemm(0, 0, m, D, F, 1.0f, dHr + F, 2 * F, w->up_proj, D, 1.0f, dx + r0 * D, D);
-        } else if (i < ntx + nd) {
-            const int a = (i - ntx) * WB, b = a + WB < D ? a + WB : D;
-            lm_sgemm(1, 0, b - a, F, (int)N, 1.0f, dout + a, D, A, F, 0.0f, dWd + (int64_t)a * F,
-                     F);
-        } else {
-            const int up = i >= ntx + nd + ng;
-            const int a = (i - ntx - nd - (up ? ng : 0)) * WB, b = a + WB < F ? a + WB : F;
-            lm_sgemm(1, 0, b - a, D, (int)N, 1.0f, dH + (up ? F : 0) + a, 2 * F, x, D, 0.0f,
-                     (up ? dWu : dWg) + (int64_t)a * D, D);
-        }
+    if (ntask > 1) {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int i = 0; i < ntask; i++)
+            backward_task(&a, ntx, nd, ng, i);
+    } else {
+        for (int i = 0; i < ntask; i++)
+            backward_task(&a, ntx, nd, ng, i);
     }
     lm_layers_blas_restore(g);
     free(own);
