@@ -32,7 +32,7 @@ extern "C" {
  * Default (variant 0): DEFAULT_LONG for plain / residual rows of 32 lanes (D >= 256),
  * DEFAULT_SHORT for the gated norm and short rows. */
 #define LM_LAYERS_NORM_FWD_VARIANTS 4
-#define LM_LAYERS_NORM_FWD_DEFAULT_LONG 2
+#define LM_LAYERS_NORM_FWD_DEFAULT_LONG 3
 #define LM_LAYERS_NORM_FWD_DEFAULT_SHORT 4
 /* RMSNorm / gated RMSNorm backward:
  *   1  the first kernels (one row per lane group, 2 CTAs of 8 warps per SM, colsum of
