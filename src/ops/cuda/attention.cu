@@ -25,34 +25,11 @@
 #include <vector>
 
 #include "linmoe/cuda_attention.h"
+#include "ops/cuda/attention_cudnn.cuh"
 #include "ops/cuda/ctx.cuh"
+#include "ops/cuda/ptx.cuh"
 
 typedef __nv_bfloat16 bf16;
-
-/* src/ops/cuda/attention_cudnn.cu: the forward and backward through cuDNN's fused engines
- * (its file comment has the graphs); LM_ERR_UNSUPPORTED when cuDNN builds no plan for the
- * shape. One call's shape and device pointers (the same definition is there): */
-struct lm_attn_cudnn_io {
-    int b, s, Hq, Hkv, D;
-    int ragged; /* packed documents: ragged offsets and the padding mask */
-    int det;    /* backward: the deterministic algorithm */
-    float scale;
-    const void *q, *k, *v, *o, *dO;
-    void *o_out;                          /* forward output */
-    float *stats;                         /* forward output / backward input */
-    void *dq, *dk, *dv;                   /* backward outputs */
-    float *dsum;                          /* backward scratch: rowsum(dO O) */
-    float *dq_acc;                        /* backward scratch, non-deterministic only */
-    void *dk_full, *dv_full;              /* backward scratch, ragged GQA only */
-    const int *seq_len;                   /* ragged: int32 [b] */
-    const int64_t *off_q, *off_k, *off_s; /* ragged: int64 [b + 1] */
-};
-struct lm_attn_cudnn;
-void lm_attn_cudnn_destroy(lm_attn_cudnn *s);
-lm_status lm_attn_cudnn_forward(lm_cuda_ctx *ctx, lm_attn_cudnn **state, const lm_attn_cudnn_io *io,
-                                lm_error *err);
-lm_status lm_attn_cudnn_backward(lm_cuda_ctx *ctx, lm_attn_cudnn **state,
-                                 const lm_attn_cudnn_io *io, lm_error *err);
 
 namespace {
 
@@ -61,48 +38,15 @@ constexpr float LN2 = 0.6931471805599453f;
 
 /* ---------------------------------------------------------------- PTX helpers */
 
-__device__ __forceinline__ uint32_t su32(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void ldsm4(uint32_t r[4], const void *p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(su32(p)));
-}
-__device__ __forceinline__ void ldsm4t(uint32_t r[4], const void *p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(su32(p)));
-}
-/* d += a b (bf16 operands, fp32 accumulators) */
-__device__ __forceinline__ void mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-/* 16 bytes global -> shared, or 16 zero bytes (nothing read) when !ok */
-__device__ __forceinline__ void cp16z(void *dst, const void *src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(su32(dst)), "l"(src),
-                 "r"(ok ? 16 : 0));
-}
 __device__ __forceinline__ void cp4z(void *dst, const void *src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(su32(dst)), "l"(src),
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
                  "r"(ok ? 4 : 0));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 /* 2^x, one MUFU op; 2^-inf = +0 */
 __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
-}
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&h);
 }
 __device__ __forceinline__ void st_release(int *p, int v) {
     asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
@@ -180,21 +124,21 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_fwd(const FwdP p
     for (int c = tid; c < BM * CH; c += 128) {
         const int r = c / CH, cc = c - r * CH, row = q0 + r;
         const bool ok = row < len;
-        cp16z(Qs + r * LD + cc * 8, qg + (ok ? row : 0) * qstr + cc * 8, ok);
+        cp_async16_zfill(Qs + r * LD + cc * 8, qg + (ok ? row : 0) * qstr + cc * 8, ok);
     }
     auto load_kv = [&](int buf, int j0) {
         for (int c = tid; c < BN * CH; c += 128) {
             const int r = c / CH, cc = c - r * CH, row = j0 + r;
             const bool ok = row < len;
             const int64_t off = (ok ? row : 0) * kstr + cc * 8;
-            cp16z(Ks + (buf * BN + r) * LD + cc * 8, kg + off, ok);
-            cp16z(Vs + (buf * BN + r) * LD + cc * 8, vg + off, ok);
+            cp_async16_zfill(Ks + (buf * BN + r) * LD + cc * 8, kg + off, ok);
+            cp_async16_zfill(Vs + (buf * BN + r) * LD + cc * 8, vg + off, ok);
         }
     };
     const int kend = min(q0 + BM, len); /* keys 0 .. kend-1 */
     const int nkb = (kend + BN - 1) / BN;
     load_kv(0, 0);
-    cp_commit();
+    cp_async_commit();
 
     const int wr0 = warp * 32;
     float oacc[2][NT][4];
@@ -216,10 +160,10 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_fwd(const FwdP p
         const int buf = jb & 1, j0 = jb * BN;
         if (jb + 1 < nkb) {
             load_kv(buf ^ 1, j0 + BN);
-            cp_commit();
-            cp_wait<1>();
+            cp_async_commit();
+            cp_async_wait<1>();
         } else {
-            cp_wait<0>();
+            cp_async_wait<0>();
         }
         __syncthreads();
         /* rows of this warp are all above the block's first key: nothing to add */
@@ -242,10 +186,10 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_fwd(const FwdP p
                 for (int np = 0; np < 4; np++) {
                     uint32_t b[4];
                     ldsm4(b, b_nk(Kb, LD, ks * 16, np * 16, lane));
-                    mma(s[0][2 * np], a0, b[0], b[1]);
-                    mma(s[0][2 * np + 1], a0, b[2], b[3]);
-                    mma(s[1][2 * np], a1, b[0], b[1]);
-                    mma(s[1][2 * np + 1], a1, b[2], b[3]);
+                    mma16816(s[0][2 * np], a0, b[0], b[1]);
+                    mma16816(s[0][2 * np + 1], a0, b[2], b[3]);
+                    mma16816(s[1][2 * np], a1, b[0], b[1]);
+                    mma16816(s[1][2 * np + 1], a1, b[2], b[3]);
                 }
             }
             const bool need_mask = (j0 + BN - 1 > q0 + wr0) || (j0 + BN > len);
@@ -299,19 +243,19 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_fwd(const FwdP p
                 uint32_t a[2][4];
 #pragma unroll
                 for (int mt = 0; mt < 2; mt++) {
-                    a[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                    a[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                    a[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                    a[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                    a[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    a[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    a[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    a[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
                 }
 #pragma unroll
                 for (int dp = 0; dp < NT / 2; dp++) {
                     uint32_t b[4];
                     ldsm4t(b, b_kn(Vb, LD, kk * 16, dp * 16, lane));
-                    mma(oacc[0][2 * dp], a[0], b[0], b[1]);
-                    mma(oacc[0][2 * dp + 1], a[0], b[2], b[3]);
-                    mma(oacc[1][2 * dp], a[1], b[0], b[1]);
-                    mma(oacc[1][2 * dp + 1], a[1], b[2], b[3]);
+                    mma16816(oacc[0][2 * dp], a[0], b[0], b[1]);
+                    mma16816(oacc[0][2 * dp + 1], a[0], b[2], b[3]);
+                    mma16816(oacc[1][2 * dp], a[1], b[0], b[1]);
+                    mma16816(oacc[1][2 * dp + 1], a[1], b[2], b[3]);
                 }
             }
         }
@@ -332,7 +276,7 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_fwd(const FwdP p
 #pragma unroll
             for (int n = 0; n < NT; n++)
                 *reinterpret_cast<uint32_t *>(Qs + lr * LD + n * 8 + 2 * tq) =
-                    pack2(oacc[mt][n][2 * hf] * inv, oacc[mt][n][2 * hf + 1] * inv);
+                    pack_bf16(oacc[mt][n][2 * hf] * inv, oacc[mt][n][2 * hf + 1] * inv);
             if (p.lse && tq == 0 && q0 + lr < len)
                 p.lse[(int64_t)(bos + q0 + lr) * p.Hq + h] = (mrow[r] + log2f(l)) * LN2;
         }
@@ -402,8 +346,8 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_bwd(const BwdP p
             const int r = c / CH, cc = c - r * CH, row = j0 + r;
             const bool ok = row < len;
             const int64_t off = (ok ? row : 0) * kstr + cc * 8;
-            cp16z(Ks + r * LD + cc * 8, kg + off, ok);
-            cp16z(Vs + r * LD + cc * 8, vg + off, ok);
+            cp_async16_zfill(Ks + r * LD + cc * 8, kg + off, ok);
+            cp_async16_zfill(Vs + r * LD + cc * 8, vg + off, ok);
         }
     }
     auto load_q = [&](int it) {
@@ -414,8 +358,8 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_bwd(const BwdP p
             const int r = c / CH, cc = c - r * CH, row = i0 + r;
             const bool ok = row < len;
             const int64_t off = (ok ? row : 0) * qstr + cc * 8;
-            cp16z(Qs + r * LD + cc * 8, qg + off, ok);
-            cp16z(dOs + r * LD + cc * 8, og + off, ok);
+            cp_async16_zfill(Qs + r * LD + cc * 8, qg + off, ok);
+            cp_async16_zfill(dOs + r * LD + cc * 8, og + off, ok);
         }
         if (tid < BM) {
             const int row = i0 + tid;
@@ -426,7 +370,7 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_bwd(const BwdP p
         }
     };
     load_q(0);
-    cp_commit();
+    cp_async_commit();
 
     float dk[NT][4], dv[NT][4];
 #pragma unroll
@@ -438,7 +382,7 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_bwd(const BwdP p
 
     for (int it = 0; it < niter; it++) {
         const int hh = it / nb2, i = jl + it % nb2, i0 = i * BM, h = g * p.grp + hh;
-        cp_wait<0>();
+        cp_async_wait<0>();
         __syncthreads();
         float st[8][4];
 #pragma unroll
@@ -454,8 +398,8 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_bwd(const BwdP p
             for (int np = 0; np < 4; np++) {
                 uint32_t b[4];
                 ldsm4(b, b_nk(Qs, LD, ks * 16, np * 16, lane));
-                mma(st[2 * np], a, b[0], b[1]);
-                mma(st[2 * np + 1], a, b[2], b[3]);
+                mma16816(st[2 * np], a, b[0], b[1]);
+                mma16816(st[2 * np + 1], a, b[2], b[3]);
             }
         }
         /* P^T (keys x queries) */
@@ -477,16 +421,16 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_bwd(const BwdP p
 #pragma unroll
         for (int kq = 0; kq < 4; kq++) {
             uint32_t a[4];
-            a[0] = pack2(st[2 * kq][0], st[2 * kq][1]);
-            a[1] = pack2(st[2 * kq][2], st[2 * kq][3]);
-            a[2] = pack2(st[2 * kq + 1][0], st[2 * kq + 1][1]);
-            a[3] = pack2(st[2 * kq + 1][2], st[2 * kq + 1][3]);
+            a[0] = pack_bf16(st[2 * kq][0], st[2 * kq][1]);
+            a[1] = pack_bf16(st[2 * kq][2], st[2 * kq][3]);
+            a[2] = pack_bf16(st[2 * kq + 1][0], st[2 * kq + 1][1]);
+            a[3] = pack_bf16(st[2 * kq + 1][2], st[2 * kq + 1][3]);
 #pragma unroll
             for (int dp = 0; dp < NT / 2; dp++) {
                 uint32_t b[4];
                 ldsm4t(b, b_kn(dOs, LD, kq * 16, dp * 16, lane));
-                mma(dv[2 * dp], a, b[0], b[1]);
-                mma(dv[2 * dp + 1], a, b[2], b[3]);
+                mma16816(dv[2 * dp], a, b[0], b[1]);
+                mma16816(dv[2 * dp + 1], a, b[2], b[3]);
             }
         }
         /* dP^T = V dO^T, then dS^T = P^T (dP^T - Delta) in st */
@@ -505,8 +449,8 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_bwd(const BwdP p
                 for (int np = 0; np < 4; np++) {
                     uint32_t b[4];
                     ldsm4(b, b_nk(dOs, LD, ks * 16, np * 16, lane));
-                    mma(dp_[2 * np], a, b[0], b[1]);
-                    mma(dp_[2 * np + 1], a, b[2], b[3]);
+                    mma16816(dp_[2 * np], a, b[0], b[1]);
+                    mma16816(dp_[2 * np + 1], a, b[2], b[3]);
                 }
             }
 #pragma unroll
@@ -519,10 +463,10 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_bwd(const BwdP p
 #pragma unroll
         for (int kq = 0; kq < 4; kq++) {
             uint32_t a[4];
-            a[0] = pack2(st[2 * kq][0], st[2 * kq][1]);
-            a[1] = pack2(st[2 * kq][2], st[2 * kq][3]);
-            a[2] = pack2(st[2 * kq + 1][0], st[2 * kq + 1][1]);
-            a[3] = pack2(st[2 * kq + 1][2], st[2 * kq + 1][3]);
+            a[0] = pack_bf16(st[2 * kq][0], st[2 * kq][1]);
+            a[1] = pack_bf16(st[2 * kq][2], st[2 * kq][3]);
+            a[2] = pack_bf16(st[2 * kq + 1][0], st[2 * kq + 1][1]);
+            a[3] = pack_bf16(st[2 * kq + 1][2], st[2 * kq + 1][3]);
             *reinterpret_cast<uint32_t *>(dSt + (kr0 + gq) * LDS + kq * 16 + 2 * tq) = a[0];
             *reinterpret_cast<uint32_t *>(dSt + (kr0 + gq + 8) * LDS + kq * 16 + 2 * tq) = a[1];
             *reinterpret_cast<uint32_t *>(dSt + (kr0 + gq) * LDS + kq * 16 + 8 + 2 * tq) = a[2];
@@ -531,14 +475,14 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_bwd(const BwdP p
             for (int dp = 0; dp < NT / 2; dp++) {
                 uint32_t b[4];
                 ldsm4t(b, b_kn(Qs, LD, kq * 16, dp * 16, lane));
-                mma(dk[2 * dp], a, b[0], b[1]);
-                mma(dk[2 * dp + 1], a, b[2], b[3]);
+                mma16816(dk[2 * dp], a, b[0], b[1]);
+                mma16816(dk[2 * dp + 1], a, b[2], b[3]);
             }
         }
         __syncthreads(); /* dS^T complete; Qs, dOs, lse_s, dl_s free */
         if (it + 1 < niter) {
             load_q(it + 1);
-            cp_commit();
+            cp_async_commit();
         }
         /* dQ_i (this warp: query rows 16 w ..) += dS K */
         float dq[NT][4];
@@ -555,8 +499,8 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_bwd(const BwdP p
             for (int dp = 0; dp < NT / 2; dp++) {
                 uint32_t b[4];
                 ldsm4t(b, b_kn(Ks, LD, kk * 16, dp * 16, lane));
-                mma(dq[2 * dp], a, b[0], b[1]);
-                mma(dq[2 * dp + 1], a, b[2], b[3]);
+                mma16816(dq[2 * dp], a, b[0], b[1]);
+                mma16816(dq[2 * dp + 1], a, b[2], b[3]);
             }
         }
         int *lock = p.locks + (int64_t)h * p.nqb_total + qbase + i;
@@ -621,9 +565,9 @@ template <int D> __global__ void __launch_bounds__(128, 2) attn_bwd(const BwdP p
 #pragma unroll
         for (int n = 0; n < NT; n++) {
             *reinterpret_cast<uint32_t *>(Qs + lr * LD + n * 8 + 2 * tq) =
-                pack2(dk[n][2 * hf], dk[n][2 * hf + 1]);
+                pack_bf16(dk[n][2 * hf], dk[n][2 * hf + 1]);
             *reinterpret_cast<uint32_t *>(dOs + lr * LD + n * 8 + 2 * tq) =
-                pack2(dv[n][2 * hf], dv[n][2 * hf + 1]);
+                pack_bf16(dv[n][2 * hf], dv[n][2 * hf + 1]);
         }
     }
     __syncwarp();
@@ -826,15 +770,15 @@ template <int D> __global__ void __launch_bounds__(DEC_W * 32) attn_decode(const
                                          const bool ok = row < kb1;
                                          const int64_t off =
                                              (int64_t)(ok ? row : kb0) * rstr + cc * 8;
-                                         cp16z(Ks + r * LDK + cc * 8, kg + off, ok);
-                                         cp16z(Vs + r * D + cc * 8, vg + off, ok);
+                                         cp_async16_zfill(Ks + r * LDK + cc * 8, kg + off, ok);
+                                         cp_async16_zfill(Vs + r * D + cc * 8, vg + off, ok);
                                      }
     };
 #pragma unroll
     for (int i = 0; i < DEC_ST - 1; i++) {
         if (i < nt_w)
             load(i, i);
-        cp_commit();
+        cp_async_commit();
     }
     for (int idx = tid; idx < GH * HALF; idx += DEC_W * 32) {
         const int hh = idx / HALF, f = idx - hh * HALF;
@@ -863,8 +807,8 @@ template <int D> __global__ void __launch_bounds__(DEC_W * 32) attn_decode(const
     for (int i = 0; i < nt_w; i++) {
         if (i + DEC_ST - 1 < nt_w)
             load((i + DEC_ST - 1) % DEC_ST, i + DEC_ST - 1);
-        cp_commit();
-        cp_wait<DEC_ST - 1>();
+        cp_async_commit();
+        cp_async_wait<DEC_ST - 1>();
         __syncwarp();
         const bf16 *Ks = Kw + (i % DEC_ST) * STG, *Vs = Ks + KST;
         const int nval = min(BK, kb1 - (kb0 + (warp + DEC_W * i) * BK));
@@ -942,7 +886,7 @@ template <int D> __global__ void __launch_bounds__(DEC_W * 32) attn_decode(const
         }
         __syncwarp();
     }
-    cp_wait<0>();
+    cp_async_wait<0>();
     __syncthreads(); /* every warp is done with its stages: reuse them for the merge */
     float *mm = reinterpret_cast<float *>(smem); /* [W][GH] max */
     float *ll = mm + DEC_W * DEC_GH;             /* [W][GH] sum */

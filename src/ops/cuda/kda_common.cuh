@@ -1,6 +1,7 @@
 /* Shared pieces of the CUDA KDA kernels (kda_fwd.cu: forward; kda_train.cu: training
  * forward saves and backward): tile constants, the kernel parameter block, and the
- * PTX helpers for mma.sync m16n8k16 (bf16 in, fp32 accumulate), ldmatrix and cp.async.
+ * KDA-specific PTX helpers (fragment addresses, bulk and tensor copies; the common
+ * wrappers for mma.sync, ldmatrix, cp.async, mbarrier and wgmma are in ptx.cuh).
  * Internal to src/ops/cuda; not a public header. */
 #ifndef LINMOE_KDA_COMMON_CUH
 #define LINMOE_KDA_COMMON_CUH
@@ -12,6 +13,7 @@
 
 #include "linmoe/kda_cuda.h"
 #include "ops/cuda/ctx.cuh"
+#include "ops/cuda/ptx.cuh"
 
 #define BT 64    /* chunk */
 #define KD 128   /* K and V padded to this */
@@ -123,39 +125,6 @@ __device__ __forceinline__ void gate_cumsum_rows(int gate, const unsigned short 
 
 
 /* ---------------------------------------------------------------- PTX helpers */
-__device__ __forceinline__ uint32_t smem_u32(const void *ptr) {
-    return (uint32_t)__cvta_generic_to_shared(ptr);
-}
-__device__ __forceinline__ void ldsm4(uint32_t r[4], const void *ptr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(ptr)));
-}
-__device__ __forceinline__ void ldsm4t(uint32_t r[4], const void *ptr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(ptr)));
-}
-/* d += a b: a 16x16 row-major fragment, b 16x8 column fragment, fp32 accumulators */
-__device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
-}
-/* 16 bytes, or zeros in shared memory (nothing read) when !valid (the src-size operand) */
-__device__ __forceinline__ void cp_async16_zfill(void *dst, const void *src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 /* Fragment addresses (lane l). A tile at (m0, k0) of a row-major [m][k] array: */
 __device__ __forceinline__ const bf16 *a_addr(const bf16 *base, int ld, int m0, int k0, int l) {
     return base + (m0 + (l & 15)) * ld + k0 + (l >> 4) * 8;
@@ -174,10 +143,6 @@ __device__ __forceinline__ const bf16 *b_nk_addr(const bf16 *M, int ld, int k0, 
     return M + (n0 + (l & 7) + (l >> 4) * 8) * ld + k0 + ((l >> 3) & 1) * 8;
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t *>(&h);
-}
 /* 8 consecutive values: fp32 from / bf16 to / bf16 from 16-byte aligned addresses */
 __device__ __forceinline__ void ld8f(float f[8], const float *src) {
     const float4 a = *reinterpret_cast<const float4 *>(src);
@@ -229,33 +194,9 @@ __device__ __forceinline__ uint64_t wg_desc(const void *ptr, uint32_t lbo, uint3
     return (uint64_t)((smem_u32(ptr) >> 4) & 0x3FFF) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
            ((uint64_t)((sbo >> 4) & 0x3FFF) << 32);
 }
-__device__ __forceinline__ void wg_fence() {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wg_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-/* generic-proxy writes to shared memory (st, stmatrix, cp.async) made visible to the
- * async proxy that wgmma reads through; each writing thread, before the barrier */
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-/* keeps the compiler from moving uses of wgmma accumulators across the wait */
-template <int N> __device__ __forceinline__ void wg_regs(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; i++)
-        asm volatile("" : "+f"(d[i])::"memory");
-}
 /* mbarrier (shared::cta) and the bulk copy engine (sm_90): one thread posts the bytes
  * to expect and issues the copies, which complete the transaction count; waiters spin
  * on the phase parity */
-__device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count)
-                 : "memory");
-}
 /* NS stage barriers (one arrival each) set up by thread 0 and made visible to the copy
  * engine and to every thread of the CTA before the first copy is issued */
 template <int NS>
@@ -282,9 +223,6 @@ __device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes) {
 __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t *bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar))
                  : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint64_t *bar, int parity) {
     asm volatile("{\n.reg .pred p;\nWAIT_%=:\n"

@@ -12,6 +12,7 @@
 
 #include "linmoe/cuda_moe.h"
 #include "ops/cuda/ctx.cuh"
+#include "ops/cuda/ptx.cuh"
 
 typedef __nv_bfloat16 bf16;
 
@@ -87,9 +88,6 @@ template <int KIND> __host__ __device__ inline int m_tiles_gk(int D, int F) {
 
 /* ---------------------------------------------------------------- PTX helpers */
 
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
 /* 16 bytes global -> shared, or 16 zero bytes (nothing read) when !valid */
 __device__ __forceinline__ void cp16(uint32_t dst, const void *src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
@@ -101,18 +99,6 @@ __device__ __forceinline__ void cp_commit() {
 }
 template <int N> __device__ __forceinline__ void cp_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-/* this thread's generic-proxy shared-memory writes (its landed cp.async copies) made
- * visible to the async proxy wgmma reads through */
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 __device__ __forceinline__ bool mbar_try(uint64_t *bar, uint32_t parity) {
     uint32_t ok;
@@ -132,20 +118,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
     while (!mbar_try(bar, parity))
         if (++n == (1u << 24))
             __trap();
-}
-__device__ __forceinline__ void wg_fence() {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wg_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-template <int N> __device__ __forceinline__ void keep_regs(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; i++)
-        asm volatile("" : "+f"(d[i])::"memory");
 }
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
@@ -194,10 +166,6 @@ __device__ __forceinline__ void wgmma256(float (&d)[128], uint64_t da, uint64_t 
                  : "l"(da), "l"(db), "r"(acc), "n"(TA_), "n"(TB_));
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t *>(&h);
-}
 __device__ __forceinline__ void st_bf16x2(bf16 *p, float a, float b) {
     *reinterpret_cast<uint32_t *>(p) = pack_bf16(a, b);
 }
@@ -571,7 +539,7 @@ template <int KIND> __global__ void __launch_bounds__(WG_THREADS, 1) moe_gemm_wg
             }
         }
         wg_wait<0>();
-        keep_regs(acc);
+        wg_regs(acc);
         __syncwarp();
         if (lane == 0)
             mbar_arrive(&empty[(it - 1) % NS]);
@@ -1138,7 +1106,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
             }
         }
         wg_wait<0>();
-        keep_regs(acc);
+        wg_regs(acc);
         __syncwarp();
         if (lane == 0)
             mbar_arrive(&empty[(it - 1) % NS]);

@@ -33,6 +33,7 @@
 #include "linmoe/cuda_layers.h"
 #include "ops/cuda/ctx.cuh"
 #include "ops/cuda/layers_variants.h"
+#include "ops/cuda/vec.cuh"
 
 namespace {
 
@@ -42,12 +43,6 @@ constexpr int TT_BWD = 128; /* tokens per backward tile (one dweight partial eac
 constexpr int G = 4;        /* tokens loaded ahead */
 
 /* ---------------------------------------------------------------- bf16 vectors */
-
-__device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ uint32_t bf_bits(float f) {
-    return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(f));
-}
 
 template <int CV> __device__ __forceinline__ void ld_bf(const __nv_bfloat16 *p, float (&f)[CV]) {
     if constexpr (CV == 8) {
