@@ -138,6 +138,10 @@ static void test_byte_docs(void **state) {
     memcpy(prose + np, prose, np);
     prose[2 * np] = '\0';
 
+    /* lm_passkey_make_into: one workspace for every document and length below */
+    lm_passkey_ws ws;
+    memset(&ws, 0, sizeof ws);
+    int32_t *row = malloc(sizeof(int32_t) * 2500);
     const int64_t lengths[] = {120, 257, 1000, 2500};
     for (size_t li = 0; li < sizeof lengths / sizeof lengths[0]; li++) {
         const int64_t L = lengths[li];
@@ -178,6 +182,18 @@ static void test_byte_docs(void **state) {
             assert_memory_equal(e.ids, d.ids, (size_t)L * sizeof(int32_t));
             lm_passkey_doc_free(&e);
             assert_null(e.ids);
+            /* the workspace version: the same document, into the caller's row or into
+             * the workspace (alternating, so both buffers are reused across lengths) */
+            int32_t *out = idx % 2 ? row : NULL;
+            assert_int_equal(lm_passkey_make_into(tok, &f, L, 77, idx, &ws, out, &e, &err), LM_OK);
+            assert_ptr_equal(e.ids, out ? out : ws.ids);
+            assert_int_equal(e.n, d.n);
+            assert_int_equal(e.key_pos, d.key_pos);
+            assert_int_equal(e.answer_pos, d.answer_pos);
+            assert_int_equal(e.digits_pos, d.digits_pos);
+            assert_int_equal(e.digits_end, d.digits_end);
+            assert_string_equal(e.key, d.key);
+            assert_memory_equal(e.ids, d.ids, (size_t)L * sizeof(int32_t));
             lm_passkey_doc_free(&d);
         }
         /* depth spreads over the filler, leading digits vary */
@@ -205,6 +221,15 @@ static void test_byte_docs(void **state) {
     lm_passkey_doc_free(&a2);
     lm_passkey_doc_free(&b);
     lm_passkey_doc_free(&c);
+    /* make_into errors like make and leaves the document empty */
+    lm_passkey_doc z;
+    assert_int_equal(lm_passkey_make_into(tok, &f, 119, 1, 0, &ws, row, &z, &err), LM_ERR_INVALID);
+    assert_null(z.ids);
+    assert_int_equal(z.n, 0);
+    assert_int_equal(lm_passkey_make_into(tok, &f, 500, 1, 0, NULL, row, &z, &err), LM_ERR_INVALID);
+    lm_passkey_ws_free(&ws);
+    assert_null(ws.enc);
+    free(row);
     free(prose);
     lm_shard_close(&f);
     lm_tokenizer_free(tok);

@@ -75,6 +75,8 @@ int lm_bias_rule_from_name(const char *s);
 int lm_drop_policy_from_name(const char *s);
 
 #define LM_ROUTER_HISTORY 100 /* steps pooled for maxvio_global */
+/* Doubles of lm_router_state.reduce_buf: the 3E + scalars reduced, then the old bias [E]. */
+#define LM_ROUTER_REDUCE_BUF_LEN(E) (4 * (size_t)(E) + 16)
 
 /* Metrics of one optimizer step (reference/moe.md §8.2). */
 typedef struct {
@@ -105,6 +107,9 @@ typedef struct {
     int64_t tokens, dropped_assign, dropped_tokens;
     double aux_loss_sum;
     int n_micro;
+    double *reduce_buf;             /* [LM_ROUTER_REDUCE_BUF_LEN(E)] scratch of
+                                       lm_router_update_bias (reduce buffer + old bias):
+                                       the per-step update allocates nothing */
 } lm_router_state;
 
 lm_status lm_router_state_init(lm_router_state *s, int E, lm_error *err);

@@ -48,9 +48,32 @@ typedef struct {
     char key[6];        /* the 5 digits, NUL-terminated */
 } lm_passkey_doc;
 
+/* Makes document (seed, index) of `length` tokens into a fresh doc->ids (owned:
+ * lm_passkey_doc_free). Allocates per call; loops use lm_passkey_make_into. */
 lm_status lm_passkey_make(lm_tokenizer *tok, const lm_shard *filler, int64_t length, uint64_t seed,
                           uint64_t index, lm_passkey_doc *doc, lm_error *err);
 void lm_passkey_doc_free(lm_passkey_doc *doc);
+
+/* Grow-only scratch of lm_passkey_make_into, reused from document to document, so a
+ * steady stream of documents allocates nothing once the buffers fit (the byte
+ * tokenizer's encode allocates nothing else; GPT-2's may grow its piece cache).
+ * Start zeroed; lm_passkey_ws_free releases it. Not shared between threads. */
+typedef struct {
+    int32_t *enc; /* [enc_cap] the encoded KEY, QUESTION, ANSWER back to back */
+    int64_t enc_cap;
+    int32_t *ids; /* [ids_cap] the document when the caller passes no `out` */
+    int64_t ids_cap;
+} lm_passkey_ws;
+
+/* The same document as lm_passkey_make (same tokens, same positions, same errors),
+ * written into out[length] (caller-owned int32 token ids) or, with out == NULL, into
+ * ws's grow-only buffer (valid until the next call with ws or lm_passkey_ws_free).
+ * doc->ids points at that buffer and is NOT owned: do not lm_passkey_doc_free it.
+ * On error *doc is left empty and out[0..length) may be partly written. */
+lm_status lm_passkey_make_into(lm_tokenizer *tok, const lm_shard *filler, int64_t length,
+                               uint64_t seed, uint64_t index, lm_passkey_ws *ws, int32_t *out,
+                               lm_passkey_doc *doc, lm_error *err);
+void lm_passkey_ws_free(lm_passkey_ws *ws);
 
 #ifdef __cplusplus
 }

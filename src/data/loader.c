@@ -23,6 +23,7 @@ struct lm_loader {
     int64_t *long_docs; /* [n_long] documents with >= stage S tokens */
     int64_t n_long;
     lm_loader_state st;
+    lm_passkey_ws pk; /* grow-only scratch of the passkey rows (reused every batch) */
 };
 
 /* Domain-separated Philox keys (splitmix64 finaliser of seed and a tag). */
@@ -84,6 +85,7 @@ void lm_loader_free(lm_loader *l) {
     free(l->doc_len);
     free(l->perm);
     free(l->long_docs);
+    lm_passkey_ws_free(&l->pk);
     free(l);
 }
 
@@ -220,12 +222,12 @@ lm_status lm_loader_set_stage(lm_loader *l, const lm_loader_stage *s, lm_error *
         const int Lp = s->passkey_length > 0 ? s->passkey_length : s->seq_len;
         lm_passkey_doc doc;
         memset(&doc, 0, sizeof doc);
-        lm_status st =
-            lm_passkey_make(l->tok, l->sh, Lp, key_of(l->seed, TAG_PASSKEY), 0, &doc, err);
+        /* into the loader's workspace: also sizes its buffers before the first batch */
+        lm_status st = lm_passkey_make_into(l->tok, l->sh, Lp, key_of(l->seed, TAG_PASSKEY), 0,
+                                            &l->pk, NULL, &doc, err);
         if (st == LM_OK && doc.n != Lp)
             st = lm_errorf(err, LM_ERR_INVALID, "loader: passkey document has %lld tokens, want %d",
                            (long long)doc.n, Lp);
-        lm_passkey_doc_free(&doc);
         if (st != LM_OK)
             return st;
     }
@@ -340,19 +342,16 @@ lm_status lm_loader_next(lm_loader *l, int rows, lm_loader_batch *b, lm_error *e
                 lm_passkey_doc doc;
                 memset(&doc, 0, sizeof doc);
                 const uint64_t idx = l->st.passkeys * (uint64_t)l->world + (uint64_t)l->rank;
-                LM_TRY(lm_passkey_make(l->tok, l->sh, Lp, key_of(l->seed, TAG_PASSKEY), idx, &doc,
-                                       err));
-                if (doc.n != Lp) {
-                    lm_passkey_doc_free(&doc);
+                int32_t *di = ids + (int64_t)q * Lp, *dl = lab + (int64_t)q * Lp;
+                /* straight into the row; the workspace makes this allocation-free */
+                LM_TRY(lm_passkey_make_into(l->tok, l->sh, Lp, key_of(l->seed, TAG_PASSKEY), idx,
+                                            &l->pk, di, &doc, err));
+                if (doc.n != Lp)
                     return lm_errorf(err, LM_ERR_INVALID,
                                      "loader: passkey document has %lld tokens, want %d",
                                      (long long)doc.n, Lp);
-                }
-                int32_t *di = ids + (int64_t)q * Lp, *dl = lab + (int64_t)q * Lp;
-                memcpy(di, doc.ids, (size_t)Lp * sizeof(int32_t));
-                memcpy(dl, doc.ids + 1, (size_t)(Lp - 1) * sizeof(int32_t));
+                memcpy(dl, di + 1, (size_t)(Lp - 1) * sizeof(int32_t));
                 dl[Lp - 1] = LM_MODEL_IGNORE;
-                lm_passkey_doc_free(&doc);
                 l->st.passkeys++;
                 if (pack)
                     b->cu[ncu++] = base + (int64_t)(q + 1) * Lp;
@@ -382,9 +381,9 @@ lm_status lm_loader_next(lm_loader *l, int rows, lm_loader_batch *b, lm_error *e
         } else if (u < l->stage.passkey_fraction + l->stage.long_doc_fraction +
                            l->stage.repeat_fraction) {
             draw_stream ds = {key_of(l->seed, TAG_REPEAT), g * 4096u, 0, {0}, 4};
-            const int64_t n_in = S - 1; /* positions 1 .. S-1 after the EOT */
-            int64_t m = 8 + below32(ds_next(&ds), 17);         /* span: 8 .. 24 tokens */
-            int R = 2 + (int)below32(ds_next(&ds), 7);        /* copies: 2 .. 8 */
+            const int64_t n_in = S - 1;                /* positions 1 .. S-1 after the EOT */
+            int64_t m = 8 + below32(ds_next(&ds), 17); /* span: 8 .. 24 tokens */
+            int R = 2 + (int)below32(ds_next(&ds), 7); /* copies: 2 .. 8 */
             if (2 * m > n_in)
                 m = n_in / 2;
             if ((int64_t)R * m > n_in)
@@ -392,7 +391,7 @@ lm_status lm_loader_next(lm_loader *l, int rows, lm_loader_batch *b, lm_error *e
             int32_t *span = b->span;
             for (int64_t i = 0; i < m; i++) /* unigram draws */
                 span[i] = unigram_tok(l, ds_next64(&ds));
-            int64_t cut[9];                /* R sorted cut points in [0, gap_total] */
+            int64_t cut[9]; /* R sorted cut points in [0, gap_total] */
             const int64_t gap_total = n_in - (int64_t)R * m;
             for (int r = 0; r < R; r++) {
                 int64_t c = below32(ds_next(&ds), gap_total + 1), q = r;

@@ -30,31 +30,24 @@ static void draw(uint64_t seed, uint64_t index, uint32_t out[4]) {
     lm_philox4x32_10(ctr, key, out);
 }
 
-/* Encode `s` into a fresh buffer (*ids, *n). */
-static lm_status encode_str(lm_tokenizer *tok, const char *s, int32_t **ids, int64_t *n,
-                            lm_error *err) {
-    int64_t cap = 0;
-    *ids = NULL;
-    *n = 0;
-    lm_status st = lm_tokenizer_encode(tok, s, strlen(s), ids, n, &cap, err);
-    if (st != LM_OK) {
-        free(*ids);
-        *ids = NULL;
-        *n = 0;
-    }
-    return st;
+/* Append the encoding of `s` to ws->enc (grow-only: *n is the fill, ws->enc_cap the
+ * capacity, kept across documents). */
+static lm_status encode_append(lm_tokenizer *tok, const char *s, lm_passkey_ws *ws, int64_t *n,
+                               lm_error *err) {
+    return lm_tokenizer_encode(tok, s, strlen(s), &ws->enc, n, &ws->enc_cap, err);
 }
 
-/* 1 when token `id` decodes to bytes containing an ASCII digit. */
+/* 1 when token `id`'s bytes (what decoding it alone gives) contain an ASCII digit. */
 static lm_status has_digit(const lm_tokenizer *tok, int32_t id, int *out, lm_error *err) {
-    char *s = NULL;
     size_t len = 0;
-    LM_TRY(lm_tokenizer_decode(tok, &id, 1, &s, &len, err));
+    const uint8_t *s = lm_tokenizer_token_bytes(tok, id, &len);
+    if (!s)
+        return lm_errorf(err, LM_ERR_INVALID, "passkey: token id %d is outside the %s vocab",
+                         (int)id, lm_tokenizer_name(tok));
     *out = 0;
     for (size_t i = 0; i < len; i++)
         if (s[i] >= '0' && s[i] <= '9')
             *out = 1;
-    free(s);
     return LM_OK;
 }
 
@@ -86,11 +79,14 @@ static lm_status take_filler(const lm_shard *f, int32_t eot, int64_t want, uint6
     return LM_OK;
 }
 
-lm_status lm_passkey_make(lm_tokenizer *tok, const lm_shard *filler, int64_t length, uint64_t seed,
-                          uint64_t index, lm_passkey_doc *doc, lm_error *err) {
+lm_status lm_passkey_make_into(lm_tokenizer *tok, const lm_shard *filler, int64_t length,
+                               uint64_t seed, uint64_t index, lm_passkey_ws *ws, int32_t *out,
+                               lm_passkey_doc *doc, lm_error *err) {
     if (!doc)
         return lm_errorf(err, LM_ERR_INVALID, "passkey: NULL document");
     memset(doc, 0, sizeof(*doc));
+    if (!ws)
+        return lm_errorf(err, LM_ERR_INVALID, "passkey: NULL workspace");
     if (!tok || !filler)
         return lm_errorf(err, LM_ERR_INVALID, "passkey: NULL tokenizer or filler");
     const char *fname = filler->path ? filler->path : "(unnamed)";
@@ -114,73 +110,70 @@ lm_status lm_passkey_make(lm_tokenizer *tok, const lm_shard *filler, int64_t len
              key, key);
     snprintf(answer, sizeof answer, " %s.", key);
 
-    int32_t *k_ids = NULL, *q_ids = NULL, *a_ids = NULL;
-    int64_t nk = 0, nq = 0, na = 0;
-    lm_status st = encode_str(tok, key_sent, &k_ids, &nk, err);
+    /* KEY, QUESTION, ANSWER back to back in ws->enc */
+    int64_t ne = 0, nk = 0, nq = 0, na = 0;
+    lm_status st = encode_append(tok, key_sent, ws, &ne, err);
+    nk = ne;
     if (st == LM_OK)
-        st = encode_str(tok, k_question, &q_ids, &nq, err);
+        st = encode_append(tok, k_question, ws, &ne, err);
+    nq = ne - nk;
     if (st == LM_OK)
-        st = encode_str(tok, answer, &a_ids, &na, err);
+        st = encode_append(tok, answer, ws, &ne, err);
+    na = ne - nk - nq;
+    if (st != LM_OK)
+        return st;
+    const int32_t *k_ids = ws->enc, *q_ids = ws->enc + nk, *a_ids = ws->enc + nk + nq;
     const int64_t n_fill = length - nk - nq - na;
-    if (st == LM_OK && n_fill < PASSKEY_MIN_FILLER)
-        st = lm_errorf(err, LM_ERR_INVALID,
-                       "passkey: length = %lld is too short: key sentence (%lld tokens), "
-                       "question (%lld) and answer (%lld) leave %lld filler tokens (need >= %d)",
-                       (long long)length, (long long)nk, (long long)nq, (long long)na,
-                       (long long)n_fill, PASSKEY_MIN_FILLER);
-    int32_t *ids = NULL;
-    if (st == LM_OK) {
-        ids = malloc((size_t)length * sizeof(int32_t));
-        if (!ids)
-            st = lm_errorf(err, LM_ERR_NOMEM, "passkey: cannot allocate %lld tokens",
-                           (long long)length);
-    }
-    int64_t depth = 0;
-    if (st == LM_OK) {
-        /* offset uniform over the shard, depth uniform over the n_fill + 1 insertion
-         * points (64-bit modulo: bias < count / 2^64) */
-        uint64_t pos = ((uint64_t)w[1] | ((uint64_t)w[2] << 32)) % filler->count, visited = 0;
-        depth = (int64_t)(w[3] % (uint64_t)(n_fill + 1));
-        const int32_t eot = lm_tokenizer_eot(tok);
-        int64_t o = 0;
-        st = take_filler(filler, eot, depth, &pos, &visited, ids, err);
-        o += depth;
-        if (st == LM_OK) {
-            memcpy(ids + o, k_ids, (size_t)nk * sizeof(int32_t));
-            o += nk;
-            st = take_filler(filler, eot, n_fill - depth, &pos, &visited, ids + o, err);
-            o += n_fill - depth;
+    if (n_fill < PASSKEY_MIN_FILLER)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "passkey: length = %lld is too short: key sentence (%lld tokens), "
+                         "question (%lld) and answer (%lld) leave %lld filler tokens (need >= %d)",
+                         (long long)length, (long long)nk, (long long)nq, (long long)na,
+                         (long long)n_fill, PASSKEY_MIN_FILLER);
+    int32_t *ids = out;
+    if (!ids) {
+        if (ws->ids_cap < length) {
+            int32_t *p = realloc(ws->ids, (size_t)length * sizeof(int32_t));
+            if (!p)
+                return lm_errorf(err, LM_ERR_NOMEM, "passkey: cannot allocate %lld tokens",
+                                 (long long)length);
+            ws->ids = p;
+            ws->ids_cap = length;
         }
-        if (st == LM_OK) {
-            memcpy(ids + o, q_ids, (size_t)nq * sizeof(int32_t));
-            o += nq;
-            memcpy(ids + o, a_ids, (size_t)na * sizeof(int32_t));
-            o += na;
-            LM_CHECK(o == length);
-        }
+        ids = ws->ids;
     }
+    /* offset uniform over the shard, depth uniform over the n_fill + 1 insertion
+     * points (64-bit modulo: bias < count / 2^64) */
+    uint64_t pos = ((uint64_t)w[1] | ((uint64_t)w[2] << 32)) % filler->count, visited = 0;
+    const int64_t depth = (int64_t)(w[3] % (uint64_t)(n_fill + 1));
+    const int32_t eot = lm_tokenizer_eot(tok);
+    int64_t o = 0;
+    LM_TRY(take_filler(filler, eot, depth, &pos, &visited, ids, err));
+    o += depth;
+    memcpy(ids + o, k_ids, (size_t)nk * sizeof(int32_t));
+    o += nk;
+    LM_TRY(take_filler(filler, eot, n_fill - depth, &pos, &visited, ids + o, err));
+    o += n_fill - depth;
+    memcpy(ids + o, q_ids, (size_t)nq * sizeof(int32_t));
+    o += nq;
+    memcpy(ids + o, a_ids, (size_t)na * sizeof(int32_t));
+    o += na;
+    LM_CHECK(o == length);
     /* the tokens of ANSWER that carry a digit of the key */
     int64_t first = -1, last = -1;
-    for (int64_t i = 0; st == LM_OK && i < na; i++) {
+    for (int64_t i = 0; i < na; i++) {
         int d = 0;
-        st = has_digit(tok, a_ids[i], &d, err);
-        if (st == LM_OK && d) {
+        LM_TRY(has_digit(tok, a_ids[i], &d, err));
+        if (d) {
             if (first < 0)
                 first = i;
             last = i;
         }
     }
-    if (st == LM_OK && first < 0)
-        st = lm_errorf(err, LM_ERR_INVALID,
-                       "passkey: the %s tokenizer's encoding of \"%s\" has no token with a digit",
-                       lm_tokenizer_name(tok), answer);
-    free(k_ids);
-    free(q_ids);
-    if (st != LM_OK) {
-        free(a_ids);
-        free(ids);
-        return st;
-    }
+    if (first < 0)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "passkey: the %s tokenizer's encoding of \"%s\" has no token with a digit",
+                         lm_tokenizer_name(tok), answer);
     doc->ids = ids;
     doc->n = length;
     doc->key_pos = depth;
@@ -188,8 +181,30 @@ lm_status lm_passkey_make(lm_tokenizer *tok, const lm_shard *filler, int64_t len
     doc->digits_pos = doc->answer_pos + first;
     doc->digits_end = doc->answer_pos + last + 1;
     memcpy(doc->key, key, sizeof doc->key);
-    free(a_ids);
     return LM_OK;
+}
+
+lm_status lm_passkey_make(lm_tokenizer *tok, const lm_shard *filler, int64_t length, uint64_t seed,
+                          uint64_t index, lm_passkey_doc *doc, lm_error *err) {
+    lm_passkey_ws ws;
+    memset(&ws, 0, sizeof ws);
+    lm_status st = lm_passkey_make_into(tok, filler, length, seed, index, &ws, NULL, doc, err);
+    if (st == LM_OK) {
+        doc->ids = ws.ids; /* the document takes the workspace's buffer */
+        ws.ids = NULL;
+    } else if (doc) {
+        memset(doc, 0, sizeof(*doc));
+    }
+    lm_passkey_ws_free(&ws);
+    return st;
+}
+
+void lm_passkey_ws_free(lm_passkey_ws *ws) {
+    if (!ws)
+        return;
+    free(ws->enc);
+    free(ws->ids);
+    memset(ws, 0, sizeof(*ws));
 }
 
 void lm_passkey_doc_free(lm_passkey_doc *doc) {

@@ -16,12 +16,14 @@
 /* Layout of the buffer handed to the reduce callback. Every entry is a sum over
  * ranks, so a plain element-wise all-reduce(SUM) of n doubles is all it needs. */
 enum { RED_TOKENS, RED_DROP_A, RED_DROP_T, RED_AUX, RED_NMICRO, RED_QBCOUNT, RED_SCALARS };
+/* it lives in the state (lm_router_state.reduce_buf): 3E + RED_SCALARS + E doubles */
+_Static_assert(RED_SCALARS <= 16, "LM_ROUTER_REDUCE_BUF_LEN holds 16 scalars");
 
 lm_status lm_router_update_bias(const lm_router_config *c, lm_router_state *st,
                                 lm_allreduce_fn reduce, void *reduce_ctx, lm_router_metrics *m,
                                 lm_error *err) {
     LM_TRY(lm_router_config_validate(c, err));
-    if (!st || !st->e_score_correction_bias)
+    if (!st || !st->e_score_correction_bias || !st->reduce_buf)
         return lm_errorf(err, LM_ERR_INVALID, "router: update_bias needs an initialised state");
     const int E = c->num_experts;
     if (st->E != E)
@@ -30,7 +32,7 @@ lm_status lm_router_update_bias(const lm_router_config *c, lm_router_state *st,
 
     /* pack: demand[E] kept[E] qb_accum[E] scalars[RED_SCALARS] | b_old[E] (not reduced) */
     const int n = 3 * E + RED_SCALARS;
-    double *buf = LM_MALLOC(sizeof(double) * ((size_t)n + E));
+    double *buf = st->reduce_buf; /* LM_ROUTER_REDUCE_BUF_LEN(E) >= n + E doubles */
     double *dem = buf, *kept = buf + E, *qacc = buf + 2 * E, *sc = buf + 3 * E;
     double *b_old = buf + n;
     memcpy(dem, st->demand, sizeof(double) * (size_t)E);
@@ -167,6 +169,5 @@ lm_status lm_router_update_bias(const lm_router_config *c, lm_router_state *st,
     st->tokens = st->dropped_assign = st->dropped_tokens = 0;
     st->aux_loss_sum = 0.0;
     st->n_micro = 0;
-    free(buf);
     return LM_OK;
 }

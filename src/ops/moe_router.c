@@ -193,8 +193,9 @@ lm_status lm_router_state_init(lm_router_state *s, int E, lm_error *err) {
     s->qb_accum = calloc((size_t)E, sizeof(double));
     s->prev_delta = calloc((size_t)E, sizeof(float));
     s->history = calloc((size_t)LM_ROUTER_HISTORY * E, sizeof(double));
+    s->reduce_buf = calloc(LM_ROUTER_REDUCE_BUF_LEN(E), sizeof(double));
     if (!s->e_score_correction_bias || !s->demand || !s->kept || !s->qb_accum || !s->prev_delta ||
-        !s->history) {
+        !s->history || !s->reduce_buf) {
         lm_router_state_free(s);
         return lm_errorf(err, LM_ERR_NOMEM, "router: out of memory for the state of %d experts", E);
     }
@@ -210,6 +211,7 @@ void lm_router_state_free(lm_router_state *s) {
     free(s->qb_accum);
     free(s->prev_delta);
     free(s->history);
+    free(s->reduce_buf);
     memset(s, 0, sizeof(*s));
 }
 

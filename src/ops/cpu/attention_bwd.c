@@ -136,13 +136,43 @@ static void key_block(const bwd_ctx *x, int n, int g, int kb, int with_dq, float
 
 /* Owner tasks carry the document length in `b`; longest first. The order only
  * balances the load (results do not depend on it). */
-static int by_len_desc(const void *a, const void *b) {
-    const lm_attn_task *x = a, *y = b;
+/* Strict total order of the owner schedule's tasks: longest document first, then
+ * document, then kv head ((n, h) is unique, so no two tasks tie). */
+static int task_before(const lm_attn_task *x, const lm_attn_task *y) {
     if (x->b != y->b)
-        return x->b > y->b ? -1 : 1;
+        return x->b > y->b;
     if (x->n != y->n)
-        return x->n < y->n ? -1 : 1;
-    return x->h - y->h;
+        return x->n < y->n;
+    return x->h < y->h;
+}
+
+/* In-place heap sort by task_before (glibc's qsort mallocs a merge buffer past ~1 KiB,
+ * and the step must not allocate). Under a strict total order the sorted sequence is
+ * unique, so the schedule is the one any sort gives. */
+static void sift_down(lm_attn_task *t, int i, int n) {
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= n)
+            return;
+        if (c + 1 < n && task_before(&t[c], &t[c + 1]))
+            c++;
+        if (!task_before(&t[i], &t[c]))
+            return;
+        const lm_attn_task tmp = t[i];
+        t[i] = t[c];
+        t[c] = tmp;
+        i = c;
+    }
+}
+static void sort_tasks(lm_attn_task *t, int n) {
+    for (int i = n / 2 - 1; i >= 0; i--)
+        sift_down(t, i, n);
+    for (int e = n - 1; e > 0; e--) {
+        const lm_attn_task tmp = t[0];
+        t[0] = t[e];
+        t[e] = tmp;
+        sift_down(t, 0, e);
+    }
 }
 
 void lm_attn_cpu_backward(const lm_attention_config *c, const lm_attn_prep *p, const float *lse,
@@ -165,7 +195,7 @@ void lm_attn_cpu_backward(const lm_attention_config *c, const lm_attn_prep *p, c
             if (p->len[n] > 0)
                 for (int g = 0; g < Hkv; g++)
                     tk[nt++] = (lm_attn_task){n, g, (int)p->len[n]};
-        qsort(tk, (size_t)nt, sizeof(*tk), by_len_desc);
+        sort_tasks(tk, nt);
 #pragma omp parallel
         {
             float *scr = p->thr + p->thr_floats * (size_t)omp_get_thread_num();

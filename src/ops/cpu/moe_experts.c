@@ -302,16 +302,44 @@ void lm_moe_cpu_combine(const moe_run *run) {
     }
 }
 
-static int task_cmp(const void *pa, const void *pb) {
-    const moe_task *a = (const moe_task *)pa, *b = (const moe_task *)pb;
-    if (a->cost != b->cost)
-        return a->cost > b->cost ? -1 : 1;
-    if (a->kind != b->kind)
-        return a->kind < b->kind ? -1 : 1;
-    return (a->a > b->a) - (a->a < b->a);
+/* Strict total order: cost descending, then kind, a, b ascending ((kind, a) is unique
+ * within one task list, so nothing ties; b makes it total over any fields). */
+static int task_before(const moe_task *x, const moe_task *y) {
+    if (x->cost != y->cost)
+        return x->cost > y->cost;
+    if (x->kind != y->kind)
+        return x->kind < y->kind;
+    if (x->a != y->a)
+        return x->a < y->a;
+    return x->b < y->b;
 }
 
+static void sift_down(moe_task *t, int i, int n) {
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= n)
+            return;
+        if (c + 1 < n && task_before(&t[c], &t[c + 1]))
+            c++;
+        if (!task_before(&t[i], &t[c]))
+            return;
+        const moe_task tmp = t[i];
+        t[i] = t[c];
+        t[c] = tmp;
+        i = c;
+    }
+}
+
+/* In-place heap sort (glibc's qsort mallocs a merge buffer past ~1 KiB, and the step
+ * must not allocate). Under the strict total order the result is the unique sorted
+ * sequence, the same one qsort gave. */
 void lm_moe_cpu_sort_tasks(moe_task *tasks, int n) {
-    if (n > 1)
-        qsort(tasks, (size_t)n, sizeof(*tasks), task_cmp);
+    for (int i = n / 2 - 1; i >= 0; i--)
+        sift_down(tasks, i, n);
+    for (int e = n - 1; e > 0; e--) {
+        const moe_task tmp = tasks[0];
+        tasks[0] = tasks[e];
+        tasks[e] = tmp;
+        sift_down(tasks, 0, e);
+    }
 }
