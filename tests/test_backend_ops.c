@@ -12,9 +12,10 @@
 #include "bo.h"
 #include "linmoe/kda_cuda.h"
 
-#define FAMILIES(X) \
-    X(embedding) X(norm) X(swiglu) X(short_conv) X(gemm) X(attention) X(router) X(moe) \
-        X(attnres) X(cross_entropy) X(adamw)
+#define FAMILIES(X)                                                                                \
+    X(embedding)                                                                                   \
+    X(norm) X(swiglu) X(short_conv) X(gemm) X(attention) X(router) X(moe) X(attnres)               \
+        X(cross_entropy) X(adamw) X(dispatch)
 
 #define DECL(n) int bo_family_##n(bo_ctx *c) __attribute__((weak));
 FAMILIES(DECL)

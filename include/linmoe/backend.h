@@ -35,12 +35,8 @@ extern "C" {
 
 /* ---------------------------------------------------------------- devices */
 
-typedef enum { LM_DEVICE_CPU = 0, LM_DEVICE_CUDA = 1 } lm_device_type;
-
-typedef struct {
-    lm_device_type type;
-    int index; /* CUDA ordinal; 0 for the CPU */
-} lm_device;
+/* lm_device_type and lm_device (a type and a CUDA ordinal) are defined in
+ * include/linmoe/core.h, where lm_tensor carries one. */
 
 /* Parses "cpu", "cuda" (= cuda:0) or "cuda:N" (N a non-negative decimal). `what` names
  * the source of the string for the error message (e.g. "--device"). Errors:

@@ -91,19 +91,35 @@ const char *lm_dtype_name(lm_dtype dt); /* safetensors spelling: "F32", "BF16", 
 /* Returns 0 and sets *out on success, -1 for an unknown name. */
 int lm_dtype_from_name(const char *name, lm_dtype *out);
 
+/* Where memory lives: the host (`cpu`) or CUDA device `index` (`cuda:N`). Parsing and
+ * printing: lm_device_parse / lm_device_name (include/linmoe/backend.h). Defined here so
+ * that a tensor can carry its device without core.h depending on backend.h. */
+typedef enum { LM_DEVICE_CPU = 0, LM_DEVICE_CUDA = 1 } lm_device_type;
+
+typedef struct {
+    lm_device_type type;
+    int index; /* CUDA ordinal; 0 for the CPU */
+} lm_device;
+
 #define LM_MAX_DIMS 8
 /* A non-owning strided view. Strides are in elements (not bytes). For sequence
- * ops the layout is [B, T, H, D] row-major (innermost D), as in fla. */
+ * ops the layout is [B, T, H, D] row-major (innermost D), as in fla. `device` says
+ * where `data` lives (host memory for LM_DEVICE_CPU, device memory of that CUDA ordinal
+ * otherwise); the dispatched ops of include/linmoe/ops.h check it against the backend. */
 typedef struct {
     void *data;
     lm_dtype dtype;
     int ndim;
     int64_t shape[LM_MAX_DIMS];
     int64_t stride[LM_MAX_DIMS];
+    lm_device device;
 } lm_tensor;
 
-/* Contiguous row-major view. */
+/* Contiguous row-major view of host memory (device = cpu). */
 lm_tensor lm_tensor_make(void *data, lm_dtype dt, int ndim, const int64_t *shape);
+/* The same on `device` (data must be memory of that device; nothing is dereferenced). */
+lm_tensor lm_tensor_make_on(void *data, lm_dtype dt, int ndim, const int64_t *shape,
+                            lm_device device);
 int64_t lm_tensor_numel(const lm_tensor *t);
 int lm_tensor_is_contiguous(const lm_tensor *t);
 /* Element offset of index idx[ndim]. */

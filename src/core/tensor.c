@@ -50,6 +50,14 @@ lm_tensor lm_tensor_make(void *data, lm_dtype dt, int ndim, const int64_t *shape
         t.stride[i] = s;
         s *= shape[i] > 0 ? shape[i] : 1;
     }
+    t.device = (lm_device){LM_DEVICE_CPU, 0};
+    return t;
+}
+
+lm_tensor lm_tensor_make_on(void *data, lm_dtype dt, int ndim, const int64_t *shape,
+                            lm_device device) {
+    lm_tensor t = lm_tensor_make(data, dt, ndim, shape);
+    t.device = device;
     return t;
 }
 
