@@ -11,7 +11,8 @@
  * Rows (name, shape, pass):
  *   embedding     N=32768 V=50304 D=1024|2048   fwd, fwd+bwd (the public entry points)
  *   embedding/v<B>  the same shapes             fwd+bwd, bwd (backward variant B alone;
- *                                               src/ops/cuda/layers_variants.h)
+ *                                               src/ops/cuda/layers_variants.h; v1 is the
+ *                                               earlier v2: dev/layers_variants.md)
  * Bytes, the fewest each pass must move: forward ids, the U distinct ids' rows read once
  * and out written (4 N + 2 U D + 2 N D; U counted on the host: the rows of repeated ids
  * come from L2); backward ids, dout read (4 N + 2 N D) and the distinct ids' rows of

@@ -8,7 +8,8 @@
  *   short_conv_step  B=64 C=3072 W=4             step (decode, state in place)
  * (the public entry points, the default variant), then the kernel variants side by side
  * (src/ops/cuda/layers_variants.h; no peer rows):
- *   short_conv/v<V>  T=32768 C=3072 W=4 docs=8   fwd, fwd+bwd, bwd (the backward alone)
+ *   short_conv/v<V>  T=32768 C=3072 W=4 docs=8   fwd, fwd+bwd, bwd (the backward alone;
+ *                    v1 is the earlier v2, the tiled kernels: dev/layers_variants.md)
  * Bytes (bf16 activations, fp32 state and dweight): forward x read, y written = 4 T C;
  * backward x, dy read, dx written = 6 T C, dweight read and written 8 C W; the step x, y
  * = 4 B C and the state read and written 8 B C (W-1). FLOPs 2 W per element (+ SiLU),

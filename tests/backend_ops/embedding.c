@@ -3,16 +3,16 @@
  * the token-order scatter-add "embedding rows" of the backward; the reference sums in
  * fp64). There is no stand-alone CPU embedding op.
  *
- * Cases: N = 1; ids drawn from a few rows so that runs of one id span many 32-token
+ * Cases: N = 1; ids drawn from a few rows so that runs of one id span many 16-token
  * chunks of the sorted order (the cross-chunk path); a heavy-tailed (Zipf-like) draw over
  * V = 50304; D = 1000 (vector path, 125 vectors) and D = 1001 (scalar path); out-of-range
  * ids (-1 and V), which must give zero rows, be counted in n_bad and add nothing. The
  * gradient accumulates into a random prefill of the whole table (rows no token hits
  * must stay as they were), and the backward runs twice into two copies of the prefill:
  * the results must be the same bits. The backward runs through the public entry point
- * (op "embedding") and each variant of src/ops/cuda/layers_variants.h ("embedding/v1",
- * "/v2"); V = 1 with N = 5000 gives one run over 313 chunks of 16 (variant 2 probes 256
- * chunk starts at a time), N = 70000 with V = 50304 needs 33-bit keys (variant 2's 64-bit
+ * (op "embedding") and each variant of src/ops/cuda/layers_variants.h ("embedding/v1");
+ * V = 1 with N = 5000 gives one run over 313 chunks of 16 (the cross-chunk kernel probes
+ * 256 chunk starts at a time), N = 70000 with V = 50304 needs 33-bit keys (the 64-bit
  * instance).
  *
  * Tolerances: out exact (a copy). dweight 1e-5 (fp32 sums of bf16 values against fp64;

@@ -10,10 +10,10 @@
  * none, with and without initial state, final state in place over the initial state;
  * three decode steps fed back in place. dweight is accumulated into a random prefill.
  * Every conv case runs through the public entry points (op "short_conv", the default
- * variant) and each variant of src/ops/cuda/layers_variants.h ("short_conv/v1", "/v2";
- * v2 covers W = 4 with C % 8 == 0, where C = 520 leaves a partial 512-channel CTA and
- * T = 1000 documents of length 1, 2 and 127 cross its 32-token sub-tiles and 128-token
- * dweight tiles).
+ * variant) and each variant of src/ops/cuda/layers_variants.h ("short_conv/v1": the
+ * tiled kernels for W = 4 with C % 8 == 0, where C = 520 leaves a partial 512-channel CTA
+ * and T = 1000 documents of length 1, 2 and 127 cross its 32-token sub-tiles and 128-token
+ * dweight tiles; the other W and C run the first kernels, its fallback).
  *
  * Tolerances: y, dx: BO_TOL_FWD / BO_TOL_GRAD (bf16 output rounding). final_state:
  * exact (copies of bf16 inputs or fp32 state). dweight, dinitial_state: 1e-4 (fp32 sums

@@ -6,20 +6,24 @@
  * D % 8 != 0 or a pointer is not 16-byte aligned).
  *
  * Backward, without floating-point atomics:
- *   1. keys[n] = id << bits(N) | n (an out-of-range id becomes the sentinel V); the keys
- *      are unique, so CUB's radix sort puts them in one order: by id, then by token;
- *   2. the sorted positions are cut into chunks of CHUNK; a CTA per (chunk, 1024 or 128
- *      columns) walks its positions in order and sums each run of equal ids (a "piece")
+ *   1. keys[n] = id << bits(N) | n (an out-of-range id becomes the sentinel V), in 32
+ *      bits when bits(N - 1) + bits(V) <= 32, else 64; CUB's radix sort, stable, sorts
+ *      them on their id bits only (ceil(bits(V) / 8) passes: 2 at V = 50304), and the
+ *      keys are made in token order, so they end up in one order: by id, then by token;
+ *   2. the sorted positions are cut into chunks of CHUNK2 = 16; a CTA per (chunk, 1024
+ *      or 128 columns) walks the runs of equal ids of its chunk and sums each run's piece
  *      in fp32 registers. A piece whose run lies inside the chunk is added to
  *      dweight[id] directly (no other CTA touches that row). A piece whose run continues
  *      past the chunk start goes to part[chunk][0], one that only continues past the
  *      chunk end to part[chunk][1];
  *   3. for every run that crosses a chunk boundary, the CTA of the chunk where it starts
- *      adds part[start][1] and part[c][0] of the following chunks in order, then
- *      dweight[id] += that sum.
+ *      adds part[start][1] and part[c][0] of the following chunks in a fixed grouping,
+ *      then dweight[id] += that sum.
  * Every run is summed in token order and every dweight row gets exactly one addition,
  * so the result is the same on every run (and matches the CPU's token order up to the
- * fp32 rounding of adding the run's sum once instead of term by term).
+ * fp32 rounding of adding the run's sum once instead of term by term). The first
+ * backward kernels (64-bit keys sorted on all bits, chunks of 32), which lost their A/B
+ * test, are described in dev/layers_variants.md.
  */
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda_bf16.h>
@@ -32,7 +36,6 @@
 
 namespace {
 
-constexpr int CHUNK = 32;        /* sorted positions per CTA in the backward */
 constexpr int BWD_THREADS = 128; /* column vectors per CTA in the backward */
 
 template <int VEC> struct Pk;
@@ -125,120 +128,7 @@ __global__ void __launch_bounds__(256)
     }
 }
 
-/* ---------------------------------------------------------------- backward */
-
-__global__ void emb_keys(const int32_t *__restrict__ ids, int64_t N, int V, int nb,
-                         unsigned long long *__restrict__ keys) {
-    const int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (n >= N)
-        return;
-    const int32_t id = ids[n];
-    const unsigned long long k = (id >= 0 && id < V) ? (unsigned long long)id : (unsigned)V;
-    keys[n] = (k << nb) | (unsigned long long)n;
-}
-
-struct BwdP {
-    const unsigned long long *keys; /* sorted */
-    const __nv_bfloat16 *dout;
-    float *dW, *part;
-    int64_t N;
-    int nb, V, D;
-};
-
-__device__ __forceinline__ int key_id(const BwdP &p, int64_t s) { return (int)(p.keys[s] >> p.nb); }
-
-template <int VEC> __global__ void __launch_bounds__(BWD_THREADS) emb_bwd_chunk(const BwdP p) {
-    typedef typename Pk<VEC>::T P;
-    __shared__ int sid[CHUNK];
-    __shared__ int spos[CHUNK];
-    __shared__ int nbr[2]; /* ids just before and just after the chunk (-1: none) */
-    const int64_t c = blockIdx.x, s0 = c * CHUNK;
-    const int n = (int)(p.N - s0 < CHUNK ? p.N - s0 : CHUNK);
-    const unsigned long long mask = (1ull << p.nb) - 1;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const unsigned long long k = p.keys[s0 + i];
-        sid[i] = (int)(k >> p.nb);
-        spos[i] = (int)(k & mask);
-    }
-    if (threadIdx.x == 0) {
-        nbr[0] = c > 0 ? key_id(p, s0 - 1) : -1;
-        nbr[1] = s0 + n < p.N ? key_id(p, s0 + n) : -1;
-    }
-    __syncthreads();
-    const int v = blockIdx.y * BWD_THREADS + threadIdx.x;
-    if (v >= p.D / VEC)
-        return;
-    const int64_t col = (int64_t)v * VEC;
-    float acc[VEC];
-#pragma unroll
-    for (int i = 0; i < VEC; i++)
-        acc[i] = 0.0f;
-    int cur = sid[0], ps = 0;
-    /* the piece of id `cur` that began at chunk position ps ends at pe */
-    auto flush = [&](int pe) {
-        if (cur >= p.V)
-            return; /* out-of-range ids (the sentinel) contribute nothing */
-        const bool lopen = ps == 0 && cur == nbr[0];
-        const bool ropen = pe == n && cur == nbr[1];
-        if (!lopen && !ropen)
-            add_to<VEC>(p.dW + (int64_t)cur * p.D + col, acc);
-        else
-            put<VEC>(p.part + (c * 2 + (lopen ? 0 : 1)) * p.D + col, acc);
-    };
-    constexpr int U = 4;
-    for (int j0 = 0; j0 < n; j0 += U) {
-        P r[U];
-#pragma unroll
-        for (int u = 0; u < U; u++)
-            if (j0 + u < n)
-                r[u] =
-                    __ldg(reinterpret_cast<const P *>(p.dout + (int64_t)spos[j0 + u] * p.D + col));
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int j = j0 + u;
-            if (j < n) {
-                if (sid[j] != cur) {
-                    flush(j);
-#pragma unroll
-                    for (int i = 0; i < VEC; i++)
-                        acc[i] = 0.0f;
-                    cur = sid[j];
-                    ps = j;
-                }
-                add_bf16(acc, r[u]);
-            }
-        }
-    }
-    flush(n);
-}
-
-/* Runs that cross chunk boundaries: the chunk where a run starts finishes it. */
-template <int VEC> __global__ void __launch_bounds__(BWD_THREADS) emb_bwd_cross(const BwdP p) {
-    const int64_t c = blockIdx.x, s0 = c * CHUNK, s1 = s0 + CHUNK;
-    if (s1 >= p.N)
-        return;
-    const int k = key_id(p, s1 - 1);
-    if (k >= p.V || key_id(p, s1) != k)
-        return; /* the chunk's last run ends inside it */
-    if (c > 0 && key_id(p, s0) == k && key_id(p, s0 - 1) == k)
-        return; /* the run started in an earlier chunk */
-    const int v = blockIdx.y * BWD_THREADS + threadIdx.x;
-    if (v >= p.D / VEC)
-        return;
-    const int64_t col = (int64_t)v * VEC;
-    float acc[VEC];
-#pragma unroll
-    for (int i = 0; i < VEC; i++)
-        acc[i] = 0.0f;
-    get_add<VEC>(acc, p.part + (c * 2 + 1) * p.D + col);
-    for (int64_t c2 = c + 1;; c2++) {
-        get_add<VEC>(acc, p.part + (c2 * 2 + 0) * p.D + col);
-        const int64_t e = (c2 + 1) * CHUNK;
-        if (e >= p.N || key_id(p, e) != k)
-            break;
-    }
-    add_to<VEC>(p.dW + (int64_t)k * p.D + col, acc);
-}
+/* ---------------------------------------------------------------- helpers */
 
 bool al16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
@@ -268,24 +158,17 @@ lm_status check(const char *op, int64_t N, int V, int D, const int32_t *ids, con
     return LM_OK;
 }
 
-/* ---------------------------------------------------------------- backward v2 */
+/* ---------------------------------------------------------------- backward */
 
-/* Variant 2 (layers_variants.h):
- *   1. keys id << bits(N) | n in 32 bits when they fit (else 64 as variant 1), sorted by
- *      their id bits only (CUB's radix sort is stable and the keys are made in token
- *      order, so the order is the same as variant 1's: by id, then by token) in
- *      ceil(bits(V) / 8) passes instead of ceil((bits(N) + bits(V)) / 8);
- *   2. chunks of CHUNK2 = 16 sorted positions; the CTA walks the runs of equal ids of
- *      its chunk and, per run, issues the dweight row's load and the loads of the run's
- *      dout rows (8 at a time) together before summing, so that each run costs about one
- *      memory latency (variant 1: one per 4 positions plus one per run);
+/* The backward (layers_variants.h), steps 2 and 3 of the file comment in detail:
+ *   2. per run of equal ids in the chunk, the CTA issues the dweight row's load and the
+ *      loads of the run's dout rows (8 at a time) together before summing, so that each
+ *      run costs about one memory latency;
  *   3. a run that crosses chunks is finished by the CTA of its first chunk: 256 threads
  *      find how many following chunks it covers from their first keys at once, then
  *      8 groups of 128 column threads sum every 8th partial (8 loads per batch) and the
  *      group sums are added in group order.
- * Deterministic as variant 1 (the order depends on the ids and the shape only); the
- * partial sums of a crossing run are grouped differently, so its bits differ from
- * variant 1's. */
+ * The order depends on the ids and the shape only. */
 constexpr int CHUNK2 = 16;
 constexpr int CROSS_G = 8;                     /* groups of column threads */
 constexpr int CROSS_T = CROSS_G * BWD_THREADS; /* 1024 */
@@ -362,7 +245,7 @@ __global__ void __launch_bounds__(BWD_THREADS) emb_bwd_chunk2(const BwdP2<K> p) 
             if (direct) {
 #pragma unroll
                 for (int i = 0; i < VEC; i++)
-                    acc[i] = old[i] + acc[i]; /* dW += the run's sum, as variant 1 */
+                    acc[i] = old[i] + acc[i]; /* dW += the run's sum */
             }
             put<VEC>(dst, acc);
         }
@@ -556,56 +439,9 @@ extern "C" lm_status lm_cuda_embedding_backward_v(lm_cuda_ctx *ctx, int variant,
     LM_TRY(check("embedding backward", N, V, D, ids, dout, dweight, "dout", "dweight", err));
     if (N == 0)
         return LM_OK;
-    if (variant == 0)
-        variant = LM_LAYERS_EMB_BWD_DEFAULT;
-    if (variant == 2) {
-        const int bits = bits_for((uint64_t)(N - 1)) + bits_for((uint64_t)V);
-        return bits <= 32 ? emb_bwd2<unsigned>(ctx, N, V, D, ids, dout, dweight, err)
-                          : emb_bwd2<unsigned long long>(ctx, N, V, D, ids, dout, dweight, err);
-    }
-    const int nb = bits_for((uint64_t)(N - 1));
-    const int end_bit = nb + bits_for((uint64_t)V);
-    const int64_t nchunks = (N + CHUNK - 1) / CHUNK;
-    size_t temp_bytes = 0;
-    unsigned long long *knull = nullptr;
-    LM_CK(cub::DeviceRadixSort::SortKeys(nullptr, temp_bytes, knull, knull, (int)N, 0, end_bit,
-                                         ctx->stream));
-    const size_t kb = align256((size_t)N * sizeof(unsigned long long));
-    const size_t pb = align256((size_t)nchunks * 2 * D * sizeof(float));
-    void *s = nullptr;
-    LM_TRY(lm_cuda_ctx_scratch(ctx, LM_SCRATCH_A, 2 * kb + pb + temp_bytes, &s, err));
-    unsigned char *base = (unsigned char *)s;
-    unsigned long long *keys_in = (unsigned long long *)base;
-    unsigned long long *keys = (unsigned long long *)(base + kb);
-    float *part = (float *)(base + 2 * kb);
-    void *temp = base + 2 * kb + pb;
-    emb_keys<<<(unsigned)((N + 255) / 256), 256, 0, ctx->stream>>>(ids, N, V, nb, keys_in);
-    LM_CK_LAUNCH("emb_keys");
-    LM_CK(cub::DeviceRadixSort::SortKeys(temp, temp_bytes, keys_in, keys, (int)N, 0, end_bit,
-                                         ctx->stream));
-    BwdP p;
-    p.keys = keys;
-    p.dout = (const __nv_bfloat16 *)dout;
-    p.dW = dweight;
-    p.part = part;
-    p.N = N;
-    p.nb = nb;
-    p.V = V;
-    p.D = D;
-    const bool vec = D % 8 == 0 && al16(dout) && al16(dweight);
-    const int nvec = vec ? D / 8 : D;
-    const dim3 grid((unsigned)nchunks, (unsigned)((nvec + BWD_THREADS - 1) / BWD_THREADS));
-    if (vec) {
-        emb_bwd_chunk<8><<<grid, BWD_THREADS, 0, ctx->stream>>>(p);
-        LM_CK_LAUNCH("emb_bwd_chunk");
-        emb_bwd_cross<8><<<grid, BWD_THREADS, 0, ctx->stream>>>(p);
-    } else {
-        emb_bwd_chunk<1><<<grid, BWD_THREADS, 0, ctx->stream>>>(p);
-        LM_CK_LAUNCH("emb_bwd_chunk");
-        emb_bwd_cross<1><<<grid, BWD_THREADS, 0, ctx->stream>>>(p);
-    }
-    LM_CK_LAUNCH("emb_bwd_cross");
-    return LM_OK;
+    const int bits = bits_for((uint64_t)(N - 1)) + bits_for((uint64_t)V);
+    return bits <= 32 ? emb_bwd2<unsigned>(ctx, N, V, D, ids, dout, dweight, err)
+                      : emb_bwd2<unsigned long long>(ctx, N, V, D, ids, dout, dweight, err);
 }
 
 extern "C" lm_status lm_cuda_embedding_backward(lm_cuda_ctx *ctx, int64_t N, int V, int D,

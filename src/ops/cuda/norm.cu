@@ -21,10 +21,11 @@
  * min(row groups, SMs * resident CTAs per SM), which depends on the shape and the device.
  *
  * Kernel variants (src/ops/cuda/layers_variants.h; the public entry points run the
- * defaults): the forward's first kernels with their first grid (capped at 8 CTAs per SM),
- * with a one-wave grid, uncapped, and the multi-row kernels norm_fwd2; the backward's
- * first kernels and norm_bwd2 (with colsum2_add). Layouts a variant does not cover (the
- * scalar path, rows re-read) run the first kernels.
+ * defaults): the forward's first kernels on an uncapped grid and the multi-row kernels
+ * norm_fwd2; the backward's norm_bwd2 (with colsum2_add). Layouts norm_fwd2 / norm_bwd2
+ * do not cover (the scalar path, rows re-read) run the first kernels (norm_fwd on a
+ * one-wave grid, norm_bwd with colsum_add). The variants that lost their A/B tests are
+ * described in dev/layers_variants.md.
  */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -427,7 +428,7 @@ __global__ void __launch_bounds__(256)
 
 /* ---------------------------------------------------------------- v2 kernels */
 
-/* The forward of variant 4 and the backward of variant 2 (layers_variants.h), for the
+/* The forward of variant 2 and the backward (layers_variants.h), for the
  * vector layouts with rows in registers (VEC = 8, KV > 0): U rows per lane group per step,
  * every load of the step issued before the first reduction (the forward aims at about 4
  * 16-byte loads in flight per lane, the backward at about 8), the U reductions
@@ -1016,25 +1017,10 @@ FwdK pick_fwd(Layout l, const FwdP &p) {
     return p.gate ? pick_fwd_m<2>(l) : p.res ? pick_fwd_m<1>(l) : pick_fwd_m<0>(l);
 }
 
+/* The first backward kernels run only the layouts norm_bwd2 does not cover (run_bwd):
+ * scalar rows and re-read rows (D > 2048), both of 32 lanes. */
 template <bool G> BwdK pick_bwd_g(Layout l) {
-    if (l.vec == 1)
-        return norm_bwd<1, 0, 32, G>;
-    if (l.lpr == 8)
-        return norm_bwd<8, 1, 8, G>;
-    if (l.lpr == 16)
-        return norm_bwd<8, 1, 16, G>;
-    switch (l.kv) {
-    case 1:
-        return norm_bwd<8, 1, 32, G>;
-    case 2:
-        return norm_bwd<8, 2, 32, G>;
-    case 4:
-        return norm_bwd<8, 4, 32, G>;
-    case 8:
-        return norm_bwd<8, 8, 32, G>;
-    default:
-        return norm_bwd<8, 0, 32, G>;
-    }
+    return l.vec == 1 ? norm_bwd<1, 0, 32, G> : norm_bwd<8, 0, 32, G>;
 }
 
 BwdK pick_bwd(Layout l, const BwdP &p) {
@@ -1058,25 +1044,15 @@ lm_status check_common(const char *op, int64_t N, int H, int D, float eps, lm_er
     return LM_OK;
 }
 
-lm_status launch_fwd(lm_cuda_ctx *ctx, FwdP p, bool aligned, lm_error *err) {
-    if (p.R == 0)
-        return LM_OK;
-    const Layout l = choose_layout(p.D, aligned);
-    const int64_t rows_per_cta = (int64_t)(FWD_THREADS / 32) * (32 / l.lpr);
-    int64_t grid = (p.R + rows_per_cta - 1) / rows_per_cta;
-    const int64_t cap = (int64_t)ctx->sm_count * 8;
-    if (grid > cap)
-        grid = cap;
-    pick_fwd(l, p)<<<(unsigned)grid, FWD_THREADS, 0, ctx->stream>>>(p);
-    LM_CK_LAUNCH("norm_fwd");
-    return LM_OK;
-}
-
 lm_status launch_bwd(lm_cuda_ctx *ctx, const char *op, BwdP p, bool aligned, float *dweight,
                      lm_error *err) {
     if (p.R == 0 || (!p.dx && !p.dgate && !dweight))
         return LM_OK;
     const Layout l = choose_layout(p.D, aligned);
+    if (l.kv != 0) /* run_bwd sends these layouts to norm_bwd2 */
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "%s on cuda: internal error: D = %d has no first-kernel instance", op,
+                         p.D);
     const BwdK k = pick_bwd(l, p);
     const int nvec = p.D / l.vec;
     p.Dp = ((nvec + l.lpr - 1) / l.lpr) * l.lpr * l.vec;
@@ -1306,8 +1282,9 @@ lm_status check_variant(const char *op, int variant, int count, lm_error *err) {
     return LM_OK;
 }
 
-/* The first forward kernels with another grid: one wave of resident CTAs (persistent)
- * or one row-group step per warp (uncapped). */
+/* The first forward kernels: one row-group step per warp (uncapped: variant 1), or one
+ * wave of resident CTAs (persistent: the fallback of variant 2 for the layouts norm_fwd2
+ * does not cover). */
 lm_status launch_fwd_grid(lm_cuda_ctx *ctx, const FwdP &p, bool aligned, bool persistent,
                           lm_error *err) {
     const Layout l = choose_layout(p.D, aligned);
@@ -1335,27 +1312,20 @@ lm_status run_fwd(lm_cuda_ctx *ctx, int variant, const FwdP &p, bool aligned, lm
     if (variant == 0)
         variant = (p.gate || l.lpr < 32) ? LM_LAYERS_NORM_FWD_DEFAULT_SHORT
                                          : LM_LAYERS_NORM_FWD_DEFAULT_LONG;
-    switch (variant) {
-    case 1:
-        return launch_fwd(ctx, p, aligned, err);
-    case 2:
-    case 3:
-        return launch_fwd_grid(ctx, p, aligned, variant == 2, err);
-    default:
-        if (!v2_covers(l))
-            return launch_fwd_grid(ctx, p, aligned, true, err);
-        return launch_fwd2(ctx, p, l, err);
-    }
+    if (variant == 1)
+        return launch_fwd_grid(ctx, p, aligned, false, err);
+    if (!v2_covers(l))
+        return launch_fwd_grid(ctx, p, aligned, true, err);
+    return launch_fwd2(ctx, p, l, err);
 }
 
 lm_status run_bwd(lm_cuda_ctx *ctx, int variant, const char *op, const BwdP &p, bool aligned,
                   float *dweight, lm_error *err) {
     if (p.R == 0 || (!p.dx && !p.dgate && !dweight))
         return LM_OK;
-    if (variant == 0)
-        variant = LM_LAYERS_NORM_BWD_DEFAULT;
+    (void)variant; /* one variant (LM_LAYERS_NORM_BWD_VARIANTS) */
     const Layout l = choose_layout(p.D, aligned);
-    if (variant == 1 || !v2_covers(l))
+    if (!v2_covers(l))
         return launch_bwd(ctx, op, p, aligned, dweight, err);
     return launch_bwd2(ctx, p, l, dweight, err);
 }

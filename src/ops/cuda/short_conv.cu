@@ -518,7 +518,7 @@ lm_status setup(lm_cuda_ctx *ctx, const lm_short_conv_config *c, ConvP &p, size_
 
 /* ---------------------------------------------------------------- v2 (tiled) */
 
-/* Variant 2 (layers_variants.h), for W = 4, C % 8 == 0 and 16-byte aligned x (and dy):
+/* The tiled kernels (layers_variants.h), for W = 4, C % 8 == 0 and 16-byte aligned x (and dy):
  * a CTA of 256 threads owns 512 channels of a sub-tile of TS2 = 32 tokens and stages the
  * rows it reads into shared memory with cp.async (16-byte copies straight to shared
  * memory, every copy of the tile in flight at once, no registers held): x rows
@@ -851,9 +851,7 @@ extern "C" lm_status lm_cuda_short_conv_forward_v(lm_cuda_ctx *ctx, int variant,
                                                   const void *weight, const float *initial_state,
                                                   void *y, float *final_state, lm_error *err) {
     LM_TRY(lm_cuda_ctx_enter(ctx, err));
-    LM_TRY(check_variant(variant, err));
-    if (variant == 0)
-        variant = LM_LAYERS_CONV_DEFAULT;
+    LM_TRY(check_variant(variant, err)); /* one variant: LM_LAYERS_CONV_VARIANTS */
     LM_TRY(validate(c, x, weight, err));
     const int64_t rows = (int64_t)c->B * c->T;
     if (!y && rows > 0)
@@ -874,7 +872,7 @@ extern "C" lm_status lm_cuda_short_conv_forward_v(lm_cuda_ctx *ctx, int variant,
     p.h0 = c->W > 1 ? initial_state : nullptr;
     p.y = (__nv_bfloat16 *)y;
     p.hT = final_state;
-    if (rows > 0 && variant == 2 && v2_conv_ok(c, weight, x, y, nullptr)) {
+    if (rows > 0 && v2_conv_ok(c, weight, x, y, nullptr)) {
         const dim3 grid((unsigned)((rows + TS2 - 1) / TS2),
                         (unsigned)((c->C + 8 * VV2 - 1) / (8 * VV2)));
         conv_fwd2<<<grid, T2, 0, ctx->stream>>>(p);
@@ -901,9 +899,7 @@ extern "C" lm_status lm_cuda_short_conv_backward_v(lm_cuda_ctx *ctx, int variant
                                                    const void *dy, void *dx, float *dweight,
                                                    float *dinitial_state, lm_error *err) {
     LM_TRY(lm_cuda_ctx_enter(ctx, err));
-    LM_TRY(check_variant(variant, err));
-    if (variant == 0)
-        variant = LM_LAYERS_CONV_DEFAULT;
+    LM_TRY(check_variant(variant, err)); /* one variant: LM_LAYERS_CONV_VARIANTS */
     LM_TRY(validate(c, x, weight, err));
     const int64_t rows = (int64_t)c->B * c->T;
     if (!dy && rows > 0)
@@ -930,7 +926,7 @@ extern "C" lm_status lm_cuda_short_conv_backward_v(lm_cuda_ctx *ctx, int variant
     p.dx = (__nv_bfloat16 *)dx;
     p.dh0 = dinitial_state;
     p.part = (float *)part;
-    const bool v2 = variant == 2 && v2_conv_ok(c, weight, x, dy, dx);
+    const bool v2 = v2_conv_ok(c, weight, x, dy, dx);
     if (rows > 0 && v2) {
         if (lm_cuda_ctx_first_use(ctx, (const void *)conv_bwd2))
             LM_CK(cudaFuncSetAttribute(conv_bwd2, cudaFuncAttributeMaxDynamicSharedMemorySize,
