@@ -137,6 +137,10 @@ typedef struct {
 
 /* Defaults: no cu_seqlens, activation SILU (the KDA layer's use). */
 void lm_short_conv_config_default(lm_short_conv_config *c, int B, int T, int C, int W);
+/* Checks the configuration alone (B >= 1, T >= 0, C >= 1, 1 <= W <= LM_SHORT_CONV_MAX_W, the
+ * activation, the size, cu_seqlens: B == 1, starts at 0, non-decreasing, ends at T) and sets
+ * c->N; every backend's entry points call it first. Errors: LM_ERR_INVALID naming the field. */
+lm_status lm_short_conv_config_validate(lm_short_conv_config *c, lm_error *err);
 
 /* Forward (training and prefill).
  *   x, y           [B, T, C] fp32 (y must not alias x)

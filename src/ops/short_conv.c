@@ -21,8 +21,7 @@ void lm_short_conv_config_default(lm_short_conv_config *c, int B, int T, int C, 
     c->activation = LM_ACT_SILU;
 }
 
-static lm_status validate(lm_short_conv_config *c, const float *x, const float *weight,
-                          const float *initial_state, lm_error *err) {
+lm_status lm_short_conv_config_validate(lm_short_conv_config *c, lm_error *err) {
     if (!c)
         return lm_errorf(err, LM_ERR_INVALID, "%s: config is required", OP);
     if (c->B < 1)
@@ -61,6 +60,12 @@ static lm_status validate(lm_short_conv_config *c, const float *x, const float *
     } else {
         c->N = c->B;
     }
+    return LM_OK;
+}
+
+static lm_status validate(lm_short_conv_config *c, const float *x, const float *weight,
+                          const float *initial_state, lm_error *err) {
+    LM_TRY(lm_short_conv_config_validate(c, err));
     if (!weight)
         return lm_errorf(err, LM_ERR_INVALID, "%s: input 'weight' [C, W] is required", OP);
     const int64_t nx = (int64_t)c->B * c->T * c->C;

@@ -425,51 +425,14 @@ __global__ void conv_step(const __nv_bfloat16 *__restrict__ x, const __nv_bfloat
 
 const char *OP = "short_conv";
 
-/* lm_short_conv_forward's checks of the configuration (src/ops/short_conv.c), on the
- * host; sets c->N. */
+/* The shared configuration checks (lm_short_conv_config_validate: sets c->N), then this
+ * backend's limit. */
 lm_status validate(lm_short_conv_config *c, const void *x, const void *weight, lm_error *err) {
-    if (!c)
-        return lm_errorf(err, LM_ERR_INVALID, "%s: config is required", OP);
-    if (c->B < 1)
-        return lm_errorf(err, LM_ERR_INVALID, "%s: B = %d must be >= 1", OP, c->B);
-    if (c->T < 0)
-        return lm_errorf(err, LM_ERR_INVALID, "%s: T = %d must be >= 0", OP, c->T);
-    if (c->C < 1)
-        return lm_errorf(err, LM_ERR_INVALID, "%s: C = %d must be >= 1", OP, c->C);
-    if (c->W < 1 || c->W > LM_SHORT_CONV_MAX_W)
-        return lm_errorf(err, LM_ERR_INVALID, "%s: kernel size W = %d is outside [1, %d]", OP, c->W,
-                         LM_SHORT_CONV_MAX_W);
+    LM_TRY(lm_short_conv_config_validate(c, err));
     if (c->W > LM_CUDA_SHORT_CONV_MAX_W)
         return lm_errorf(err, LM_ERR_UNSUPPORTED,
                          "%s on cuda: kernel size W = %d is not supported (at most %d)", OP, c->W,
                          LM_CUDA_SHORT_CONV_MAX_W);
-    if (c->activation != LM_ACT_NONE && c->activation != LM_ACT_SILU)
-        return lm_errorf(err, LM_ERR_INVALID, "%s: unknown activation %d", OP, (int)c->activation);
-    if ((double)c->B * c->T * c->C > 4.0e18)
-        return lm_errorf(err, LM_ERR_INVALID, "%s: problem too large (B*T*C = %.3g)", OP,
-                         (double)c->B * c->T * c->C);
-    if (c->cu_seqlens) {
-        if (c->B != 1)
-            return lm_errorf(err, LM_ERR_INVALID,
-                             "%s: cu_seqlens needs B == 1 (packed), got B = %d", OP, c->B);
-        if (c->n_cu_seqlens < 2)
-            return lm_errorf(err, LM_ERR_INVALID, "%s: cu_seqlens has %d entries (need >= 2)", OP,
-                             c->n_cu_seqlens);
-        if (c->cu_seqlens[0] != 0)
-            return lm_errorf(err, LM_ERR_INVALID, "%s: cu_seqlens[0] = %lld (must be 0)", OP,
-                             (long long)c->cu_seqlens[0]);
-        for (int i = 1; i < c->n_cu_seqlens; i++)
-            if (c->cu_seqlens[i] < c->cu_seqlens[i - 1])
-                return lm_errorf(err, LM_ERR_INVALID,
-                                 "%s: cu_seqlens decreases at index %d (%lld < %lld)", OP, i,
-                                 (long long)c->cu_seqlens[i], (long long)c->cu_seqlens[i - 1]);
-        if (c->cu_seqlens[c->n_cu_seqlens - 1] != c->T)
-            return lm_errorf(err, LM_ERR_INVALID, "%s: cu_seqlens ends at %lld, not at T = %d", OP,
-                             (long long)c->cu_seqlens[c->n_cu_seqlens - 1], c->T);
-        c->N = c->n_cu_seqlens - 1;
-    } else {
-        c->N = c->B;
-    }
     if (!weight)
         return lm_errorf(err, LM_ERR_INVALID, "%s: input 'weight' [C, W] is required", OP);
     if (!x && (int64_t)c->B * c->T > 0)
