@@ -28,24 +28,9 @@
  * (ld.global.cs / st.global.cs) on the state; the scalar path takes 256 threads and
  * 32 columns without hints.
  *
- * Measured on the H200 (B = 64, H = HV = 32, K = V = 128, KDA softplus gate with
- * l2norm and sigmoid in the kernel; 268 MB of state traffic per step; cudaMemcpy
- * device-to-device 4210-4219 GB/s in the same binary; median of 200 steps). The
- * alternatives that lost, their kernel instances and the timing harness live in
- * dev/kda_decode_variants.cu (it includes this file; build command at its top):
- *   threads  cols/CTA  hints   us/step      of copy
- *   128      64        .cs     73.8, 73.8   0.86     (chosen: best or tied at B = 1, 16, 64)
- *   128      64        -       74.7, 74.7   0.85
- *   128      128       .cs     74.7, 73.5   0.85-0.87
- *   128      128       -       73.6-74.1    0.86
- *   256      128       .cs     74.9         0.85
- *   256      128       -       77.5-77.9    0.82
- *   256      64        .cs/-   74.8 / 77.1  0.85 / 0.83
- *   512      128       -       81.3-82.9    0.77-0.78
- *   128      32        -       82.8         0.77
- *   256      32        -       112          0.57
- * Copy-bandwidth floor for this traffic: 63.7 us. At B = 16 the chosen shape takes
- * 17.8 us; at B = 1 (32 CTAs) 6.4 us, latency-bound.
+ * The alternatives that lost their A/B test, their kernel instances, the timing harness and
+ * the measurements live in dev/kda_decode_variants.cu (it includes this file); the current
+ * numbers are in docs/perf-notes.md.
  */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
