@@ -24,7 +24,9 @@ double lm_bench_ops_time(lm_bench_ops_env *env, lm_bench_ops_fn fn, void *arg) {
             return -1;
     double *ms = LM_MALLOC(sizeof(double) * (size_t)env->repeat);
     for (int i = 0; i < env->repeat; i++) {
-        if (lm_cuda_timer_start(env->timer, &e) != LM_OK || fn(arg) ||
+        if ((env->flush &&
+             lm_cuda_ctx_memset(env->ctx, env->flush, 0, LM_BENCH_OPS_FLUSH_BYTES, &e) != LM_OK) ||
+            lm_cuda_timer_start(env->timer, &e) != LM_OK || fn(arg) ||
             lm_cuda_timer_stop(env->timer, &ms[i], &e) != LM_OK) {
             if (e.msg[0])
                 fprintf(stderr, "bench ops: %s\n", e.msg);
@@ -91,8 +93,11 @@ int lm_bench_ops_run(const char *families, const char *json_path, int quick) {
     env.warmup = quick ? 2 : 5;
     if (lm_cuda_ctx_new(&env.ctx, 0, &e) != LM_OK ||
         lm_cuda_measure_limits(env.ctx, quick ? 3 : 10, &env.lim, &e) != LM_OK ||
-        lm_cuda_timer_new(env.ctx, &env.timer, &e) != LM_OK) {
+        lm_cuda_timer_new(env.ctx, &env.timer, &e) != LM_OK ||
+        lm_cuda_ctx_alloc(env.ctx, &env.flush, LM_BENCH_OPS_FLUSH_BYTES, &e) != LM_OK) {
         fprintf(stderr, "bench ops: %s\n", e.msg);
+        lm_cuda_timer_free(env.timer);
+        lm_cuda_ctx_free_mem(env.ctx, env.flush);
         lm_cuda_ctx_free(env.ctx);
         return 1;
     }
@@ -143,6 +148,7 @@ int lm_bench_ops_run(const char *families, const char *json_path, int quick) {
         cJSON_Delete(env.records);
     }
     lm_cuda_timer_free(env.timer);
+    lm_cuda_ctx_free_mem(env.ctx, env.flush);
     lm_cuda_ctx_free(env.ctx);
     return rc;
 }

@@ -24,6 +24,8 @@ typedef struct {
     lm_cuda_timer *timer;
     int repeat, warmup;
     int quick;
+    void *flush;        /* LM_BENCH_OPS_FLUSH_BYTES of device memory, zeroed before each
+                           timed call (the L2 flush of the peers' timer) */
     cJSON *records; /* JSON array the rows are appended to */
     const char *family; /* the family being run (recorded with each row) */
 } lm_bench_ops_env;
@@ -31,8 +33,16 @@ typedef struct {
 /* The timed body: enqueue the op on env->ctx's stream; return 0, non-zero on error. */
 typedef int (*lm_bench_ops_fn)(void *arg);
 
+/* Bytes zeroed before each timed call: several times the H200's 50 MB L2. */
+#define LM_BENCH_OPS_FLUSH_BYTES ((size_t)256 << 20)
+
 /* Median ms over env->repeat calls of fn after env->warmup calls, each timed with events
- * on the context's stream. Returns a negative value if fn failed. */
+ * on the context's stream, by the method of the peers' timer (triton.testing.do_bench,
+ * scripts/gpu/bench_ops.py): before each timed call env->flush is zeroed on the same
+ * stream, outside the events, so the call starts with a cold L2 and with the stream busy
+ * (its launch overlaps the flush, as launches overlap earlier kernels inside a training
+ * step; a call timed on an idle stream would count the launch latency, a few us, which
+ * is 5-10 % of the ~40 us norm kernels). Returns a negative value if fn failed. */
 double lm_bench_ops_time(lm_bench_ops_env *env, lm_bench_ops_fn fn, void *arg);
 
 /* One row: family/op, shape text, pass ("fwd", "fwd+bwd", "step"), the median ms, the
