@@ -19,9 +19,21 @@ OPS_FAMILIES(DECL)
 
 double lm_bench_ops_time(lm_bench_ops_env *env, lm_bench_ops_fn fn, void *arg) {
     lm_error e = {0};
-    for (int i = 0; i < env->warmup; i++)
-        if (fn(arg))
+    /* warm up for at least env->warmup calls and LM_BENCH_OPS_WARMUP_MS of GPU time, so that
+     * the clocks have left their idle state (an idle H200 reports a 345 MHz SM clock) */
+    double warm_ms = 0;
+    for (int i = 0; i < env->warmup || warm_ms < LM_BENCH_OPS_WARMUP_MS; i++) {
+        double t = 0;
+        if (lm_cuda_timer_start(env->timer, &e) != LM_OK || fn(arg) ||
+            lm_cuda_timer_stop(env->timer, &t, &e) != LM_OK) {
+            if (e.msg[0])
+                fprintf(stderr, "bench ops: %s\n", e.msg);
             return -1;
+        }
+        warm_ms += t;
+        if (i >= 100000)
+            break;
+    }
     double *ms = LM_MALLOC(sizeof(double) * (size_t)env->repeat);
     for (int i = 0; i < env->repeat; i++) {
         if ((env->flush &&

@@ -33,10 +33,14 @@ typedef struct {
 /* The timed body: enqueue the op on env->ctx's stream; return 0, non-zero on error. */
 typedef int (*lm_bench_ops_fn)(void *arg);
 
+/* GPU time the warm-up of every timed op runs for at least (triton's do_bench: 25 ms). */
+#define LM_BENCH_OPS_WARMUP_MS 50.0
+
 /* Bytes zeroed before each timed call: several times the H200's 50 MB L2. */
 #define LM_BENCH_OPS_FLUSH_BYTES ((size_t)256 << 20)
 
-/* Median ms over env->repeat calls of fn after env->warmup calls, each timed with events
+/* Median ms over env->repeat calls of fn after a warm-up of at least env->warmup calls and
+ * LM_BENCH_OPS_WARMUP_MS of GPU time, each timed with events
  * on the context's stream, by the method of the peers' timer (triton.testing.do_bench,
  * scripts/gpu/bench_ops.py): before each timed call env->flush is zeroed on the same
  * stream, outside the events, so the call starts with a cold L2 and with the stream busy

@@ -12,7 +12,7 @@
 void lm_cli_train_usage(FILE *f) {
     fprintf(f,
             "usage: linmoe train --config FILE --run-dir DIR [--resume] [--max-steps N]\n"
-            "          [--threads N] [--fail-checkpoint-at STEP]\n"
+            "          [--threads N] [--device cpu|cuda[:N]] [--fail-checkpoint-at STEP]\n"
             "\n"
             "Trains the model of a training config (format: include/linmoe/train.h,\n"
             "docs/training.md) through its stages, with evals at every stage end, checkpoints\n"
@@ -31,6 +31,9 @@ void lm_cli_train_usage(FILE *f) {
             "  --max-steps N        stop once N steps (counted from the start of the run) are\n"
             "                       done, writing a checkpoint; default: all stages\n"
             "  --threads N          threads (default: train.threads, else all cores)\n"
+            "  --device D           cpu (default) or cuda / cuda:N: run the training steps on\n"
+            "                       that GPU (bf16 activations, fp32 master weights; evals and\n"
+            "                       checkpoints use the host copy; the same checkpoints)\n"
             "  --fail-checkpoint-at STEP  test hook: the checkpoint at STEP fails while being\n"
             "                       written (the previous checkpoint must stay loadable)\n"
             "  --help               this help\n"
@@ -67,7 +70,8 @@ int lm_cli_train(int argc, char **argv) {
         const char *a = argv[i];
         const char *val = NULL;
         static const char *const with_value[] = {
-            "--config", "--run-dir", "--max-steps", "--threads", "--fail-checkpoint-at", NULL};
+            "--config", "--run-dir", "--max-steps", "--threads", "--fail-checkpoint-at",
+            "--device", NULL};
         const char *flag = NULL;
         for (const char *const *f = with_value; *f && !flag; f++) {
             size_t n = strlen(*f);
@@ -107,6 +111,12 @@ int lm_cli_train(int argc, char **argv) {
             if (parse_i64(flag, val, 1, &v) || v > 4096)
                 return LM_EXIT_USAGE;
             o.threads = (int)v;
+        } else if (strcmp(flag, "--device") == 0) {
+            lm_error derr = {0};
+            if (lm_device_parse(val, "--device", &o.device, &derr) != LM_OK) {
+                fprintf(stderr, "linmoe train: %s\n", derr.msg);
+                return LM_EXIT_USAGE;
+            }
         } else if (strcmp(flag, "--fail-checkpoint-at") == 0) {
             if (parse_i64(flag, val, 1, &v))
                 return LM_EXIT_USAGE;

@@ -83,6 +83,10 @@ lm_status lm_cuda_ctx_download(lm_cuda_ctx *ctx, void *dst, const void *src, siz
                                lm_error *err);
 /* Device-side memset on the stream. */
 lm_status lm_cuda_ctx_memset(lm_cuda_ctx *ctx, void *dst, int value, size_t bytes, lm_error *err);
+/* Device-to-device copy of `bytes` on the context's stream (asynchronous; the regions
+ * must not overlap). */
+lm_status lm_cuda_ctx_copy(lm_cuda_ctx *ctx, void *dst, const void *src, size_t bytes,
+                           lm_error *err);
 
 /* Option values a caller (benchmarks, dev/ experiments) may set on a context; the library
  * itself reads no environment variables. Keys and meanings:

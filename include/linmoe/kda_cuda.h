@@ -224,6 +224,38 @@ lm_status lm_kda_cuda_forward_train(lm_cuda_ctx *ctx, lm_kda_config *c,
                                     const lm_kda_cuda_inputs *in, lm_kda_cuda_outputs *out,
                                     lm_kda_cuda_saved **saved, lm_error *err);
 
+/* The saved tensors in a buffer of the caller, for a memory plan that allocates them once
+ * (a model with many KDA layers keeps one per layer: the context has a single spare).
+ *
+ * lm_kda_cuda_saved_bytes: device bytes the training forward of c saves for its batch (B,
+ * T, HV, cu_seqlens; a function of the number of 64-token chunks, sequences and value
+ * heads only); 0 for a batch shape the forward refuses (B, T, HV < 1, bad cu_seqlens) or a
+ * linmoe built without CUDA. Not otherwise validated; c is not changed.
+ * lm_kda_cuda_saved_bytes_max: an upper bound of lm_kda_cuda_saved_bytes over every batch
+ * of at most max_tokens tokens (B*T) in at most max_seqs sequences (B, or the documents of
+ * cu_seqlens, empty ones included) with HV value heads: a batch of L tokens in S sequences
+ * has at most min(L, L/64 + min(S, L)) chunks. 0 for max_tokens, max_seqs or HV < 1 or
+ * without CUDA.
+ * lm_kda_cuda_forward_train_buf: lm_kda_cuda_forward_train (same outputs, same *saved for
+ * lm_kda_cuda_backward) with the saved tensors carved from buf, device memory of ctx's
+ * device, 256-byte aligned, of cap >= lm_kda_cuda_saved_bytes(c) bytes, instead of a
+ * buffer of the op: the call allocates no device memory (host bookkeeping only). The
+ * chunk tables are copied into buf on every call through the context's pinned staging
+ * (lm_cuda_ctx_upload, grown on its first use), not cached: the op cannot know when the
+ * caller's memory is freed and its address reused.
+ * *saved borrows buf: the caller keeps it alive, and lets nothing else write it, until
+ * lm_kda_cuda_saved_free(saved), which frees the bookkeeping only (buf stays the caller's
+ * and never becomes the context's spare). Each call makes a new saved object: free the
+ * previous one on the same buffer first (its tensors are overwritten). Errors as
+ * lm_kda_cuda_forward_train, plus LM_ERR_INVALID for a NULL, unaligned or too small buf
+ * (the message gives the bytes the batch needs); on any error *saved is NULL. */
+size_t lm_kda_cuda_saved_bytes(const lm_kda_config *c);
+size_t lm_kda_cuda_saved_bytes_max(int64_t max_tokens, int max_seqs, int HV);
+lm_status lm_kda_cuda_forward_train_buf(lm_cuda_ctx *ctx, lm_kda_config *c,
+                                        const lm_kda_cuda_inputs *in, lm_kda_cuda_outputs *out,
+                                        void *buf, size_t cap, lm_kda_cuda_saved **saved,
+                                        lm_error *err);
+
 /* Backward of sum(o*do) + sum(final_state*dht) (reference/kda.md §4.1, docs/kda-math.md).
  * May be called more than once on the same saved state. ctx must be the context of the
  * forward that made `saved`. Asynchronous on ctx's stream, as lm_kda_cuda_chunk_forward
@@ -235,7 +267,9 @@ lm_status lm_kda_cuda_backward(lm_cuda_ctx *ctx, lm_kda_cuda_saved *saved,
 /* Frees `saved` (NULL is a no-op); its device buffer becomes the context's spare for the
  * next training forward when it is the largest one freed, and is freed otherwise (after a
  * synchronisation of the stream). `ctx` is the context of the forward, or NULL for the one
- * `saved` remembers (another context is not used: the remembered one is). */
+ * `saved` remembers (another context is not used: the remembered one is). A saved object
+ * of lm_kda_cuda_forward_train_buf: only its bookkeeping is freed (no synchronisation; the
+ * buffer stays the caller's). */
 void lm_kda_cuda_saved_free(lm_cuda_ctx *ctx, lm_kda_cuda_saved *saved);
 
 /* Frees the KDA buffers of ctx (forward workspace, spare saved buffer, backward scratch,

@@ -93,6 +93,7 @@
 #ifndef LINMOE_TRAIN_H
 #define LINMOE_TRAIN_H
 
+#include "linmoe/backend.h"
 #include "linmoe/core.h"
 #include "linmoe/model_config.h"
 
@@ -176,6 +177,9 @@ typedef struct {
                                    logged, 1-based) get a NaN gradient (0 = off) */
     int progress;               /* -1 auto (live line when stderr is a terminal), 0 plain, 1 live */
     int quiet;                  /* 1: no human-readable output at all */
+    lm_device device;           /* cpu (default, zero) or cuda:N: where the steps run
+                                   (include/linmoe/gpu_model.h); evals and checkpoints go
+                                   through the host copy of the parameters */
 } lm_train_options;
 
 void lm_train_options_default(lm_train_options *o);

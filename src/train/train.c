@@ -12,7 +12,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "linmoe/cuda_bench.h"
 #include "linmoe/eval.h"
+#include "linmoe/gpu_model.h"
 #include "linmoe/loader.h"
 #include "linmoe/passkey.h"
 #include "linmoe/shard.h"
@@ -36,6 +38,12 @@ typedef struct {
     lm_params p;
     int have_p;
     lm_model *m;
+    /* --device cuda: the steps run on gm; m (the CPU model over p) runs the evals, and p,
+     * opt's moments and m's router states are refreshed from the device (host_sync)
+     * before an eval or a checkpoint reads them */
+    lm_cuda_ctx *cuda;
+    lm_gpu_model *gm;
+    int host_stale;
     lm_adamw opt;
     int have_opt;
     lm_loader *ld;
@@ -219,7 +227,25 @@ static lm_status apply_stage(ctx *x, int s, lm_error *err) {
         snprintf(buf, sizeof buf, "%s", err->msg);
         return lm_errorf(err, r, "%s: stage '%s' (stages[%d]): %s", x->c->source, st->name, s, buf);
     }
+    if (x->gm)
+        LM_TRY(lm_gpu_model_set_rope_theta(x->gm, st->rope_theta, err));
     return lm_model_set_rope_theta(x->m, st->rope_theta, err);
+}
+
+/* --device cuda: the host copies (parameters, AdamW moments, router states) from the
+ * device, when a step has run since the last refresh. */
+static lm_status host_sync(ctx *x, lm_error *err) {
+    if (!x->gm || !x->host_stale)
+        return LM_OK;
+    LM_TRY(lm_gpu_model_download(x->gm, &x->p, err));
+    LM_TRY(lm_gpu_model_get_moments(x->gm, x->opt.m, x->opt.v, err));
+    for (int i = 0; i < x->p.cfg.num_hidden_layers; i++) {
+        lm_router_state *rs = lm_model_router_state(x->m, i);
+        if (rs)
+            LM_TRY(lm_gpu_model_get_router(x->gm, i, rs, err));
+    }
+    x->host_stale = 0;
+    return LM_OK;
 }
 
 static void log_stage(ctx *x, int s) {
@@ -250,6 +276,7 @@ static void log_stage(ctx *x, int s) {
 static lm_status run_eval(ctx *x, lm_error *err) {
     const lm_train_config *c = x->c;
     double t0 = lm_time_sec();
+    LM_TRY(host_sync(x, err));
     lm_eval_bpb_result r;
     memset(&r, 0, sizeof r);
     LM_TRY(lm_eval_bpb(x->m, x->tok, &x->val_sub, c->eval_seq_len, &r, err));
@@ -385,6 +412,68 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
     return LM_OK;
 }
 
+/* train_step on the device: the micro-batches, the grad norm, one read of the step's
+ * losses and norm (the host's only wait before the update), then AdamW and the bias
+ * updates, or the skip. A non-finite loss or norm is a skipped step, as on the CPU. */
+static lm_status train_step_gpu(ctx *x, int s, step_result *res, lm_error *err) {
+    const lm_train_config *c = x->c;
+    const lm_train_stage *st = &c->stages[s];
+    const int M = c->micro_batches;
+    const double t0 = lm_time_sec();
+    if (M > LM_GPU_MODEL_MAX_MICRO)
+        return lm_errorf(err, LM_ERR_INVALID, "%s: train.micro_batches = %d > %d on cuda",
+                         c->source, M, LM_GPU_MODEL_MAX_MICRO);
+    res->n_passkey = res->n_long = res->n_repeat = 0;
+    res->lr = lm_train_lr(c, x->k.step);
+    for (int mi = 0; mi < M; mi++) {
+        LM_TRY(lm_loader_next(x->ld, st->rows_per_micro, &x->b, err));
+        res->n_passkey += x->b.n_passkey;
+        res->n_long += x->b.n_long;
+        res->n_repeat += x->b.n_repeat;
+        LM_TRY(lm_gpu_model_micro_step(x->gm, &x->b.batch, x->b.ids, x->b.labels, 1.0f / (float)M,
+                                       mi > 0, mi, err));
+    }
+    const int64_t nan_at = x->o->nan_at, nan_n = x->o->nan_count > 0 ? x->o->nan_count : 1;
+    if (nan_at > 0 && x->k.step + 1 >= nan_at && x->k.step + 1 < nan_at + nan_n)
+        LM_TRY(lm_gpu_model_poke_grad(x->gm, x->opt.blk_off[0], NAN, err)); /* test hook */
+    LM_TRY(lm_gpu_model_grad_norm(x->gm, err));
+    double losses[LM_GPU_MODEL_MAX_MICRO], gnorm = NAN;
+    LM_TRY(lm_gpu_model_read_step(x->gm, M, losses, NULL, &gnorm, err));
+    double loss_sum = 0;
+    for (int mi = 0; mi < M; mi++)
+        loss_sum += losses[mi];
+    res->loss = loss_sum / M;
+    res->gnorm = gnorm;
+    const int bad = !isfinite(res->loss) || !isfinite(res->gnorm);
+    const int L = x->p.cfg.num_hidden_layers;
+    if (bad) {
+        LM_TRY(lm_gpu_model_skip_step(x->gm, err));
+        x->k.bad_streak++;
+        x->k.bad_total++;
+    } else {
+        x->k.opt_step++;
+        LM_TRY(lm_gpu_model_optim_step(x->gm, res->lr, c->weight_decay, c->beta1, c->beta2, c->eps,
+                                       c->grad_clip, x->k.opt_step, x->met, x->load, err));
+        for (int i = 0; i < L; i++) {
+            if (!lm_model_router_state(x->m, i))
+                continue;
+            double tot = 0;
+            double *ld = x->load + (size_t)i * x->E;
+            for (int e = 0; e < x->E; e++)
+                tot += ld[e];
+            for (int e = 0; e < x->E; e++)
+                ld[e] = tot > 0 ? ld[e] / tot : 0;
+        }
+        x->k.bad_streak = 0;
+    }
+    x->host_stale = 1;
+    res->skipped = bad;
+    x->k.tokens += st->step_tokens;
+    x->k.step++;
+    res->seconds = lm_time_sec() - t0;
+    return LM_OK;
+}
+
 static void log_step(ctx *x, int s, const step_result *r, double tok_s, double mfu) {
     const lm_train_config *c = x->c;
     FILE *f = x->flog;
@@ -457,6 +546,8 @@ static void ctx_free(ctx *x) {
     lm_loader_free(x->ld);
     if (x->have_opt)
         lm_adamw_free(&x->opt);
+    lm_gpu_model_free(x->gm);
+    lm_cuda_ctx_free(x->cuda);
     lm_model_free(x->m);
     if (x->have_p)
         lm_params_free(&x->p);
@@ -579,6 +670,27 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
     for (int i = 0; i < c->n_passkey_lengths; i++)
         if (c->passkey_lengths[i] > max_tokens)
             max_tokens = c->passkey_lengths[i];
+    const int on_gpu = o->device.type == LM_DEVICE_CUDA;
+    if (on_gpu) {
+        /* the steps run on the device; the CPU model only runs the evals */
+        int64_t eval_tokens = c->eval_seq_len;
+        for (int i = 0; i < c->n_passkey_lengths; i++)
+            if (c->passkey_lengths[i] > eval_tokens)
+                eval_tokens = c->passkey_lengths[i];
+        int max_seqs = 1;
+        for (int s = 0; s < c->n_stages; s++) {
+            /* a packed micro-batch holds at most one document per 2 tokens (every document
+             * has its end-of-text token), plus one row boundary per row */
+            const int64_t docs = (int64_t)c->stages[s].rows_per_micro * c->stages[s].seq_len / 2 +
+                                 c->stages[s].rows_per_micro;
+            if (docs > max_seqs)
+                max_seqs = docs > (1 << 20) ? (1 << 20) : (int)docs;
+        }
+        LM_TRY(lm_gpu_model_supports(&x->p.cfg, err));
+        LM_TRY(lm_cuda_ctx_new(&x->cuda, o->device.index, err));
+        LM_TRY(lm_gpu_model_new(&x->gm, x->cuda, &x->p, max_micro, max_seqs, err));
+        max_tokens = eval_tokens;
+    }
     LM_TRY(lm_model_new(&x->m, &x->p, max_tokens, err));
     lm_adamw_init(&x->opt, &x->p);
     x->have_opt = 1;
@@ -618,6 +730,15 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
                              (long long)x->k.stage, c->source, c->n_stages);
         LM_TRY(lm_loader_set_state(x->ld, &ls, err));
         snprintf(x->last_ckpt, sizeof x->last_ckpt, "%s", ckdir);
+        if (x->gm) {
+            LM_TRY(lm_gpu_model_upload(x->gm, &x->p, err));
+            LM_TRY(lm_gpu_model_set_moments(x->gm, x->opt.m, x->opt.v, err));
+            for (int i = 0; i < L; i++) {
+                lm_router_state *rs = lm_model_router_state(x->m, i);
+                if (rs)
+                    LM_TRY(lm_gpu_model_set_router(x->gm, i, rs, err));
+            }
+        }
     }
     if (x->k.stage >= 0)
         LM_TRY(apply_stage(x, (int)x->k.stage, err));
@@ -652,12 +773,20 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         /* the model's memory classes (model.h lm_model_mem_plan: planned for
          * max_tokens tokens in one sequence, allocated once at lm_model_new) */
         char plan[512];
-        lm_mem_plan_format(lm_model_plan(x->m), plan, sizeof plan);
-        say(x, "%s", plan);
+        lm_mem_plan_format(x->gm ? lm_gpu_model_mem_plan(x->gm) : lm_model_plan(x->m), plan,
+                           sizeof plan);
+        say(x, "%s%s", x->gm ? "cuda " : "", plan);
     }
     if (o->resume)
         say(x, "resumed from %s at step %lld", ckdir, (long long)x->k.step);
-    x->ref_flops = measure_sgemm();
+    if (x->gm) {
+        /* MFU against the bf16 matmul rate measured now on the device */
+        lm_cuda_limits lim;
+        LM_TRY(lm_cuda_measure_limits(x->cuda, 3, &lim, err));
+        x->ref_flops = lim.bf16_tflops * 1e12;
+    } else {
+        x->ref_flops = measure_sgemm();
+    }
     const int64_t start_step = x->k.step;
     double t_train = 0, flops_sum = 0;
     int64_t tok_run = 0;
@@ -672,7 +801,8 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         }
         const lm_train_stage *st = &c->stages[s];
         step_result r;
-        LM_TRY(train_step(x, s, &r, err));
+        memset(&r, 0, sizeof r);
+        LM_TRY(x->gm ? train_step_gpu(x, s, &r, err) : train_step(x, s, &r, err));
         const double tok_s = (double)st->step_tokens / r.seconds;
         const double fpt = lm_model_train_flops_per_token(&x->p.cfg, st->seq_len);
         const double mfu = fpt * tok_s / x->ref_flops;
@@ -718,6 +848,7 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         if ((c->checkpoint_every > 0 && x->k.step % c->checkpoint_every == 0) ||
             x->k.step == stop) {
             lm_loader_get_state(x->ld, &ls);
+            LM_TRY(host_sync(x, err));
             const int fail = o->fail_checkpoint_at > 0 && o->fail_checkpoint_at == x->k.step;
             LM_TRY(lm_train_ckpt_save(x->run, &x->p, &x->opt, x->m, &x->k, &ls, c->text,
                                       c->keep_last, fail, x->last_ckpt, sizeof x->last_ckpt, err));
@@ -740,10 +871,10 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
     snprintf(out->checkpoint, sizeof out->checkpoint, "%.4000s", x->last_ckpt);
     if (out->steps_run > 0)
         say(x,
-            "done: step %lld, %lld tokens, %.1f s training, %.0f tok/s, mfu %.2f%% (sgemm %.1f "
+            "done: step %lld, %lld tokens, %.1f s training, %.0f tok/s, mfu %.2f%% (%s %.1f "
             "GFLOP/s), checkpoint %s",
             (long long)out->steps_done, (long long)out->tokens, t_train, out->tokens_per_s,
-            100 * out->mfu, x->ref_flops / 1e9, out->checkpoint);
+            100 * out->mfu, x->gm ? "bf16 matmul" : "sgemm", x->ref_flops / 1e9, out->checkpoint);
     return LM_OK;
 }
 

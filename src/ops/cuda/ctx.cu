@@ -279,6 +279,14 @@ extern "C" lm_status lm_cuda_ctx_memset(lm_cuda_ctx *ctx, void *dst, int value, 
     return LM_OK;
 }
 
+extern "C" lm_status lm_cuda_ctx_copy(lm_cuda_ctx *ctx, void *dst, const void *src, size_t bytes,
+                                      lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    if (bytes)
+        LM_CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ctx->stream));
+    return LM_OK;
+}
+
 extern "C" lm_status lm_cuda_ctx_set_option(lm_cuda_ctx *ctx, const char *key, int value,
                                             lm_error *err) {
     const OptionDef *o = find_option(key);

@@ -1586,6 +1586,7 @@ struct lm_kda_cuda_saved {
     lm_kda_cuda_inputs in;
     DevBuf mem;
     KdaSaveBufs sv; /* sv.nchunks; c.N is the number of sequences */
+    bool borrowed;  /* mem is the caller's (lm_kda_cuda_forward_train_buf): never freed here */
 };
 
 extern "C" void lm_kda_cuda_saved_free(lm_cuda_ctx *ctx, lm_kda_cuda_saved *saved) {
@@ -1593,7 +1594,7 @@ extern "C" void lm_kda_cuda_saved_free(lm_cuda_ctx *ctx, lm_kda_cuda_saved *save
     if (!saved)
         return;
     lm_cuda_ctx *cx = saved->ctx;
-    if (saved->mem.buf && lm_cuda_ctx_enter(cx, nullptr) == LM_OK) {
+    if (!saved->borrowed && saved->mem.buf && lm_cuda_ctx_enter(cx, nullptr) == LM_OK) {
         TrainState *ts = train_state(cx);
         if (saved->mem.cap > ts->spare.cap) { /* keep the larger one for the next forward */
             devbuf_free(cx, ts->spare);
@@ -1614,10 +1615,59 @@ void kda_cuda_train_release(lm_cuda_ctx *ctx) {
     ts->dh_at = MapKey{};
 }
 
-extern "C" lm_status lm_kda_cuda_forward_train(lm_cuda_ctx *ctx, lm_kda_config *c,
-                                               const lm_kda_cuda_inputs *in,
-                                               lm_kda_cuda_outputs *out, lm_kda_cuda_saved **saved,
-                                               lm_error *err) {
+/* Bytes of the saved buffer for nchunks chunks of N sequences over HV value heads
+ * (carve_saved's sizes). */
+static size_t saved_bytes_of(int64_t nchunks, int64_t N, int HV) {
+    KdaSaveBufs sv;
+    return carve_saved(nullptr, (size_t)nchunks * (size_t)HV, (int)nchunks, (int)N, &sv);
+}
+
+extern "C" size_t lm_kda_cuda_saved_bytes(const lm_kda_config *c) {
+    if (!c || c->B < 1 || c->T < 1 || c->HV < 1)
+        return 0;
+    int64_t nseq = c->B, nchunks = 0;
+    if (c->cu_seqlens) {
+        const int64_t *cu = c->cu_seqlens;
+        if (c->B != 1 || c->n_cu_seqlens < 2 || cu[0] != 0 || cu[c->n_cu_seqlens - 1] != c->T)
+            return 0;
+        nseq = c->n_cu_seqlens - 1;
+        for (int i = 1; i < c->n_cu_seqlens; i++) {
+            if (cu[i] < cu[i - 1])
+                return 0;
+            nchunks += (cu[i] - cu[i - 1] + BT - 1) / BT;
+        }
+    } else {
+        nchunks = (int64_t)c->B * ((c->T + BT - 1) / BT);
+    }
+    if (nchunks > INT32_MAX || nseq > INT32_MAX)
+        return 0;
+    return saved_bytes_of(nchunks, nseq, c->HV);
+}
+
+/* A batch of L <= max_tokens tokens in S <= max_seqs sequences has
+ *   nchunks = sum_n ceil(L_n / 64) <= floor(L / 64) + (sequences with L_n > 0)
+ *           <= floor(max_tokens / 64) + min(max_seqs, max_tokens)
+ * (sum_n floor(L_n / 64) <= floor(L / 64); ceil(x / 64) <= floor(x / 64) + 1 for x > 0, 0
+ * for x = 0), and nchunks <= L; carve_saved's size grows with nchunks and N. */
+extern "C" size_t lm_kda_cuda_saved_bytes_max(int64_t max_tokens, int max_seqs, int HV) {
+    if (max_tokens < 1 || max_seqs < 1 || HV < 1)
+        return 0;
+    const int64_t s = max_seqs < max_tokens ? max_seqs : max_tokens;
+    int64_t nchunks = max_tokens / BT + s;
+    if (nchunks > max_tokens)
+        nchunks = max_tokens;
+    if (nchunks > INT32_MAX)
+        return 0;
+    return saved_bytes_of(nchunks, max_seqs, HV);
+}
+
+/* The training forward into *saved: the saved tensors in buf [cap bytes] of the caller
+ * (borrowed) when buf is not NULL, else in a buffer of the op (the context's spare or a new
+ * one). */
+static lm_status forward_train_impl(lm_cuda_ctx *ctx, lm_kda_config *c,
+                                    const lm_kda_cuda_inputs *in, lm_kda_cuda_outputs *out,
+                                    void *buf, size_t cap, lm_kda_cuda_saved **saved,
+                                    lm_error *err) {
     if (!saved)
         return lm_errorf(err, LM_ERR_INVALID, "kda cuda: forward_train needs 'saved'");
     *saved = nullptr;
@@ -1628,6 +1678,14 @@ extern "C" lm_status lm_kda_cuda_forward_train(lm_cuda_ctx *ctx, lm_kda_config *
     TrainState *ts = train_state(ctx);
     const int N = c->N, nchunks = kda_cuda_nchunks(c);
     const size_t nblk = (size_t)nchunks * c->HV;
+    KdaSaveBufs probe;
+    const size_t bytes = carve_saved(nullptr, nblk, nchunks, N, &probe);
+    if (buf && ((uintptr_t)buf % 256 != 0 || cap < bytes))
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "kda cuda: forward_train_buf: the saved buffer (%zu bytes at %p) must be "
+                         "256-byte aligned and hold %zu bytes for this batch (%d chunks, %d "
+                         "sequences, HV = %d)",
+                         cap, buf, bytes, nchunks, N, c->HV);
     lm_kda_cuda_saved *sv = (lm_kda_cuda_saved *)calloc(1, sizeof *sv);
     int2 *hch = (int2 *)malloc(sizeof(int2) * (size_t)(nchunks + N));
     if (!sv || !hch) {
@@ -1636,8 +1694,12 @@ extern "C" lm_status lm_kda_cuda_forward_train(lm_cuda_ctx *ctx, lm_kda_config *
         return lm_errorf(err, LM_ERR_NOMEM, "kda cuda: training forward bookkeeping");
     }
     sv->ctx = ctx;
-    const size_t bytes = carve_saved(nullptr, nblk, nchunks, N, &sv->sv);
-    if (ts->spare.buf && ts->spare.cap >= bytes) {
+    sv->sv = probe;
+    if (buf) {
+        sv->mem.buf = buf;
+        sv->mem.cap = cap;
+        sv->borrowed = true;
+    } else if (ts->spare.buf && ts->spare.cap >= bytes) {
         sv->mem = ts->spare;
         ts->spare = DevBuf();
     } else {
@@ -1650,8 +1712,13 @@ extern "C" lm_status lm_kda_cuda_forward_train(lm_cuda_ctx *ctx, lm_kda_config *
     }
     carve_saved((char *)sv->mem.buf, nblk, nchunks, N, &sv->sv);
     kda_cuda_chunk_tables(c, hch, hch + nchunks);
-    const lm_status ut = kda_cuda_upload_tables(
-        ctx, (int2 *)sv->sv.chunks, hch, (size_t)(nchunks + N), sv->mem.buf, sv->mem.cap, err);
+    /* the caller's buffer may be freed and its address reused without the op knowing, so
+     * its tables are not cached (kda_cuda_upload_tables): copied on every call */
+    const lm_status ut =
+        buf ? lm_cuda_ctx_upload(ctx, (void *)sv->sv.chunks, hch,
+                                 sizeof(int2) * (size_t)(nchunks + N), err)
+            : kda_cuda_upload_tables(ctx, (int2 *)sv->sv.chunks, hch, (size_t)(nchunks + N),
+                                     sv->mem.buf, sv->mem.cap, err);
     free(hch);
     if (ut != LM_OK) {
         lm_kda_cuda_saved_free(ctx, sv);
@@ -1667,6 +1734,25 @@ extern "C" lm_status lm_kda_cuda_forward_train(lm_cuda_ctx *ctx, lm_kda_config *
     }
     *saved = sv;
     return LM_OK;
+}
+
+extern "C" lm_status lm_kda_cuda_forward_train(lm_cuda_ctx *ctx, lm_kda_config *c,
+                                               const lm_kda_cuda_inputs *in,
+                                               lm_kda_cuda_outputs *out, lm_kda_cuda_saved **saved,
+                                               lm_error *err) {
+    return forward_train_impl(ctx, c, in, out, nullptr, 0, saved, err);
+}
+
+extern "C" lm_status lm_kda_cuda_forward_train_buf(lm_cuda_ctx *ctx, lm_kda_config *c,
+                                                   const lm_kda_cuda_inputs *in,
+                                                   lm_kda_cuda_outputs *out, void *buf, size_t cap,
+                                                   lm_kda_cuda_saved **saved, lm_error *err) {
+    if (!buf) {
+        if (saved)
+            *saved = nullptr;
+        return lm_errorf(err, LM_ERR_INVALID, "kda cuda: forward_train_buf needs a buffer");
+    }
+    return forward_train_impl(ctx, c, in, out, buf, cap, saved, err);
 }
 
 /* the tensor maps of kda_bwd_dh (TM) for the saved buffers at p, encoded again only when

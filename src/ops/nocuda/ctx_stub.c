@@ -68,6 +68,14 @@ lm_status lm_cuda_ctx_memset(lm_cuda_ctx *ctx, void *dst, int value, size_t byte
     (void)bytes;
     return no_cuda(err);
 }
+lm_status lm_cuda_ctx_copy(lm_cuda_ctx *ctx, void *dst, const void *src, size_t bytes,
+                           lm_error *err) {
+    (void)ctx;
+    (void)dst;
+    (void)src;
+    (void)bytes;
+    return no_cuda(err);
+}
 lm_status lm_cuda_ctx_set_option(lm_cuda_ctx *ctx, const char *key, int value, lm_error *err) {
     (void)ctx;
     (void)key;

@@ -73,6 +73,26 @@ lm_status lm_kda_cuda_forward_train(lm_cuda_ctx *ctx, lm_kda_config *c,
     return no_cuda(err, "kda cuda");
 }
 
+size_t lm_kda_cuda_saved_bytes(const lm_kda_config *c) {
+    (void)c;
+    return 0;
+}
+
+size_t lm_kda_cuda_saved_bytes_max(int64_t max_tokens, int max_seqs, int HV) {
+    (void)max_tokens, (void)max_seqs, (void)HV;
+    return 0;
+}
+
+lm_status lm_kda_cuda_forward_train_buf(lm_cuda_ctx *ctx, lm_kda_config *c,
+                                        const lm_kda_cuda_inputs *in, lm_kda_cuda_outputs *out,
+                                        void *buf, size_t cap, lm_kda_cuda_saved **saved,
+                                        lm_error *err) {
+    (void)ctx, (void)c, (void)in, (void)out, (void)buf, (void)cap;
+    if (saved)
+        *saved = NULL;
+    return no_cuda(err, "kda cuda");
+}
+
 lm_status lm_kda_cuda_backward(lm_cuda_ctx *ctx, lm_kda_cuda_saved *saved,
                                const lm_kda_cuda_grads *gr, lm_error *err) {
     (void)ctx, (void)saved, (void)gr;

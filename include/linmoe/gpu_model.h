@@ -1,0 +1,146 @@
+/* linmoe GPU model: the hybrid KDA / full-attention MoE language model of model.h on one
+ * CUDA device, for training and evaluation: bf16 activations and working weights, fp32
+ * accumulation, fp32 master weights, gradients and AdamW moments (DESIGN.md "GPU
+ * numerics"), built from the backend's ops (include/linmoe/cuda_*.h, kda_cuda.h).
+ *
+ * Math: exactly model.h's (the same parameters, the same wiring of sublayers, the
+ * standard pre-norm residual or Block / full AttnRes, the same loss), so the CPU fp32
+ * model is the reference (tests/test_gpu_model.c compares the loss, the logits' loss per
+ * token and every parameter gradient). Differences are rounding only: bf16 storage of
+ * activations (the residual stream included) and of the weights the ops read; the fused
+ * LM head + cross-entropy computes bf16 logits (cuda_gemm.h).
+ *
+ * Parameters: the device holds the fp32 master copy of the whole lm_params buffer (same
+ * layout, params.h offsets), its bf16 working copy, the fp32 gradient buffer and AdamW's
+ * two moments, each one allocation. The MoE selection biases live in the layers' device
+ * router states. lm_gpu_model_upload / _download move masters (and biases) between the
+ * host lm_params and the device, so checkpoints are the CPU's (safetensors of fp32
+ * masters) and load on either device.
+ *
+ * A training step (lm_gpu_model_micro_step per micro-batch, then lm_gpu_model_grad_norm,
+ * one read of the step's scalars, lm_gpu_model_optim_step) allocates nothing on the
+ * device after the first step (the ops' context workspaces grow once): every buffer for
+ * batches of up to max_tokens tokens is allocated by lm_gpu_model_new, one allocation
+ * per memory class where the layer modules allow it; lm_gpu_model_plan gives the sizes
+ * before anything is allocated.
+ *
+ * Asynchrony: every call enqueues work on the context's stream; only
+ * lm_gpu_model_read_step, _download and _new synchronise.
+ *
+ * Determinism: every op in the step is deterministic except the KDA backward's dbeta,
+ * dA_log, ddt_bias (float atomics; kda_cuda.h), so two runs from the same state may
+ * differ in the last bits of those gradients.
+ *
+ * Errors: LM_ERR_INVALID for a bad argument or batch (named), LM_ERR_UNSUPPORTED for a
+ * configuration the CUDA backend cannot run (lm_gpu_model_supports names the key) or a
+ * build without CUDA, LM_ERR_NOMEM when the plan does not fit the device (the message
+ * gives the planned sizes per class), LM_ERR_IO from CUDA.
+ */
+#ifndef LINMOE_GPU_MODEL_H
+#define LINMOE_GPU_MODEL_H
+
+#include <stdint.h>
+
+#include "linmoe/backend.h"
+#include "linmoe/core.h"
+#include "linmoe/model.h"
+#include "linmoe/moe_router.h"
+#include "linmoe/params.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct lm_gpu_model lm_gpu_model;
+
+/* Most micro-batches of one step (loss slots read back per step). */
+#define LM_GPU_MODEL_MAX_MICRO 256
+
+/* LM_OK when the CUDA backend runs every layer of cfg (head dims, MoE limits, short
+ * conv width, AttnRes sources), else LM_ERR_UNSUPPORTED naming the config key and
+ * value. Pure (no device). */
+lm_status lm_gpu_model_supports(const lm_model_config *cfg, lm_error *err);
+
+/* Device bytes per memory class (lm_mem_class of model.h) for batches of up to
+ * max_tokens tokens and max_seqs documents; threads is 0. Pure. */
+lm_status lm_gpu_model_plan(const lm_model_config *cfg, int64_t max_tokens, int max_seqs,
+                            lm_mem_plan *out, lm_error *err);
+
+/* Build the model on ctx's device for batches of up to max_tokens tokens (B*T) and up to
+ * max_seqs documents per packed batch, and upload p (masters, bf16 copy, MoE biases).
+ * p is not kept. Checks lm_gpu_model_supports and that the plan fits the device's memory
+ * before allocating. */
+lm_status lm_gpu_model_new(lm_gpu_model **out, lm_cuda_ctx *ctx, const lm_params *p,
+                           int64_t max_tokens, int max_seqs, lm_error *err);
+void lm_gpu_model_free(lm_gpu_model *m);
+const lm_mem_plan *lm_gpu_model_mem_plan(const lm_gpu_model *m);
+
+/* Host -> device: the parameter values of p (same config) into the masters, the bf16
+ * copy and the MoE biases. Device -> host: masters and biases into p (synchronises). */
+lm_status lm_gpu_model_upload(lm_gpu_model *m, const lm_params *p, lm_error *err);
+lm_status lm_gpu_model_download(lm_gpu_model *m, lm_params *p, lm_error *err);
+
+/* Set the RoPE base of every RoPE attention layer (a context-extension stage). */
+lm_status lm_gpu_model_set_rope_theta(lm_gpu_model *m, double theta, lm_error *err);
+
+/* One micro-batch of a training step: forward, the fused LM head + cross-entropy and
+ * the backward of loss_scale * (mean CE over the labelled tokens + the routers' aux
+ * losses), gradients accumulated into the device gradient buffer (accumulate = 0 zeroes
+ * it first). ids, labels: host int32 [B*T] (validated on the host: ids in [0, V),
+ * labels in [0, V) or LM_MODEL_IGNORE). slot in [0, LM_GPU_MODEL_MAX_MICRO): where this
+ * micro-batch's loss sum and labelled-token count go (lm_gpu_model_read_step). The
+ * routers accumulate the step's balance counts (b->training semantics of model.h). */
+lm_status lm_gpu_model_micro_step(lm_gpu_model *m, const lm_model_batch *b, const int32_t *ids,
+                                  const int32_t *labels, float loss_scale, int accumulate, int slot,
+                                  lm_error *err);
+
+/* Evaluation forward (dropless routing, nothing saved, no gradient): the loss sum and
+ * count into slot, and, when nll_host is not NULL, the per-token nll [B*T] in nats
+ * (0 for ignored labels) downloaded into it (synchronises). */
+lm_status lm_gpu_model_eval(lm_gpu_model *m, const lm_model_batch *b, const int32_t *ids,
+                            const int32_t *labels, int slot, float *nll_host, lm_error *err);
+
+/* The global gradient norm of the trainable parameters (device; AdamW's clipping input). */
+lm_status lm_gpu_model_grad_norm(lm_gpu_model *m, lm_error *err);
+
+/* The step's scalars in one synchronisation: loss[i] = loss_sum[i] / count[i] (+ the
+ * slot's aux losses) for slots 0..n_slots-1 (NaN when not finite; 0 with no labels),
+ * n_labels[i], and the last lm_gpu_model_grad_norm. Any output may be NULL. */
+lm_status lm_gpu_model_read_step(lm_gpu_model *m, int n_slots, double *loss, int64_t *n_labels,
+                                 double *gnorm, lm_error *err);
+
+/* AdamW (cuda_optim.h) on every trainable parameter with the device grad norm (clip when
+ * grad_clip > 0), then the bf16 working copy; step t >= 1. Then, when update_bias, every
+ * MoE layer's bias update from the step's counts, its metrics downloaded into
+ * metrics_host[layer] (array of num_hidden_layers, entries of dense layers untouched;
+ * may be NULL) and the step's pre-capacity selections per expert into
+ * demand_host[layer * E + e] (may be NULL), all in one download. */
+lm_status lm_gpu_model_optim_step(lm_gpu_model *m, double lr, double weight_decay, double beta1,
+                                  double beta2, double eps, double grad_clip, int64_t t,
+                                  lm_router_metrics *metrics_host, double *demand_host,
+                                  lm_error *err);
+/* A skipped step: zero the routers' step accumulators (the gradients are zeroed by the
+ * next micro-step with accumulate = 0). */
+lm_status lm_gpu_model_skip_step(lm_gpu_model *m, lm_error *err);
+
+/* AdamW moments host <-> device (train_state of a checkpoint): m1, m2 [p->numel] fp32. */
+lm_status lm_gpu_model_get_moments(lm_gpu_model *m, float *m1, float *m2, lm_error *err);
+lm_status lm_gpu_model_set_moments(lm_gpu_model *m, const float *m1, const float *m2,
+                                   lm_error *err);
+/* The router states host <-> device (bias, last changes, history, accumulators):
+ * states[layer] for MoE layers (entries of dense layers ignored). */
+lm_status lm_gpu_model_get_router(lm_gpu_model *m, int layer, lm_router_state *st, lm_error *err);
+lm_status lm_gpu_model_set_router(lm_gpu_model *m, int layer, const lm_router_state *st,
+                                  lm_error *err);
+
+/* Test hook: gradient element `index` of the device buffer set to `value` (the trainer's
+ * NaN injection). */
+lm_status lm_gpu_model_poke_grad(lm_gpu_model *m, int64_t index, float value, lm_error *err);
+
+/* The device gradient buffer downloaded into g [numel] fp32 (tests). */
+lm_status lm_gpu_model_get_grads(lm_gpu_model *m, float *g, lm_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
