@@ -49,6 +49,12 @@ int lm_bench_attnres(const lm_bench_opts *opts);
  * + backward) of a model config against the sgemm limit and, when a Python with torch
  * is found, the PyTorch reference step. Exit code as above. */
 int lm_bench_model(const lm_bench_opts *opts);
+/* `linmoe bench model --device cuda` (bench/bench_model_gpu.c): one training step of the
+ * GPU model (default config configs/gpu-dense.json), its MFU against the bf16 matmul rate
+ * measured in the same run, peak device memory and each op class's share. Exit code as
+ * above. lm_bench_model_gpu_run is the FFI entry (scripts/gpu/bench_model.py). */
+int lm_bench_model_gpu(const lm_bench_opts *opts);
+int lm_bench_model_gpu_run(const char *config_path, const char *json_path, int quick);
 
 /* The 1-minute load average from /proc/loadavg (NAN when unreadable): printed with the
  * numbers because the machines are shared. */

@@ -60,12 +60,20 @@ static void v_aux(lm_model_config *c) {
     c->moe.router.aux_loss_alpha = 0.01f;
     c->moe.router.capacity_factor = 1.0f;
 }
+
 static void v_dense(lm_model_config *c) {
     c->first_k_dense_replace = c->num_hidden_layers;
     c->residual = LM_RES_STANDARD;
 }
 
+static void v_attn64(lm_model_config *c) { c->head_dim = 64; }
+static void v_attn64_dense(lm_model_config *c) {
+    c->head_dim = 64;
+    v_dense(c);
+}
+
 static const variant VARIANTS[] = {
+    {"attn64", v_attn64}, {"attn64_dense", v_attn64_dense},
     {"tiny", v_tiny}, {"standard", v_standard}, {"full_attnres", v_full},
     {"tied", v_tied}, {"aux_cap", v_aux},       {"dense", v_dense},
 };
@@ -107,6 +115,14 @@ static int compare(const variant *v, int packed) {
             for (int64_t i = 0; i < ti->numel; i++)
                 p.data[ti->offset + i] = 1.0f + 0.2f * cosf((float)(i * 3 + t));
     }
+    /* router weights of a trained scale: at the init scale (0.02) the sigmoid scores of
+     * the E experts lie within a few 1e-2 of each other, so bf16 rounding of the inputs
+     * (about 4e-4 on a logit) swaps near-tied selections between the devices, and one
+     * swapped token moves every gradient by percents: a chaotic comparison, not a test */
+    for (int t = 0; t < p.n; t++)
+        if (strstr(p.t[t].name, "mlp.gate.weight"))
+            for (int64_t i = 0; i < p.t[t].numel; i++)
+                p.data[p.t[t].offset + i] *= 40.0f;
     const int64_t cu[] = {0, 0, 1, 18, 18, 58, 64};
     lm_model_batch b = packed ? (lm_model_batch){1, 64, cu, 7} : (lm_model_batch){2, 37, NULL, 0};
     const int64_t N = (int64_t)b.B * b.T;
@@ -126,7 +142,7 @@ static int compare(const variant *v, int packed) {
     int64_t cpu_nl = 0;
     if (lm_model_forward(cm, &b, ids, labels, 1, NULL, &cpu_loss, &cpu_nl, &e) != LM_OK ||
         lm_model_backward(cm, 1.0f, 0, &e) != LM_OK)
-        fail_msg("%s cpu: %s", v->name, e.msg);
+        fail_msg("%s cpu: %s", v->name, e.msg); /* the reference must run */
     float *cg = malloc(sizeof(float) * (size_t)p.numel);
     memcpy(cg, lm_model_grads(cm), sizeof(float) * (size_t)p.numel);
     /* CPU per-token nll from the logits of an eval forward */
@@ -147,25 +163,38 @@ static int compare(const variant *v, int packed) {
     lm_model_free(cm);
     /* GPU */
     lm_gpu_model *gm = NULL;
-    if (lm_gpu_model_new(&gm, g_ctx, &p, N, 8, &e) != LM_OK)
-        fail_msg("%s gpu new: %s", v->name, e.msg);
+    int bad = 0;
+    if (lm_gpu_model_new(&gm, g_ctx, &p, N, 8, &e) != LM_OK) {
+        printf("  FAIL %-14s gpu new: %s\n", v->name, e.msg);
+        bad = 1;
+        goto done;
+    }
     double gpu_loss = 0, gnorm = 0;
     int64_t gpu_nl = 0;
     if (lm_gpu_model_micro_step(gm, &b, ids, labels, 1.0f, 0, 0, &e) != LM_OK ||
         lm_gpu_model_grad_norm(gm, &e) != LM_OK ||
-        lm_gpu_model_read_step(gm, 1, &gpu_loss, &gpu_nl, &gnorm, &e) != LM_OK)
-        fail_msg("%s gpu step: %s", v->name, e.msg);
+        lm_gpu_model_read_step(gm, 1, &gpu_loss, &gpu_nl, &gnorm, &e) != LM_OK) {
+        printf("  FAIL %-14s gpu step: %s\n", v->name, e.msg);
+        lm_gpu_model_free(gm);
+        bad = 1;
+        goto done;
+    }
     float *gg = malloc(sizeof(float) * (size_t)p.numel);
     assert_int_equal(lm_gpu_model_get_grads(gm, gg, &e), LM_OK);
     float *gnll = malloc(sizeof(float) * (size_t)N);
-    if (lm_gpu_model_eval(gm, &b, ids, labels, 1, gnll, &e) != LM_OK)
-        fail_msg("%s gpu eval: %s", v->name, e.msg);
+    if (lm_gpu_model_eval(gm, &b, ids, labels, 1, gnll, &e) != LM_OK) {
+        printf("  FAIL %-14s gpu eval: %s\n", v->name, e.msg);
+        lm_gpu_model_free(gm);
+        free(gg);
+        free(gnll);
+        bad = 1;
+        goto done;
+    }
     double eval_loss = 0;
     assert_int_equal(lm_gpu_model_read_step(gm, 2, NULL, NULL, NULL, &e), LM_OK);
     (void)eval_loss;
     lm_gpu_model_free(gm);
     /* compare */
-    int bad = 0;
     const double lrel = fabs(gpu_loss - cpu_loss) / fabs(cpu_loss);
     const double nrel = rel_rms(gnll, cnll, N, NULL);
     double worst = 0;
@@ -202,13 +231,14 @@ static int compare(const variant *v, int packed) {
            v->name, packed ? "packed" : "B=2", cpu_loss, gpu_loss, lrel, nrel, worst, worst_name,
            bad ? "FAIL" : "ok");
     fflush(stdout);
+    free(gg);
+    free(gnll);
+done:
     free(ids);
     free(labels);
     free(cg);
-    free(gg);
     free(logits);
     free(cnll);
-    free(gnll);
     lm_params_free(&p);
     return bad;
 }

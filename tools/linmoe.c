@@ -152,6 +152,11 @@ static void usage_bench(FILE *f) {
             "  PyTorch reference step (scripts/reference/bench_step.py, first of python3 and\n"
             "  /usr/bin/python3 with torch) on the same threads as the peer: ratio_to_peer =\n"
             "  its step time / linmoe's (> 1: linmoe faster), null when it is unavailable.\n"
+            "model --device cuda: one full training step (forward, backward, AdamW) of the GPU\n"
+            "  model, configs/gpu-dense.json by default (gpu-moe.json: --config), at its\n"
+            "  batch_size x seq_len: ms per step, tokens/s, MFU against the bf16 matmul rate\n"
+            "  measured in the same run, peak device memory, each op class's share\n"
+            "  (scripts/gpu/bench_model.sh runs it beside fla's KDAForCausalLM).\n"
             "ops --device cuda: every CUDA op of the model (embedding, norms, swiglu,\n"
             "  short_conv, gemm, attention, router, moe, attnres, cross_entropy, adamw; --ops\n"
             "  a comma-separated subset) forward and forward+backward at the GPU configs'\n"
@@ -220,7 +225,7 @@ static int check_device(const char *sub, const char *dev) {
     if (strcmp(dev, "cuda") == 0) {
         if (strcmp(sub, "bench") == 0)
             fprintf(stderr,
-                    "%s bench: --device cuda: only `bench kda` has a CUDA path; the GPU "
+                    "%s bench: --device cuda: `bench kda`, `bench model` and `bench ops` have CUDA paths; the GPU "
                     "benchmarks run on the GPU machine: scripts/gpu/pack.sh here, then "
                     "scripts/gpu/bench-c.sh (the C table) or scripts/gpu/bench.sh (beside fla in "
                     "one process) there (docs/perf-notes.md)\n",
@@ -372,6 +377,15 @@ static int cmd_bench(int argc, char **argv) {
             return LM_EXIT_BAD_INPUT;
         }
         return lm_bench_ops_run(ops, o.json_path, o.quick);
+    }
+    if (strcmp(target, "model") == 0 && strncmp(device, "cuda", 4) == 0) {
+        lm_device d;
+        lm_error e = {0};
+        if (lm_device_parse(device, "--device", &d, &e) != LM_OK) {
+            fprintf(stderr, "%s bench model: %s\n", g_prog, e.msg);
+            return LM_EXIT_USAGE;
+        }
+        return lm_bench_model_gpu(&o);
     }
     /* `bench kda --device cuda` is the C GPU table; other targets have no CUDA path */
     const int cuda = strcmp(device, "cuda") == 0 && strcmp(target, "kda") == 0;

@@ -83,6 +83,9 @@ lm_status lm_cuda_ctx_download(lm_cuda_ctx *ctx, void *dst, const void *src, siz
                                lm_error *err);
 /* Device-side memset on the stream. */
 lm_status lm_cuda_ctx_memset(lm_cuda_ctx *ctx, void *dst, int value, size_t bytes, lm_error *err);
+/* The device's free and total memory in bytes (cudaMemGetInfo), either may be NULL. */
+lm_status lm_cuda_ctx_mem_info(lm_cuda_ctx *ctx, size_t *free_bytes, size_t *total_bytes,
+                               lm_error *err);
 /* Device-to-device copy of `bytes` on the context's stream (asynchronous; the regions
  * must not overlap). */
 lm_status lm_cuda_ctx_copy(lm_cuda_ctx *ctx, void *dst, const void *src, size_t bytes,

@@ -137,6 +137,27 @@ lm_status lm_gpu_model_set_router(lm_gpu_model *m, int layer, const lm_router_st
  * NaN injection). */
 lm_status lm_gpu_model_poke_grad(lm_gpu_model *m, int64_t index, float value, lm_error *err);
 
+/* Op classes of the step profile (`linmoe bench model --device cuda`). */
+typedef enum {
+    LM_GPU_PROF_EMBED = 0, /* embedding gather and scatter-add */
+    LM_GPU_PROF_NORM,      /* RMSNorms (with the fused residual adds) */
+    LM_GPU_PROF_KDA,       /* KDA layers (projections, convs, KDA, gated norm) */
+    LM_GPU_PROF_ATTN,      /* attention layers (projections, attention) */
+    LM_GPU_PROF_DENSE,     /* dense SwiGLU FFNs */
+    LM_GPU_PROF_MOE,       /* MoE FFNs (router GEMM, routing, permute, expert GEMMs, combine) */
+    LM_GPU_PROF_ATTNRES,   /* AttnRes aggregations and their accumulators */
+    LM_GPU_PROF_CE,        /* the fused LM head + cross-entropy */
+    LM_GPU_PROF_OPTIM,     /* grad norm, AdamW, bias updates */
+    LM_GPU_PROF_N
+} lm_gpu_prof_class;
+/* Name of a class ("embedding", "norms", "kda", ...). */
+const char *lm_gpu_prof_name(int cls);
+/* on = 1: time every op class with CUDA events from now on (a synchronisation per op:
+ * for profiling runs only) and zero the totals; 0: off. */
+lm_status lm_gpu_model_set_profile(lm_gpu_model *m, int on, lm_error *err);
+/* The GPU ms per class accumulated since set_profile(1): ms[LM_GPU_PROF_N]. */
+void lm_gpu_model_profile(const lm_gpu_model *m, double *ms);
+
 /* The device gradient buffer downloaded into g [numel] fp32 (tests). */
 lm_status lm_gpu_model_get_grads(lm_gpu_model *m, float *g, lm_error *err);
 

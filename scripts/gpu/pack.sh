@@ -11,10 +11,10 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${LINMOE_GPU_DIR:-build-gpu}"
-BINS=(linmoe test_kda_cuda test_kda_decode_cuda test_cuda_ctx test_backend_ops)
+BINS=(linmoe test_kda_cuda test_kda_decode_cuda test_cuda_ctx test_backend_ops test_gpu_model)
 cmake -S . -B "$OUT/cmake" -DCMAKE_BUILD_TYPE=Release -DLINMOE_NATIVE=OFF -DLINMOE_FFI=ON >/dev/null
 cmake --build "$OUT/cmake" -j "$(nproc)" --target linmoe_cli test_kda_cuda test_kda_decode_cuda \
-    test_cuda_ctx test_backend_ops linmoe_ffi >/dev/null
+    test_cuda_ctx test_backend_ops test_gpu_model linmoe_ffi >/dev/null
 mkdir -p "$OUT/lib"
 for b in "${BINS[@]}"; do cp "$OUT/cmake/$b" "$OUT/"; done
 # the FFI library (scripts/gpu/bench_kda.py, bench_ops.py: linmoe beside PyTorch / fla in one

@@ -111,7 +111,25 @@ struct lm_gpu_model {
     /* the last micro-batch */
     lm_gpu_batch b;
     int have_fwd;
+    /* profiling (lm_gpu_model_set_profile): GPU ms per op class */
+    lm_cuda_timer *timer;
+    double prof[LM_GPU_PROF_N];
 };
+
+/* Runs `call` (an lm_status expression); with profiling on, timed with the context's
+ * events (start, call, stop: a synchronisation per call) and added to class `cls`. */
+#define PROF(m, cls, call)                                                                         \
+    do {                                                                                           \
+        if ((m)->timer) {                                                                          \
+            double ms_ = 0;                                                                        \
+            LM_TRY(lm_cuda_timer_start((m)->timer, err));                                          \
+            LM_TRY(call);                                                                          \
+            LM_TRY(lm_cuda_timer_stop((m)->timer, &ms_, err));                                     \
+            (m)->prof[cls] += ms_;                                                                 \
+        } else {                                                                                   \
+            LM_TRY(call);                                                                          \
+        }                                                                                          \
+    } while (0)
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -605,6 +623,7 @@ void lm_gpu_model_free(lm_gpu_model *m) {
         lm_gpu_moe_layer_free(m->ly[i].ml);
     }
     lm_cuda_adamw_plan_free(m->opt);
+    lm_cuda_timer_free(m->timer);
     for (int k = 0; k < LM_MEM_N_CLASSES; k++)
         lm_cuda_ctx_free_mem(m->ctx, m->mem[k]);
     free(m->info);
@@ -803,6 +822,13 @@ static lm_status dense_backward(lm_gpu_model *m, gpu_layer *ly, const void *x, c
 
 /* ---------------------------------------------------------------- sublayers */
 
+static int sub_class(const lm_gpu_model *m, int l) {
+    const gpu_layer *ly = &m->ly[l / 2];
+    if (l % 2 == 0)
+        return ly->kind == LM_LAYER_KDA ? LM_GPU_PROF_KDA : LM_GPU_PROF_ATTN;
+    return ly->moe ? LM_GPU_PROF_MOE : LM_GPU_PROF_DENSE;
+}
+
 static lm_status sub_forward(lm_gpu_model *m, int l, const void *x, void *out, int slot,
                              lm_error *err) {
     gpu_layer *ly = &m->ly[l / 2];
@@ -872,23 +898,28 @@ static lm_status run_forward(lm_gpu_model *m, int slot, lm_error *err) {
     const int64_t N = m->b.N;
     const int d = m->d;
     const float eps = m->cfg.rms_norm_eps;
-    LM_TRY(lm_cuda_embedding_forward(m->ctx, N, m->V, d, m->ids, m->W_emb, m->e, NULL, err));
+    PROF(m, LM_GPU_PROF_EMBED,
+         lm_cuda_embedding_forward(m->ctx, N, m->V, d, m->ids, m->W_emb, m->e, NULL, err));
     const void *srcs[NSUB_MAX + 2];
     int sidx[NSUB_MAX + 2];
     if (!m->attnres) {
         m->hp[0] = m->e;
-        LM_TRY(lm_cuda_rmsnorm_forward(m->ctx, N, d, eps, m->e, NULL, m->ly[0].norm_w[0], NULL,
-                                       m->xn[0], m->rstd[0], err));
+        PROF(m, LM_GPU_PROF_NORM,
+             lm_cuda_rmsnorm_forward(m->ctx, N, d, eps, m->e, NULL, m->ly[0].norm_w[0], NULL,
+                                     m->xn[0], m->rstd[0], err));
         for (int l = 0; l < m->nsub; l++) {
-            LM_TRY(prefix(sub_forward(m, l, m->xn[l], m->obuf, slot, err), l, "forward", err));
+            PROF(m, sub_class(m, l),
+                 prefix(sub_forward(m, l, m->xn[l], m->obuf, slot, err), l, "forward", err));
             if (l + 1 < m->nsub) {
-                LM_TRY(lm_cuda_rmsnorm_forward(m->ctx, N, d, eps, m->obuf, m->hp[l],
-                                               m->ly[(l + 1) / 2].norm_w[(l + 1) % 2], m->h[l + 1],
-                                               m->xn[l + 1], m->rstd[l + 1], err));
+                PROF(m, LM_GPU_PROF_NORM,
+                     lm_cuda_rmsnorm_forward(m->ctx, N, d, eps, m->obuf, m->hp[l],
+                                             m->ly[(l + 1) / 2].norm_w[(l + 1) % 2], m->h[l + 1],
+                                             m->xn[l + 1], m->rstd[l + 1], err));
                 m->hp[l + 1] = m->h[l + 1];
             } else {
-                LM_TRY(lm_cuda_rmsnorm_forward(m->ctx, N, d, eps, m->obuf, m->hp[l], m->norm_fin,
-                                               m->hfin, m->xfin, m->rstd_fin, err));
+                PROF(m, LM_GPU_PROF_NORM,
+                     lm_cuda_rmsnorm_forward(m->ctx, N, d, eps, m->obuf, m->hp[l], m->norm_fin,
+                                             m->hfin, m->xfin, m->rstd_fin, err));
             }
         }
         return LM_OK;
@@ -903,25 +934,32 @@ static lm_status run_forward(lm_gpu_model *m, int slot, lm_error *err) {
                 srcs[j] = sidx[j] < 0 ? m->e : m->run[sidx[j]];
             lm_attnres_config ac;
             ar_config(m, &ac, ns);
-            LM_TRY(lm_cuda_attnres_forward_ptrs(m->ctx, &ac, srcs, ly->arq[l % 2], ly->arn[l % 2],
-                                                m->h[l], NULL, err));
+            PROF(m, LM_GPU_PROF_ATTNRES,
+                 lm_cuda_attnres_forward_ptrs(m->ctx, &ac, srcs, ly->arq[l % 2], ly->arn[l % 2],
+                                              m->h[l], NULL, err));
             m->hp[l] = m->h[l];
         }
-        LM_TRY(lm_cuda_rmsnorm_forward(m->ctx, N, d, eps, m->hp[l], NULL, ly->norm_w[l % 2], NULL,
-                                       m->xn[l], m->rstd[l], err));
-        LM_TRY(prefix(sub_forward(m, l, m->xn[l], m->run[l], slot, err), l, "forward", err));
+        PROF(m, LM_GPU_PROF_NORM,
+             lm_cuda_rmsnorm_forward(m->ctx, N, d, eps, m->hp[l], NULL, ly->norm_w[l % 2], NULL,
+                                     m->xn[l], m->rstd[l], err));
+        PROF(m, sub_class(m, l),
+             prefix(sub_forward(m, l, m->xn[l], m->run[l], slot, err), l, "forward", err));
         if (l % m->S != 0)
-            LM_TRY(lm_cuda_add_bf16(m->ctx, N * d, m->run[l], m->run[l - 1], m->run[l], err));
+            PROF(m, LM_GPU_PROF_ATTNRES,
+                 lm_cuda_add_bf16(m->ctx, N * d, m->run[l], m->run[l - 1], m->run[l], err));
     }
     const int ns = ar_sources(m, m->nsub, sidx);
     for (int j = 0; j < ns; j++)
         srcs[j] = sidx[j] < 0 ? m->e : m->run[sidx[j]];
     lm_attnres_config ac;
     ar_config(m, &ac, ns);
-    LM_TRY(lm_cuda_attnres_forward_ptrs(m->ctx, &ac, srcs, m->arq_fin, m->arn_fin, m->hfin, NULL,
-                                        err));
-    return lm_cuda_rmsnorm_forward(m->ctx, N, d, eps, m->hfin, NULL, m->norm_fin, NULL, m->xfin,
-                                   m->rstd_fin, err);
+    PROF(m, LM_GPU_PROF_ATTNRES,
+         lm_cuda_attnres_forward_ptrs(m->ctx, &ac, srcs, m->arq_fin, m->arn_fin, m->hfin, NULL,
+                                      err));
+    PROF(m, LM_GPU_PROF_NORM,
+         lm_cuda_rmsnorm_forward(m->ctx, N, d, eps, m->hfin, NULL, m->norm_fin, NULL, m->xfin,
+                                 m->rstd_fin, err));
+    return LM_OK;
 }
 
 static void ce_cfg(const lm_gpu_model *m, lm_cuda_ce_config *cc, float dloss) {
@@ -940,19 +978,25 @@ static lm_status run_backward(lm_gpu_model *m, lm_error *err) {
     int sidx[NSUB_MAX + 2];
     if (!m->attnres) {
         /* G: the gradient of the residual stream, bf16 */
-        LM_TRY(lm_cuda_rmsnorm_backward(m->ctx, N, d, eps, m->hfin, m->norm_fin, m->rstd_fin,
-                                        m->dxfin, NULL, m->G16, m->g_norm_fin, err));
+        PROF(m, LM_GPU_PROF_NORM,
+             lm_cuda_rmsnorm_backward(m->ctx, N, d, eps, m->hfin, m->norm_fin, m->rstd_fin,
+                                      m->dxfin, NULL, m->G16, m->g_norm_fin, err));
         for (int l = m->nsub - 1; l >= 0; l--) {
             gpu_layer *ly = &m->ly[l / 2];
-            LM_TRY(prefix(sub_backward(m, l, m->G16, m->dxn, err), l, "backward", err));
-            LM_TRY(lm_cuda_rmsnorm_backward(m->ctx, N, d, eps, m->hp[l], ly->norm_w[l % 2],
-                                            m->rstd[l], m->dxn, m->G16, m->G16, ly->norm_g[l % 2],
-                                            err));
+            PROF(m, sub_class(m, l),
+                 prefix(sub_backward(m, l, m->G16, m->dxn, err), l, "backward", err));
+            PROF(m, LM_GPU_PROF_NORM,
+                 lm_cuda_rmsnorm_backward(m->ctx, N, d, eps, m->hp[l], ly->norm_w[l % 2],
+                                          m->rstd[l], m->dxn, m->G16, m->G16, ly->norm_g[l % 2],
+                                          err));
         }
-        return lm_cuda_embedding_backward(m->ctx, N, m->V, d, m->ids, m->G16, m->g_emb, err);
+        PROF(m, LM_GPU_PROF_EMBED,
+             lm_cuda_embedding_backward(m->ctx, N, m->V, d, m->ids, m->G16, m->g_emb, err));
+        return LM_OK;
     }
-    LM_TRY(lm_cuda_rmsnorm_backward(m->ctx, N, d, eps, m->hfin, m->norm_fin, m->rstd_fin, m->dxfin,
-                                    NULL, m->dh, m->g_norm_fin, err));
+    PROF(m, LM_GPU_PROF_NORM,
+         lm_cuda_rmsnorm_backward(m->ctx, N, d, eps, m->hfin, m->norm_fin, m->rstd_fin, m->dxfin,
+                                  NULL, m->dh, m->g_norm_fin, err));
     LM_TRY(lm_cuda_ctx_memset(m->ctx, m->dE32, 0, (size_t)Nd * 4, err));
     LM_TRY(lm_cuda_ctx_memset(m->ctx, m->G32, 0, (size_t)Nd * 4, err));
     for (int j = 0; j < m->nblocks; j++)
@@ -966,20 +1010,23 @@ static lm_status run_backward(lm_gpu_model *m, lm_error *err) {
     lm_attnres_config ac;
     ar_config(m, &ac, ns);
     ac.accumulate = 1;
-    LM_TRY(lm_cuda_attnres_backward_ptrs(m->ctx, &ac, srcs, m->arq_fin, m->arn_fin, m->dh, dsrc,
-                                         LM_F32, m->arq_fin_g, m->arn_fin_g, err));
+    PROF(m, LM_GPU_PROF_ATTNRES,
+         lm_cuda_attnres_backward_ptrs(m->ctx, &ac, srcs, m->arq_fin, m->arn_fin, m->dh, dsrc,
+                                       LM_F32, m->arq_fin_g, m->arn_fin_g, err));
     for (int l = m->nsub - 1; l >= 0; l--) {
         gpu_layer *ly = &m->ly[l / 2];
         /* a block's last sublayer (not the model's last) takes its block's gradient */
         if (l != m->nsub - 1 && l % m->S == m->S - 1)
             Gp = m->dB32[l / m->S];
-        LM_TRY(lm_cuda_f32_to_bf16(m->ctx, Nd, Gp, m->G16, err));
-        LM_TRY(prefix(sub_backward(m, l, m->G16, m->dxn, err), l, "backward", err));
-        LM_TRY(lm_cuda_rmsnorm_backward(m->ctx, N, d, eps, m->hp[l], ly->norm_w[l % 2], m->rstd[l],
-                                        m->dxn, NULL, m->dh, ly->norm_g[l % 2], err));
+        PROF(m, LM_GPU_PROF_ATTNRES, lm_cuda_f32_to_bf16(m->ctx, Nd, Gp, m->G16, err));
+        PROF(m, sub_class(m, l),
+             prefix(sub_backward(m, l, m->G16, m->dxn, err), l, "backward", err));
+        PROF(m, LM_GPU_PROF_NORM,
+             lm_cuda_rmsnorm_backward(m->ctx, N, d, eps, m->hp[l], ly->norm_w[l % 2], m->rstd[l],
+                                      m->dxn, NULL, m->dh, ly->norm_g[l % 2], err));
         ns = ar_sources(m, l, sidx);
         if (ns == 1) {
-            LM_TRY(lm_cuda_acc_bf16_f32(m->ctx, Nd, m->dh, m->dE32, err));
+            PROF(m, LM_GPU_PROF_ATTNRES, lm_cuda_acc_bf16_f32(m->ctx, Nd, m->dh, m->dE32, err));
             continue;
         }
         for (int j = 0; j < ns; j++) {
@@ -990,12 +1037,14 @@ static lm_status run_backward(lm_gpu_model *m, lm_error *err) {
         }
         ar_config(m, &ac, ns);
         ac.accumulate = 1;
-        LM_TRY(lm_cuda_attnres_backward_ptrs(m->ctx, &ac, srcs, ly->arq[l % 2], ly->arn[l % 2],
-                                             m->dh, dsrc, LM_F32, ly->arq_g[l % 2],
-                                             ly->arn_g[l % 2], err));
+        PROF(m, LM_GPU_PROF_ATTNRES,
+             lm_cuda_attnres_backward_ptrs(m->ctx, &ac, srcs, ly->arq[l % 2], ly->arn[l % 2], m->dh,
+                                           dsrc, LM_F32, ly->arq_g[l % 2], ly->arn_g[l % 2], err));
     }
-    LM_TRY(lm_cuda_f32_to_bf16(m->ctx, Nd, m->dE32, m->G16, err));
-    return lm_cuda_embedding_backward(m->ctx, N, m->V, d, m->ids, m->G16, m->g_emb, err);
+    PROF(m, LM_GPU_PROF_ATTNRES, lm_cuda_f32_to_bf16(m->ctx, Nd, m->dE32, m->G16, err));
+    PROF(m, LM_GPU_PROF_EMBED,
+         lm_cuda_embedding_backward(m->ctx, N, m->V, d, m->ids, m->G16, m->g_emb, err));
+    return LM_OK;
 }
 
 static lm_status check_slot(int slot, lm_error *err) {
@@ -1022,7 +1071,8 @@ lm_status lm_gpu_model_micro_step(lm_gpu_model *m, const lm_model_batch *b, cons
     lm_cuda_ce_config cc;
     ce_cfg(m, &cc, loss_scale);
     lm_cuda_ce_outputs co = {m->loss_sum + slot, m->count + slot, NULL, m->dxfin, m->g_head};
-    LM_TRY(lm_cuda_ce_forward_backward(m->ctx, &cc, m->xfin, m->W_head, m->labels, &co, err));
+    PROF(m, LM_GPU_PROF_CE,
+         lm_cuda_ce_forward_backward(m->ctx, &cc, m->xfin, m->W_head, m->labels, &co, err));
     LM_TRY(run_backward(m, err));
     /* the buffers (MoE biases' slots of the gradient) carry no gradient: never written */
     return LM_OK;
@@ -1038,8 +1088,9 @@ lm_status lm_gpu_model_eval(lm_gpu_model *m, const lm_model_batch *b, const int3
     LM_TRY(run_forward(m, slot, err));
     lm_cuda_ce_config cc;
     ce_cfg(m, &cc, 1.0f);
-    LM_TRY(lm_cuda_ce_forward(m->ctx, &cc, m->xfin, m->W_head, m->labels, m->loss_sum + slot,
-                              m->count + slot, m->nll, err));
+    PROF(m, LM_GPU_PROF_CE,
+         lm_cuda_ce_forward(m->ctx, &cc, m->xfin, m->W_head, m->labels, m->loss_sum + slot,
+                            m->count + slot, m->nll, err));
     if (nll_host)
         LM_TRY(lm_cuda_ctx_download(m->ctx, nll_host, m->nll, sizeof(float) * (size_t)m->b.N, err));
     return LM_OK;
@@ -1050,7 +1101,9 @@ lm_status lm_gpu_model_eval(lm_gpu_model *m, const lm_model_batch *b, const int3
 lm_status lm_gpu_model_grad_norm(lm_gpu_model *m, lm_error *err) {
     if (!m)
         return lm_errorf(err, LM_ERR_INVALID, "gpu model: NULL model");
-    return lm_cuda_adamw_grad_norm(m->ctx, m->opt, m->g32, m->gnorm, m->skipped, err);
+    PROF(m, LM_GPU_PROF_OPTIM,
+         lm_cuda_adamw_grad_norm(m->ctx, m->opt, m->g32, m->gnorm, m->skipped, err));
+    return LM_OK;
 }
 
 lm_status lm_gpu_model_read_step(lm_gpu_model *m, int n_slots, double *loss, int64_t *n_labels,
@@ -1089,8 +1142,9 @@ lm_status lm_gpu_model_optim_step(lm_gpu_model *m, double lr, double weight_deca
     if (!m)
         return lm_errorf(err, LM_ERR_INVALID, "gpu model: NULL model");
     lm_cuda_adamw_hparams hp = {lr, weight_decay, beta1, beta2, eps, grad_clip, t};
-    LM_TRY(lm_cuda_adamw_step(m->ctx, m->opt, &hp, m->p32, m->g32, m->m1, m->m2, m->p16, m->gnorm,
-                              err));
+    PROF(m, LM_GPU_PROF_OPTIM,
+         lm_cuda_adamw_step(m->ctx, m->opt, &hp, m->p32, m->g32, m->m1, m->m2, m->p16, m->gnorm,
+                            err));
     int any = 0;
     const int E = m->cfg.moe.router.num_experts;
     for (int i = 0; i < m->L; i++) {
@@ -1101,7 +1155,7 @@ lm_status lm_gpu_model_optim_step(lm_gpu_model *m, double lr, double weight_deca
         lm_cuda_router_state *rs = lm_gpu_moe_layer_router(m->ly[i].ml);
         LM_TRY(
             lm_cuda_ctx_copy(m->ctx, m->demand + (size_t)i * E, rs->acc, sizeof(double) * E, err));
-        LM_TRY(lm_gpu_moe_layer_update_bias(m->ly[i].ml, m->metrics + i, err));
+        PROF(m, LM_GPU_PROF_OPTIM, lm_gpu_moe_layer_update_bias(m->ly[i].ml, m->metrics + i, err));
         any = 1;
     }
     if (any && (metrics_host || demand_host)) {
@@ -1180,4 +1234,31 @@ lm_status lm_gpu_model_get_grads(lm_gpu_model *m, float *g, lm_error *err) {
     if (!m || !g)
         return lm_errorf(err, LM_ERR_INVALID, "gpu model: get_grads: NULL argument");
     return lm_cuda_ctx_download(m->ctx, g, m->g32, (size_t)m->numel * 4, err);
+}
+
+/* ---------------------------------------------------------------- profiling */
+
+const char *lm_gpu_prof_name(int cls) {
+    static const char *const names[LM_GPU_PROF_N] = {"embedding", "norms",         "kda",
+                                                     "attention", "dense_ffn",     "moe",
+                                                     "attnres",   "cross_entropy", "optimizer"};
+    return cls >= 0 && cls < LM_GPU_PROF_N ? names[cls] : "?";
+}
+
+lm_status lm_gpu_model_set_profile(lm_gpu_model *m, int on, lm_error *err) {
+    if (!m)
+        return lm_errorf(err, LM_ERR_INVALID, "gpu model: NULL model");
+    memset(m->prof, 0, sizeof m->prof);
+    if (on && !m->timer)
+        LM_TRY(lm_cuda_timer_new(m->ctx, &m->timer, err));
+    if (!on) {
+        lm_cuda_timer_free(m->timer);
+        m->timer = NULL;
+    }
+    return LM_OK;
+}
+
+void lm_gpu_model_profile(const lm_gpu_model *m, double *ms) {
+    for (int k = 0; k < LM_GPU_PROF_N; k++)
+        ms[k] = m ? m->prof[k] : 0;
 }

@@ -279,6 +279,18 @@ extern "C" lm_status lm_cuda_ctx_memset(lm_cuda_ctx *ctx, void *dst, int value, 
     return LM_OK;
 }
 
+extern "C" lm_status lm_cuda_ctx_mem_info(lm_cuda_ctx *ctx, size_t *free_bytes,
+                                          size_t *total_bytes, lm_error *err) {
+    LM_TRY(lm_cuda_ctx_enter(ctx, err));
+    size_t f = 0, t = 0;
+    LM_CK(cudaMemGetInfo(&f, &t));
+    if (free_bytes)
+        *free_bytes = f;
+    if (total_bytes)
+        *total_bytes = t;
+    return LM_OK;
+}
+
 extern "C" lm_status lm_cuda_ctx_copy(lm_cuda_ctx *ctx, void *dst, const void *src, size_t bytes,
                                       lm_error *err) {
     LM_TRY(lm_cuda_ctx_enter(ctx, err));

@@ -68,6 +68,13 @@ lm_status lm_cuda_ctx_memset(lm_cuda_ctx *ctx, void *dst, int value, size_t byte
     (void)bytes;
     return no_cuda(err);
 }
+lm_status lm_cuda_ctx_mem_info(lm_cuda_ctx *ctx, size_t *free_bytes, size_t *total_bytes,
+                               lm_error *err) {
+    (void)ctx;
+    (void)free_bytes;
+    (void)total_bytes;
+    return no_cuda(err);
+}
 lm_status lm_cuda_ctx_copy(lm_cuda_ctx *ctx, void *dst, const void *src, size_t bytes,
                            lm_error *err) {
     (void)ctx;
