@@ -805,7 +805,7 @@ static void test_device_cuda(void **state) {
     }
     rc = lm_run_cli(msg, sizeof msg, "bench moe --device cuda");
     assert_clean_failure(rc, msg, 0);
-    lm_assert_says(msg, "only `bench kda` has a CUDA path");
+    lm_assert_says(msg, "`bench kda`, `bench model` and `bench ops` have CUDA paths");
     rc = lm_run_cli(msg, sizeof msg, "op kda --in %s --out %s --device tpu", in, out);
     assert_clean_failure(rc, msg, 2);
     lm_assert_says(msg, "unknown device 'tpu'");

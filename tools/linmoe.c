@@ -43,6 +43,9 @@ int lm_cli_generate(int argc, char **argv);
 void lm_cli_generate_usage(FILE *f);
 int lm_cli_plot(int argc, char **argv);
 void lm_cli_plot_usage(FILE *f);
+/* `linmoe export` (tools/export.c); exit codes as in cli.h. */
+int lm_cli_export(int argc, char **argv);
+void lm_cli_export_usage(FILE *f);
 
 static const char *g_prog = "linmoe";
 
@@ -63,6 +66,7 @@ static void usage_main(FILE *f) {
             "  eval     evaluate a checkpoint: bits per byte, passkey accuracy, MoE balance (JSON)\n"
             "  generate sample text from a checkpoint (prefill + cached decode)\n"
             "  plot     draw a run's loss, bits/byte, balance and passkey plots (gnuplot)\n"
+            "  export   write a dense checkpoint in fla's KDAForCausalLM format (--format fla)\n"
             "  version  print the version\n"
             "  help     print this help, or `help SUBCOMMAND` for one subcommand\n"
             "\n"
@@ -429,6 +433,7 @@ static int cmd_help(int argc, char **argv) {
     else if (strcmp(s, "eval") == 0) lm_cli_eval_usage(stdout);
     else if (strcmp(s, "generate") == 0) lm_cli_generate_usage(stdout);
     else if (strcmp(s, "plot") == 0) lm_cli_plot_usage(stdout);
+    else if (strcmp(s, "export") == 0) lm_cli_export_usage(stdout);
     else if (strcmp(s, "help") == 0) usage_main(stdout);
     else {
         fprintf(stderr, "%s help: unknown subcommand '%s' (see `%s --help`)\n", g_prog, s, g_prog);
@@ -456,6 +461,7 @@ int main(int argc, char **argv) {
     if (strcmp(sub, "eval") == 0) return lm_cli_eval(argc - 1, argv + 1);
     if (strcmp(sub, "generate") == 0) return lm_cli_generate(argc - 1, argv + 1);
     if (strcmp(sub, "plot") == 0) return lm_cli_plot(argc - 1, argv + 1);
+    if (strcmp(sub, "export") == 0) return lm_cli_export(argc - 1, argv + 1);
     if (sub[0] == '-')
         fprintf(stderr, "%s: unknown option '%s' (see `%s --help`)\n", g_prog, sub, g_prog);
     else
