@@ -94,7 +94,7 @@ static int bench_one(lm_bench_ops_env *env, const attn_shape *s) {
     } impls[3] = {{"attention", LM_CUDA_ATTN_AUTO, 1, 1},
                   {"attention_own", LM_CUDA_ATTN_OWN, 1, 1},
                   {"attention_nondet", LM_CUDA_ATTN_AUTO, 0, 0}};
-    static const char *impl_name[3] = {"-", "own", "cudnn"};
+    static const char *impl_name[4] = {"-", "own", "cudnn", "simple"};
     for (int m = 0; m < 3; m++) {
         if (lm_cuda_attention_set_impl(env->ctx, impls[m].impl, &e) != LM_OK ||
             lm_cuda_attention_set_bwd_impl(env->ctx, impls[m].impl, &e) != LM_OK ||
@@ -108,8 +108,8 @@ static int bench_one(lm_bench_ops_env *env, const attn_shape *s) {
             const int fi = lm_cuda_attention_last_impl(env->ctx);
             const int bi = lm_cuda_attention_last_bwd_impl(env->ctx);
             fprintf(stderr, "bench %s %s %s: forward %s%s%s\n", impls[m].name, shape,
-                    bwd ? "fwd+bwd" : "fwd", impl_name[fi >= 0 && fi < 3 ? fi : 0],
-                    bwd ? ", backward " : "", bwd ? impl_name[bi >= 0 && bi < 3 ? bi : 0] : "");
+                    bwd ? "fwd+bwd" : "fwd", impl_name[fi >= 0 && fi < 4 ? fi : 0],
+                    bwd ? ", backward " : "", bwd ? impl_name[bi >= 0 && bi < 4 ? bi : 0] : "");
             lm_bench_ops_row(env, impls[m].name, shape, bwd ? "fwd+bwd" : "fwd", ms,
                              bwd ? 3.5 * fwd_flops : fwd_flops,
                              bwd ? fwd_bytes + bwd_bytes : fwd_bytes, (double)BT);

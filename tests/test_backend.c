@@ -69,8 +69,14 @@ static void test_supports(void **state) {
     lm_attention_config a;
     lm_attention_config_default(&a, 1, 64, 8, 2, 128);
     expect_supported(LM_OP_ATTENTION, &a);
+    a.D = 16; /* the simple kernels: any head_dim up to 256 */
+    expect_supported(LM_OP_ATTENTION, &a);
     a.D = 96;
-    expect_refused(LM_OP_ATTENTION, &a, "head_dim 96");
+    expect_supported(LM_OP_ATTENTION, &a);
+    a.D = 256;
+    expect_supported(LM_OP_ATTENTION, &a);
+    a.D = 320;
+    expect_refused(LM_OP_ATTENTION, &a, "head_dim 320");
     lm_attnres_config r;
     lm_attnres_config_default(&r, 9, 32, 2048);
     expect_supported(LM_OP_ATTNRES, &r);

@@ -41,6 +41,16 @@
  * four warps stream their own 16-row tiles through a three-stage cp.async pipeline with an
  * online softmax each and merge in warp order; each split writes an fp32 partial (max,
  * sum, weighted values), a second kernel merges them in a fixed order.
+ * Other head dims (the small test configurations) run the simple kernels (set_impl SIMPLE
+ * below forces them at any D): plain fp32 loops, one warp per output row (the row's
+ * vector in shared memory, one lane per key or query of each chunk of 32 forming its dot
+ * products, the softmax statistics by warp shuffles, the weighted sums in key / query
+ * order); forward with an online softmax; backward as Delta = rowsum(dO * O), one warp per
+ * query row for dq (over its keys) and one per (key, kv head) for dk, dv (over the query
+ * heads of the group and the queries of the document that see the key). P is never rounded
+ * to bf16; every sum has a fixed order (no atomics, whatever "deterministic" says), so
+ * results are bitwise reproducible. Correct, not fast: O(T^2 D) work per head with scalar
+ * loads, for small D and short documents.
  *
  * Layouts (row-major, innermost last, device memory owned by the caller):
  *   q, o, do, dq      [B, T, Hq, D]   bf16
@@ -54,11 +64,14 @@
  * Every bf16 pointer must be 16-byte aligned (the kernels move 16-byte vectors), lse
  * 4-byte aligned.
  *
- * Limits: D = 64 or 128 (LM_ERR_UNSUPPORTED otherwise), causal only, B * T < 2^31. cuDNN's
- * backward refuses T = 1 dense batches (one query and one key: our kernel runs).
+ * Limits: 1 <= D <= 256, D even with RoPE; D = 64 and 128 run the FlashAttention-2
+ * kernels or cuDNN, other D the simple kernels; the KV-cache writer and the decode step
+ * take D = 64 or 128 only (LM_ERR_UNSUPPORTED otherwise). Causal only, B * T < 2^31.
+ * cuDNN's backward refuses T = 1 dense batches (one query and one key: our kernel runs).
  *
  * Execution: asynchronous on the context's stream (include/linmoe/backend.h); scratch
- * from the context's grow-only buffers (slots A, B, C), the per-context tables (document
+ * from the context's grow-only buffers (slots A, B, C; the simple kernels: A for the
+ * rotated q, k, C for Delta, 4 B*T*Hq bytes), the per-context tables (document
  * blocks, the RoPE cos / sin table) in the context's attention slot. A call allocates
  * only when a buffer must grow. No host synchronisation except inside those growths.
  * The cuDNN path keeps a cuDNN handle and up to 48 plans per context (created on first
@@ -73,9 +86,10 @@
  * rotated back in place: one more bf16 rounding than our kernel's fp32 rotation.
  *
  * Errors: LM_ERR_INVALID for a bad configuration or argument (the checks of
- * lm_attention_validate except the finiteness scan of device data), LM_ERR_UNSUPPORTED
- * for D not in {64, 128} or when linmoe was built without CUDA, LM_ERR_NOMEM / LM_ERR_IO
- * from CUDA (the message names the call).
+ * lm_attention_validate except the finiteness scan of device data; odd D with RoPE),
+ * LM_ERR_UNSUPPORTED for D > 256, for D not in {64, 128} in the decode step, the cache
+ * writer or a forced cuDNN call, or when linmoe was built without CUDA, LM_ERR_NOMEM /
+ * LM_ERR_IO from CUDA (the message names the call).
  *
  * What this module does not do: non-causal or windowed masks, fp32 inputs, dropout,
  * attention bias, partial rotary dims, KV-cache allocation, paged caches.
@@ -105,7 +119,8 @@ lm_status lm_cuda_attention_forward(lm_cuda_ctx *ctx, lm_attention_config *c, co
  * bytes of fp32 dq accumulator plus, with RoPE, the rotated q, k copies; cuDNN's: the
  * stats and rowsum(dO o) (8 B*T*Hq bytes), with "deterministic" = 0 the fp32 dq
  * accumulator, for packed GQA 4 T*Hq*D bytes of per-query-head dk, dv, and cuDNN's
- * workspace (see set_cudnn_workspace_limit). */
+ * workspace (see set_cudnn_workspace_limit); the simple kernels' (D not 64 / 128): Delta
+ * (4 B*T*Hq bytes) plus, with RoPE, the rotated q, k copies. */
 lm_status lm_cuda_attention_backward(lm_cuda_ctx *ctx, lm_attention_config *c, const void *q,
                                      const void *k, const void *v, const void *o, const float *lse,
                                      const void *do_, void *dq, void *dk, void *dv, lm_error *err);
@@ -114,7 +129,7 @@ lm_status lm_cuda_attention_backward(lm_cuda_ctx *ctx, lm_attention_config *c, c
  * bf16 [B, T, H, D] (H any head count; y may equal x), p the position of each token
  * inside its document (t for B rows, t - cu_seqlens[n] for packed documents), math in
  * fp32, one bf16 rounding. Uses c's B, T, D, cu_seqlens and rope_theta (position is
- * ignored: this always rotates). Errors as the forward (D even and <= 128 here). */
+ * ignored: this always rotates). Errors as the forward (D even and <= 256 here). */
 lm_status lm_cuda_attention_rope(lm_cuda_ctx *ctx, lm_attention_config *c, int H, const void *x,
                                  void *y, int inverse, lm_error *err);
 
@@ -147,18 +162,26 @@ lm_status lm_cuda_attention_decode(lm_cuda_ctx *ctx, lm_attention_config *c, int
  *                       ragged tensors; plans built once per shape key and cached in the
  *                       context, a refused key remembered), linmoe's own kernels otherwise
  *                       (a shape cuDNN refuses, or a failed allocation of its workspace);
- *   LM_CUDA_ATTN_OWN    always linmoe's FlashAttention-2 kernels;
+ *   LM_CUDA_ATTN_OWN    always linmoe's FlashAttention-2 kernels (the simple ones at other D);
  *   LM_CUDA_ATTN_CUDNN  cuDNN only: a refusal is an LM_ERR_UNSUPPORTED error naming cuDNN's
- *                       reason (tests use this).
+ *                       reason (tests use this); D not in {64, 128} is refused the same way;
+ *   LM_CUDA_ATTN_SIMPLE the simple kernels at any D (a second, independent GPU path; tests).
+ * At D not in {64, 128}, AUTO and OWN run the simple kernels.
  * Forward and backward may differ (lse has one meaning: natural-log log-sum-exp of the
  * scaled scores, [B, T, Hq] fp32). The backward honours the context option
- * "deterministic" in both implementations (see the top of this file). The cuDNN graphs:
+ * "deterministic" in ours and cuDNN's (see the top of this file); the simple kernels are
+ * always deterministic. The cuDNN graphs:
  * src/ops/cuda/attention_cudnn.cu. Errors: LM_ERR_INVALID for an unknown value. */
-enum { LM_CUDA_ATTN_AUTO = 0, LM_CUDA_ATTN_OWN = 1, LM_CUDA_ATTN_CUDNN = 2 };
+enum {
+    LM_CUDA_ATTN_AUTO = 0,
+    LM_CUDA_ATTN_OWN = 1,
+    LM_CUDA_ATTN_CUDNN = 2,
+    LM_CUDA_ATTN_SIMPLE = 3
+};
 lm_status lm_cuda_attention_set_impl(lm_cuda_ctx *ctx, int impl, lm_error *err);
 lm_status lm_cuda_attention_set_bwd_impl(lm_cuda_ctx *ctx, int impl, lm_error *err);
-/* The implementation that ran the last forward / backward on ctx (LM_CUDA_ATTN_OWN or
- * LM_CUDA_ATTN_CUDNN; 0 before the first). */
+/* The implementation that ran the last forward / backward on ctx (LM_CUDA_ATTN_OWN,
+ * LM_CUDA_ATTN_CUDNN or LM_CUDA_ATTN_SIMPLE; 0 before the first). */
 int lm_cuda_attention_last_impl(lm_cuda_ctx *ctx);
 int lm_cuda_attention_last_bwd_impl(lm_cuda_ctx *ctx);
 

@@ -203,9 +203,9 @@ lm_status lm_gpu_model_supports(const lm_model_config *c, lm_error *err) {
                              "a multiple of 8)",
                              c->kda_num_heads * c->kda_head_dim);
     }
-    if (has_attn && c->head_dim != 64 && c->head_dim != 128)
+    if (has_attn && c->head_dim > 256)
         return lm_errorf(err, LM_ERR_UNSUPPORTED,
-                         "gpu model: head_dim = %d (the CUDA attention takes 64 or 128)",
+                         "gpu model: head_dim = %d (the CUDA attention takes head_dim <= 256)",
                          c->head_dim);
     if (c->hidden_size % 8 != 0)
         return lm_errorf(err, LM_ERR_UNSUPPORTED,

@@ -27,10 +27,12 @@ static lm_status cuda_kda(const lm_kda_config *c, lm_error *err) {
     return LM_OK;
 }
 
+/* D = 64 and 128 run the FlashAttention-2 kernels (or cuDNN), other D up to 256 the simple
+ * kernels (include/linmoe/cuda_attention.h). */
 static lm_status cuda_attention(const lm_attention_config *c, lm_error *err) {
-    if (c->D != 64 && c->D != 128)
+    if (c->D > 256)
         return lm_errorf(err, LM_ERR_UNSUPPORTED,
-                         "attention on cuda: head_dim %d is not supported (64 or 128)", c->D);
+                         "attention on cuda: head_dim %d is not supported (at most 256)", c->D);
     if (c->Hkv <= 0 || c->Hq % c->Hkv != 0)
         return lm_errorf(err, LM_ERR_UNSUPPORTED,
                          "attention on cuda: num_attention_heads %d is not a multiple of "

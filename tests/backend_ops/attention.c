@@ -20,7 +20,17 @@
  * design (the default AUTO runs ours): that row says so and is not counted. RoPE alone
  * forward and inverse; the KV-cache writer and the decode step (one split and several)
  * against lm_attention_cache_write / decode. Outputs go to poisoned (NaN) buffers, so an
- * unwritten element fails its row. */
+ * unwritten element fails its row.
+ *
+ * The simple kernels (head dims other than 64 / 128, and LM_CUDA_ATTN_SIMPLE at any D):
+ * D = 16 and 32 (the tiny configs), 6 (RoPE pairs without the 4-element vector path), 7
+ * (odd, NoPE), 48, 96 and 256 (more dims than lanes, several per lane); Hq/Hkv 2/1, 4/2,
+ * 6/3, 4/4; dense T = 1, 37, 53, 70 and the packed tables above (empty, length-1 and only
+ * length-1 documents); each with OWN (which runs them, checked by last_impl), the
+ * backward twice (bitwise) and with "deterministic" = 0 (still bitwise: no atomics), and
+ * with AUTO; SIMPLE forced at D = 64 / 128, mixed with our FlashAttention-2 forward or
+ * backward (one lse convention); a forced cuDNN call and the decode step at D = 16 must
+ * refuse (LM_ERR_UNSUPPORTED); RoPE alone at D = 6 and 16. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -105,7 +115,7 @@ static void at_grad_scale(const lm_attention_config *cfg, const float *q, const 
     double *p = LM_MALLOC(sizeof(double) * (size_t)(T > 0 ? T : 1));
     double *dp = LM_MALLOC(sizeof(double) * (size_t)(T > 0 ? T : 1));
     const int nseq = cfg->cu_seqlens ? cfg->n_cu_seqlens - 1 : B;
-    float cs[64], sn[64];
+    float cs[128], sn[128];
     for (int n = 0; n < nseq; n++) {
         const int64_t bos = cfg->cu_seqlens ? cfg->cu_seqlens[n] : (int64_t)n * T;
         const int64_t len = cfg->cu_seqlens ? cfg->cu_seqlens[n + 1] - bos : T;
@@ -221,6 +231,14 @@ static void at_not_counted(const char *op, const char *shape, const char *tensor
            "-", "cudnn refused T = 1 (AUTO runs ours; not counted)");
 }
 
+/* The implementation a call with `impl` must report: AUTO and OWN run the simple kernels
+ * at head dims other than 64 / 128 (AUTO at 64 / 128 is not asked for here). */
+static int at_expect_impl(int impl, int D) {
+    if ((impl == LM_CUDA_ATTN_AUTO || impl == LM_CUDA_ATTN_OWN) && D != 64 && D != 128)
+        return LM_CUDA_ATTN_SIMPLE;
+    return impl;
+}
+
 static int at_run_case(bo_ctx *c, const at_case *k, const at_mode *md) {
     char shape[96];
     at_shape(k, shape, sizeof shape);
@@ -272,9 +290,9 @@ static int at_run_case(bo_ctx *c, const at_case *k, const at_mode *md) {
         fst = lm_cuda_attention_set_cudnn_workspace_limit(c->cuda, md->limit, &e);
     if (fst == LM_OK)
         fst = lm_cuda_attention_forward(c->cuda, &cfg, dq_, dk_, dv_, go, glse, &e);
-    if (fst == LM_OK && lm_cuda_attention_last_impl(c->cuda) != md->fwd)
+    if (fst == LM_OK && lm_cuda_attention_last_impl(c->cuda) != at_expect_impl(md->fwd, k->D))
         fst = lm_errorf(&e, LM_ERR_INVALID, "forward ran implementation %d, not %d",
-                        lm_cuda_attention_last_impl(c->cuda), md->fwd);
+                        lm_cuda_attention_last_impl(c->cuda), at_expect_impl(md->fwd, k->D));
     if (fst != LM_OK || bo_download_bf16(c, g, go, nq, &e) != LM_OK) {
         bo_fail(c, md->fwd_op, shape, &e);
         goto done;
@@ -291,9 +309,9 @@ static int at_run_case(bo_ctx *c, const at_case *k, const at_mode *md) {
         at_not_counted(md->bwd_op, shape, "dq dk dv");
         goto done;
     }
-    if (bst == LM_OK && lm_cuda_attention_last_bwd_impl(c->cuda) != md->bwd)
+    if (bst == LM_OK && lm_cuda_attention_last_bwd_impl(c->cuda) != at_expect_impl(md->bwd, k->D))
         bst = lm_errorf(&e, LM_ERR_INVALID, "backward ran implementation %d, not %d",
-                        lm_cuda_attention_last_bwd_impl(c->cuda), md->bwd);
+                        lm_cuda_attention_last_bwd_impl(c->cuda), at_expect_impl(md->bwd, k->D));
     if (bst != LM_OK) {
         bo_fail(c, md->bwd_op, shape, &e);
         goto done;
@@ -350,11 +368,12 @@ done:
 }
 
 /* RoPE alone: y = R x and x = R^T y against the CPU rotation (fp64 angles, fp32 math). */
-static int at_rope(bo_ctx *c) {
+static int at_rope(bo_ctx *c, int D) {
     const int before = c->failed;
     static const int64_t cu[] = {0, 3, 3, 40, 97};
-    const int T = 97, H = 3, D = 128;
-    const char *shape = "varlen4 T=97 H=3 D=128";
+    const int T = 97, H = 3;
+    char shape[64];
+    snprintf(shape, sizeof shape, "varlen4 T=97 H=3 D=%d", D);
     lm_error e = {0};
     lm_attention_config cfg;
     lm_attention_config_default(&cfg, 1, T, H, H, D);
@@ -364,7 +383,7 @@ static int at_rope(bo_ctx *c) {
     const int64_t n = (int64_t)T * H * D;
     float *x = at_randn(c, n, 1.0f), *ref = LM_MALLOC(sizeof(float) * (size_t)n);
     float *g = LM_MALLOC(sizeof(float) * (size_t)n);
-    float cs[64], sn[64];
+    float cs[128], sn[128];
     for (int t = 0; t < T; t++) {
         int d = 0;
         while (d + 1 < 5 && cu[d + 1] <= t)
@@ -477,6 +496,110 @@ done:
     return c->failed - before;
 }
 
+/* One table row asserting a refusal: `st` must be LM_ERR_UNSUPPORTED (the message is
+ * printed with the row). */
+static int at_expect_refused(bo_ctx *c, const char *op, const char *shape, lm_status st,
+                             const lm_error *e) {
+    const int bad = st != LM_ERR_UNSUPPORTED;
+    printf("| %-14s | %-5s | %-34s | %-10s | %9s | %6s | %s (%s) |\n", op, "bf16", shape, "refusal",
+           "-", "-", bad ? "FAIL" : "ok", st == LM_OK ? "ran" : e->msg);
+    fflush(stdout);
+    c->rows++;
+    c->failed += bad;
+    return bad;
+}
+
+/* A forced cuDNN forward / backward and the decode step at D = 16 refuse. */
+static int at_small_refusals(bo_ctx *c) {
+    const int before = c->failed;
+    const int T = 5, Hq = 2, Hkv = 1, D = 16;
+    const char *shape = "B=1 T=5 H=2/1 D=16 nope";
+    lm_error e = {0};
+    lm_attention_config cfg;
+    lm_attention_config_default(&cfg, 1, T, Hq, Hkv, D);
+    at_mem m = {c, {0}, 0};
+    const size_t qb = (size_t)T * Hq * D * 2, kb = (size_t)T * Hkv * D * 2;
+    void *q = at_keep(&m, bo_alloc_poisoned(c, qb, &e));
+    void *k = at_keep(&m, bo_alloc_poisoned(c, kb, &e));
+    void *v = at_keep(&m, bo_alloc_poisoned(c, kb, &e));
+    void *o = at_keep(&m, bo_alloc_poisoned(c, qb, &e));
+    float *lse = at_keep(&m, bo_alloc_poisoned(c, (size_t)T * Hq * 4, &e));
+    void *dq = at_keep(&m, bo_alloc_poisoned(c, qb, &e));
+    void *dk = at_keep(&m, bo_alloc_poisoned(c, kb, &e));
+    void *dv = at_keep(&m, bo_alloc_poisoned(c, kb, &e));
+    if (m.n != 8) {
+        bo_fail(c, "attention", shape, &e);
+        goto done;
+    }
+    lm_status st = lm_cuda_attention_set_impl(c->cuda, LM_CUDA_ATTN_CUDNN, &e);
+    if (st == LM_OK)
+        st = lm_cuda_attention_set_bwd_impl(c->cuda, LM_CUDA_ATTN_CUDNN, &e);
+    if (st != LM_OK) {
+        bo_fail(c, "attention", shape, &e);
+        goto done;
+    }
+    st = lm_cuda_attention_forward(c->cuda, &cfg, q, k, v, o, lse, &e);
+    at_expect_refused(c, "attention fwd cudnn", shape, st, &e);
+    st = lm_cuda_attention_backward(c->cuda, &cfg, q, k, v, o, lse, o, dq, dk, dv, &e);
+    at_expect_refused(c, "attention bwd cudnn", shape, st, &e);
+    lm_attention_config one;
+    lm_attention_config_default(&one, 1, 1, Hq, Hkv, D);
+    st = lm_cuda_attention_decode(c->cuda, &one, T, 0, q, k, v, o, lse, &e);
+    at_expect_refused(c, "attention decode", shape, st, &e);
+done:
+    at_restore(c);
+    at_free_all(&m);
+    return c->failed - before;
+}
+
+/* The simple kernels: the cases of the file comment, and SIMPLE forced at D = 64 / 128. */
+static int at_small(bo_ctx *c) {
+    const int before = c->failed;
+    static const int64_t cu6[] = {0, 0, 1, 50, 51, 180}, cu5[] = {0, 3, 70, 71, 200, 260};
+    static const int64_t cu3[] = {0, 1, 2, 3};
+    const at_case cases[] = {
+        {1, 180, 2, 1, 16, cu6, 6, 1, 1e4, 1}, {1, 180, 2, 1, 16, cu6, 6, 0, 1e4, 0},
+        {2, 37, 2, 1, 16, NULL, 0, 1, 1e4, 1}, {1, 1, 2, 1, 16, NULL, 0, 1, 1e4, 0},
+        {1, 260, 4, 2, 32, cu5, 6, 1, 5e5, 1}, {1, 3, 4, 4, 32, cu3, 4, 0, 1e4, 0},
+        {3, 53, 6, 3, 32, NULL, 0, 0, 1e4, 1}, {1, 180, 4, 2, 6, cu6, 6, 1, 1e4, 1},
+        {2, 37, 4, 2, 7, NULL, 0, 0, 1e4, 0},  {1, 260, 4, 2, 48, cu5, 6, 1, 1e4, 0},
+        {2, 53, 4, 1, 96, NULL, 0, 1, 1e4, 1}, {1, 70, 2, 1, 256, NULL, 0, 1, 1e4, 1},
+    };
+    const int n = (int)(sizeof cases / sizeof cases[0]);
+    const int O = LM_CUDA_ATTN_OWN, S = LM_CUDA_ATTN_SIMPLE, A = LM_CUDA_ATTN_AUTO;
+    const at_mode own = {O, O, 1, 1, -1, "attention fwd", "attention bwd"};
+    const at_mode own_nd = {O, O, 0, 1, -1, "attention fwd", "attention bwd nd"};
+    const at_mode aut = {A, A, 1, 0, -1, "attention fwd auto", "attention bwd auto"};
+    for (int i = 0; i < n; i++) {
+        const at_case *k = &cases[i];
+        at_run_case(c, k, &own);
+        if (k->repeat) {
+            at_run_case(c, k, &own_nd);
+            at_run_case(c, k, &aut);
+        }
+    }
+    /* SIMPLE at the FlashAttention-2 head dims, alone and mixed with our kernels */
+    const at_case big[] = {
+        {2, 130, 4, 2, 128, NULL, 0, 1, 1e4, 1},
+        {1, 180, 8, 1, 64, cu6, 6, 0, 1e4, 1},
+        {1, 260, 4, 2, 128, cu5, 6, 1, 1e4, 0},
+    };
+    const at_mode simple = {S, S, 1, 1, -1, "attention fwd simple", "attention bwd simple"};
+    const at_mode s_o = {S, O, 1, 0, -1, "attention fwd simple", "attention bwd own<simple"};
+    const at_mode o_s = {O, S, 1, 0, -1, "attention fwd", "attention bwd simple<own"};
+    for (int i = 0; i < (int)(sizeof big / sizeof big[0]); i++) {
+        at_run_case(c, &big[i], &simple);
+        if (big[i].repeat) {
+            at_run_case(c, &big[i], &s_o);
+            at_run_case(c, &big[i], &o_s);
+        }
+    }
+    at_rope(c, 6);
+    at_rope(c, 16);
+    at_small_refusals(c);
+    return c->failed - before;
+}
+
 int bo_family_attention(bo_ctx *c) {
     const int before = c->failed;
     static const int64_t cu6[] = {0, 0, 1, 50, 51, 180}, cu5[] = {0, 3, 70, 71, 200, 260};
@@ -515,10 +638,11 @@ int bo_family_attention(bo_ctx *c) {
             at_run_case(c, k, &o_n);
         }
     }
-    at_rope(c);
+    at_rope(c, 128);
     at_decode(c, 2, 8, 2, 128, 80, 70, 1);    /* one split per (b, g) */
     at_decode(c, 1, 4, 4, 64, 1024, 1000, 0); /* 16 splits merged */
     at_decode(c, 3, 4, 1, 128, 8, 0, 1);      /* pos 0: the token alone */
     at_decode(c, 1, 32, 1, 128, 300, 299, 1); /* 32 heads per kv head: two head slices */
+    at_small(c);
     return c->failed - before;
 }

@@ -1,6 +1,7 @@
 /* Causal GQA softmax attention on the GPU (include/linmoe/cuda_attention.h has the
- * contract): FlashAttention-2 forward and backward on mma.sync, RoPE, the KV-cache writer
- * and split-K flash decoding. The math is FlashAttention-2 (Dao, arXiv 2307.08691,
+ * contract): FlashAttention-2 forward and backward on mma.sync (D = 64, 128), simple
+ * fp32 kernels for any other head dim up to 256 ("simple kernels" below), RoPE, the KV-cache
+ * writer and split-K flash decoding. The math is FlashAttention-2 (Dao, arXiv 2307.08691,
  * Algorithms 1 and 2); layouts, RoPE and lse as the CPU op (src/ops/attention.c,
  * src/ops/cpu/attention_fwd.c, attention_bwd.c), which is the reference in
  * tests/backend_ops/attention.c.
@@ -667,10 +668,32 @@ __global__ void attn_rope(const bf16 *x, bf16 *y, const float2 *rope, const int 
     }
 }
 
+/* y = R(p) x or R(p)^T x as attn_rope, one pair (f, f + D/2) per thread: any even D
+ * (attn_rope needs D % 4 == 0 for its paired 4-byte accesses). */
+__global__ void attn_rope_pairs(const bf16 *x, bf16 *y, const float2 *rope, const int *cu, int ncu,
+                                int H, int D, int64_t rows, int inverse) {
+    const int H2 = D / 2;
+    const float sg = inverse ? -1.0f : 1.0f;
+    const int64_t n = rows * H2;
+    for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = idx / H2;
+        const int f = (int)(idx - row * H2);
+        const int pos = tok_pos(cu, ncu, (int)(row / H));
+        const float a = __bfloat162float(x[row * D + f]), b = __bfloat162float(x[row * D + f + H2]);
+        const float2 r = rope[(int64_t)pos * H2 + f];
+        const float s = sg * r.y;
+        y[row * D + f] = __float2bfloat16_rn(a * r.x - b * s);
+        y[row * D + f + H2] = __float2bfloat16_rn(b * r.x + a * s);
+    }
+}
+
 /* (cos, sin) of position p, frequency f: angle p * inv[f] in fp64 (inv[f] =
- * theta^(-2f/D) formed on the host exactly as lm_attn_rope_factors), rounded to fp32. */
+ * theta^(-2f/D) formed on the host exactly as lm_attn_rope_factors), rounded to fp32.
+ * D <= ATTN_DMAX, so at most 128 frequencies. */
+constexpr int ATTN_DMAX = 256;
 struct InvFreq {
-    double v[64];
+    double v[ATTN_DMAX / 2];
 };
 __global__ void attn_rope_table(float2 *tab, InvFreq inv, int H2, int64_t len) {
     const int64_t n = len * H2;
@@ -968,6 +991,266 @@ __global__ void attn_lse_to_stats(const float *lse, float *stats, int T, int Hq,
     }
 }
 
+/* ---------------------------------------------------------------- simple kernels (any D) */
+
+/* The general fallback for head dims the FlashAttention-2 kernels do not take (any D <=
+ * ATTN_DMAX; the small test configurations) and for LM_CUDA_ATTN_SIMPLE: plain fp32 loops,
+ * correct and deterministic, not fast. One warp per output row: the row's own vector sits
+ * in shared memory (fp32), lane l takes key (or query) l of each chunk of 32 and forms its
+ * dot products alone, the chunk's softmax statistics meet by butterfly shuffles, and the
+ * weighted sum over the chunk runs in key order with every lane owning dims l, l + 32, ...
+ * Every sum has an order fixed by the shapes alone (no atomics), so results are bitwise
+ * reproducible. q and k are the rotated copies with RoPE; dq, dk are rotated back in fp32
+ * before their one bf16 rounding. */
+constexpr int S_WARPS = 4;            /* warps (rows) per CTA */
+constexpr int S_EPL = ATTN_DMAX / 32; /* dims per lane */
+
+/* The document [*bos, *eos) of flattened token t (cu as tok_pos). */
+__device__ __forceinline__ void tok_doc(const int *cu, int ncu, int t, int *bos, int *eos) {
+    int lo = 0, hi = ncu - 1;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (cu[mid] <= t)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    *bos = cu[lo];
+    *eos = cu[lo + 1];
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+    return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+        x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+/* sum_d a[d] x[d], a fp32 in shared memory, x a bf16 row, in d order */
+__device__ __forceinline__ float dot_row(const float *a, const bf16 *x, int D) {
+    float s = 0.0f;
+    for (int d = 0; d < D; d++)
+        s = fmaf(a[d], __bfloat162float(x[d]), s);
+    return s;
+}
+
+struct SmallP {
+    const bf16 *q, *k, *v, *o, *dO; /* q, k rotated with RoPE */
+    const float *lse_in, *delta;    /* backward */
+    bf16 *o_out, *dq, *dk, *dv;
+    float *lse;         /* forward, may be NULL */
+    const float2 *rope; /* (cos, sin) [pos][D/2] or NULL (NoPE) */
+    const int *cu;      /* document starts int32 [ncu] */
+    int ncu, Hq, Hkv, grp, D;
+    int64_t rows; /* rows of the kernel's output */
+    float scale, scale_log2;
+};
+
+/* Writes w[d] (fp32, shared) as the bf16 row y, rotated back with R(pos)^T when rope is
+ * set: y[f] = w[f] c + w[f + D/2] s, y[f + D/2] = w[f + D/2] c - w[f] s. */
+__device__ __forceinline__ void store_grad_row(const float *w, bf16 *y, const float2 *rope, int pos,
+                                               int D, int lane) {
+    if (rope) {
+        const int H2 = D / 2;
+        const float2 *cs = rope + (int64_t)pos * H2;
+        for (int f = lane; f < H2; f += 32) {
+            const float a = w[f], b = w[f + H2];
+            const float2 r = cs[f];
+            y[f] = __float2bfloat16_rn(a * r.x + b * r.y);
+            y[f + H2] = __float2bfloat16_rn(b * r.x - a * r.y);
+        }
+    } else {
+        for (int d = lane; d < D; d += 32)
+            y[d] = __float2bfloat16_rn(w[d]);
+    }
+}
+
+/* Forward, one warp per (token t, query head h) row r = t Hq + h: keys j = bos .. t of
+ * t's document in chunks of 32 (lane l: key j0 + l), online softmax in base 2 (q
+ * pre-multiplied by scale log2 e), o = acc / l, lse = (m + log2 l) ln 2. */
+__global__ void __launch_bounds__(S_WARPS * 32) attn_small_fwd(const SmallP p) {
+    __shared__ float qs[S_WARPS][ATTN_DMAX];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, D = p.D;
+    float *qw = qs[warp];
+    const int64_t kstr = (int64_t)p.Hkv * D;
+    for (int64_t r = (int64_t)blockIdx.x * S_WARPS + warp; r < p.rows;
+         r += (int64_t)gridDim.x * S_WARPS) {
+        const int t = (int)(r / p.Hq), h = (int)(r - (int64_t)t * p.Hq), g = h / p.grp;
+        int bos, eos;
+        tok_doc(p.cu, p.ncu, t, &bos, &eos);
+        __syncwarp(); /* the previous row's reads of qw are done */
+        for (int d = lane; d < D; d += 32)
+            qw[d] = __bfloat162float(p.q[r * D + d]) * p.scale_log2;
+        __syncwarp();
+        const bf16 *kg = p.k + (int64_t)g * D, *vg = p.v + (int64_t)g * D;
+        float m = -INFINITY, l = 0.0f, acc[S_EPL];
+#pragma unroll
+        for (int e = 0; e < S_EPL; e++)
+            acc[e] = 0.0f;
+        for (int j0 = bos; j0 <= t; j0 += 32) {
+            const int j = j0 + lane, nj = min(32, t - j0 + 1);
+            const float s = lane < nj ? dot_row(qw, kg + j * kstr, D) : -INFINITY;
+            const float mnew = fmaxf(m, warp_max(s)); /* finite: key j0 <= t is valid */
+            const float pj = lane < nj ? exp2f(s - mnew) : 0.0f;
+            const float alpha = exp2f(m - mnew); /* 0 on the first chunk */
+            l = l * alpha + warp_sum(pj);
+            m = mnew;
+#pragma unroll
+            for (int e = 0; e < S_EPL; e++)
+                acc[e] *= alpha;
+            for (int jj = 0; jj < nj; jj++) {
+                const float pb = __shfl_sync(0xffffffffu, pj, jj);
+                const bf16 *vr = vg + (int64_t)(j0 + jj) * kstr;
+#pragma unroll
+                for (int e = 0; e < S_EPL; e++)
+                    if (lane + 32 * e < D)
+                        acc[e] = fmaf(pb, __bfloat162float(vr[lane + 32 * e]), acc[e]);
+            }
+        }
+        const float inv = 1.0f / l; /* l >= 1: the row's maximum contributes 2^0 */
+#pragma unroll
+        for (int e = 0; e < S_EPL; e++)
+            if (lane + 32 * e < D)
+                p.o_out[r * D + lane + 32 * e] = __float2bfloat16_rn(acc[e] * inv);
+        if (p.lse && lane == 0)
+            p.lse[r] = (m + log2f(l)) * LN2;
+    }
+}
+
+/* Delta[r] = sum_d dO[r, d] o[r, d] (fp32), one warp per row of [rows, D]. */
+__global__ void __launch_bounds__(S_WARPS * 32) attn_small_delta(const SmallP p, float *delta) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, D = p.D;
+    for (int64_t r = (int64_t)blockIdx.x * S_WARPS + warp; r < p.rows;
+         r += (int64_t)gridDim.x * S_WARPS) {
+        float s = 0.0f;
+        for (int d = lane; d < D; d += 32)
+            s = fmaf(__bfloat162float(p.o[r * D + d]), __bfloat162float(p.dO[r * D + d]), s);
+        s = warp_sum(s);
+        if (lane == 0)
+            delta[r] = s;
+    }
+}
+
+/* dq, one warp per query row r = t Hq + h: over keys j = bos .. t (lane l: key j0 + l),
+ * P_tj = 2^(scale log2e q~.k~_j - lse log2e), dS_tj = P_tj (dO_t . v_j - Delta_t), then
+ * dq~ += dS_tj k~_j in key order; dq = R^T(p_t) scale dq~. */
+__global__ void __launch_bounds__(S_WARPS * 32) attn_small_dq(const SmallP p) {
+    __shared__ float qs[S_WARPS][ATTN_DMAX], ds[S_WARPS][ATTN_DMAX];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, D = p.D;
+    float *qw = qs[warp], *dw = ds[warp];
+    const int64_t kstr = (int64_t)p.Hkv * D;
+    for (int64_t r = (int64_t)blockIdx.x * S_WARPS + warp; r < p.rows;
+         r += (int64_t)gridDim.x * S_WARPS) {
+        const int t = (int)(r / p.Hq), h = (int)(r - (int64_t)t * p.Hq), g = h / p.grp;
+        int bos, eos;
+        tok_doc(p.cu, p.ncu, t, &bos, &eos);
+        __syncwarp();
+        for (int d = lane; d < D; d += 32) {
+            qw[d] = __bfloat162float(p.q[r * D + d]);
+            dw[d] = __bfloat162float(p.dO[r * D + d]);
+        }
+        __syncwarp();
+        const float lse2 = p.lse_in[r] * LOG2E, di = p.delta[r];
+        const bf16 *kg = p.k + (int64_t)g * D, *vg = p.v + (int64_t)g * D;
+        float acc[S_EPL];
+#pragma unroll
+        for (int e = 0; e < S_EPL; e++)
+            acc[e] = 0.0f;
+        for (int j0 = bos; j0 <= t; j0 += 32) {
+            const int j = j0 + lane, nj = min(32, t - j0 + 1);
+            float dsj = 0.0f;
+            if (lane < nj) {
+                const float s = dot_row(qw, kg + j * kstr, D);
+                const float dp = dot_row(dw, vg + j * kstr, D);
+                dsj = exp2f(s * p.scale_log2 - lse2) * (dp - di);
+            }
+            for (int jj = 0; jj < nj; jj++) {
+                const float db = __shfl_sync(0xffffffffu, dsj, jj);
+                const bf16 *kr = kg + (int64_t)(j0 + jj) * kstr;
+#pragma unroll
+                for (int e = 0; e < S_EPL; e++)
+                    if (lane + 32 * e < D)
+                        acc[e] = fmaf(db, __bfloat162float(kr[lane + 32 * e]), acc[e]);
+            }
+        }
+        __syncwarp(); /* every lane is done reading qw */
+#pragma unroll
+        for (int e = 0; e < S_EPL; e++)
+            if (lane + 32 * e < D)
+                qw[lane + 32 * e] = acc[e] * p.scale;
+        __syncwarp();
+        store_grad_row(qw, p.dq + r * D, p.rope, t - bos, D, lane);
+    }
+}
+
+/* dk, dv, one warp per key row r = j Hkv + g: over the query heads h of g's group (in
+ * order) and the queries i = j .. eos-1 of j's document (lane l: query i0 + l),
+ * dV_j += P_ij dO_i and dK~_j += dS_ij q~_i in (head, query) order; dk = R^T(p_j) scale
+ * dK~. */
+__global__ void __launch_bounds__(S_WARPS * 32) attn_small_dkv(const SmallP p) {
+    __shared__ float ks[S_WARPS][ATTN_DMAX], vs[S_WARPS][ATTN_DMAX];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, D = p.D;
+    float *kw = ks[warp], *vw = vs[warp];
+    const int64_t qstr = (int64_t)p.Hq * D;
+    for (int64_t r = (int64_t)blockIdx.x * S_WARPS + warp; r < p.rows;
+         r += (int64_t)gridDim.x * S_WARPS) {
+        const int j = (int)(r / p.Hkv), g = (int)(r - (int64_t)j * p.Hkv);
+        int bos, eos;
+        tok_doc(p.cu, p.ncu, j, &bos, &eos);
+        __syncwarp();
+        for (int d = lane; d < D; d += 32) {
+            kw[d] = __bfloat162float(p.k[r * D + d]);
+            vw[d] = __bfloat162float(p.v[r * D + d]);
+        }
+        __syncwarp();
+        float ak[S_EPL], av[S_EPL];
+#pragma unroll
+        for (int e = 0; e < S_EPL; e++)
+            ak[e] = av[e] = 0.0f;
+        for (int hh = 0; hh < p.grp; hh++) {
+            const int h = g * p.grp + hh;
+            const bf16 *qg = p.q + (int64_t)h * D, *og = p.dO + (int64_t)h * D;
+            for (int i0 = j; i0 < eos; i0 += 32) {
+                const int i = i0 + lane, ni = min(32, eos - i0);
+                float pi = 0.0f, dsi = 0.0f;
+                if (lane < ni) {
+                    const int64_t ri = (int64_t)i * p.Hq + h;
+                    const float s = dot_row(kw, qg + i * qstr, D);
+                    const float dp = dot_row(vw, og + i * qstr, D);
+                    pi = exp2f(s * p.scale_log2 - p.lse_in[ri] * LOG2E);
+                    dsi = pi * (dp - p.delta[ri]);
+                }
+                for (int ii = 0; ii < ni; ii++) {
+                    const float pb = __shfl_sync(0xffffffffu, pi, ii);
+                    const float db = __shfl_sync(0xffffffffu, dsi, ii);
+                    const bf16 *qr = qg + (int64_t)(i0 + ii) * qstr;
+                    const bf16 *orow = og + (int64_t)(i0 + ii) * qstr;
+#pragma unroll
+                    for (int e = 0; e < S_EPL; e++)
+                        if (lane + 32 * e < D) {
+                            av[e] = fmaf(pb, __bfloat162float(orow[lane + 32 * e]), av[e]);
+                            ak[e] = fmaf(db, __bfloat162float(qr[lane + 32 * e]), ak[e]);
+                        }
+                }
+            }
+        }
+        __syncwarp(); /* every lane is done reading kw */
+#pragma unroll
+        for (int e = 0; e < S_EPL; e++)
+            if (lane + 32 * e < D) {
+                kw[lane + 32 * e] = ak[e] * p.scale;
+                p.dv[r * D + lane + 32 * e] = __float2bfloat16_rn(av[e]);
+            }
+        __syncwarp();
+        store_grad_row(kw, p.dk + r * D, p.rope, j - bos, D, lane);
+    }
+}
+
 /* ---------------------------------------------------------------- host side */
 
 /* Per-context state (slot LM_SLOT_ATTENTION): the document / block tables (device copy
@@ -1035,6 +1318,9 @@ double det_ws_estimate(int64_t b, int64_t Hq, int64_t s) {
     return (double)b * (double)Hq * sp * sp * 2.0;
 }
 
+/* The head dims of the FlashAttention-2 kernels, the decode step and the cuDNN path. */
+bool std_head_dim(int D) { return D == 64 || D == 128; }
+
 lm_status check_config(lm_attention_config *c, const char *what, lm_error *err) {
     if (!c)
         return lm_errorf(err, LM_ERR_INVALID, "attention cuda: %s: config is required", what);
@@ -1072,9 +1358,15 @@ lm_status check_config(lm_attention_config *c, const char *what, lm_error *err) 
         return lm_errorf(err, LM_ERR_INVALID,
                          "attention cuda: %s: rope_theta = %g must be finite and > 0", what,
                          c->rope_theta);
-    if (c->D != 64 && c->D != 128)
+    if (c->D > ATTN_DMAX)
         return lm_errorf(err, LM_ERR_UNSUPPORTED,
-                         "attention on cuda: head_dim %d is not supported (64 or 128)", c->D);
+                         "attention on cuda: head_dim %d is not supported (at most %d)", c->D,
+                         ATTN_DMAX);
+    if (c->position == LM_POS_ROPE && c->D % 2 != 0)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "attention cuda: %s: head_dim D = %d must be even with RoPE (pairs f, "
+                         "f + D/2)",
+                         what, c->D);
     if (c->cu_seqlens) {
         if (c->B != 1)
             return lm_errorf(err, LM_ERR_INVALID,
@@ -1289,6 +1581,12 @@ size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 lm_status launch_rope(lm_cuda_ctx *ctx, const Plan &pl, const AttnState *st, const void *x, void *y,
                       int H, int D, int64_t tokens, int inverse, lm_error *err) {
     const int64_t rows = tokens * H;
+    if (D % 4 != 0) {
+        attn_rope_pairs<<<lm_cuda_grid(ctx, rows * (D / 2)), 256, 0, ctx->stream>>>(
+            (const bf16 *)x, (bf16 *)y, st->rope, pl.cu, pl.ncu, H, D, rows, inverse);
+        LM_CK_LAUNCH("attn_rope_pairs");
+        return LM_OK;
+    }
     attn_rope<<<lm_cuda_grid(ctx, rows * (D / 4)), 256, 0, ctx->stream>>>(
         (const bf16 *)x, (bf16 *)y, st->rope, pl.cu, pl.ncu, H, D, rows, inverse);
     LM_CK_LAUNCH("attn_rope");
@@ -1391,6 +1689,66 @@ lm_status bwd_launch(lm_cuda_ctx *ctx, const lm_attention_config *c, const Plan 
         (const float *)acc, (bf16 *)dq, rope ? st->rope : nullptr, pl.cu, pl.ncu, c->Hq, D, rows,
         c->scale);
     LM_CK_LAUNCH("attn_dq_final");
+    return LM_OK;
+}
+
+/* The simple kernels (any D <= ATTN_DMAX; q, k already rotated with RoPE): the forward,
+ * and the backward as Delta (scratch C), dq, then dk / dv. No scratch beyond Delta. */
+SmallP small_params(const lm_attention_config *c, const Plan &pl, const AttnState *st,
+                    const void *q, const void *k, const void *v) {
+    SmallP p;
+    memset(&p, 0, sizeof p);
+    p.q = (const bf16 *)q;
+    p.k = (const bf16 *)k;
+    p.v = (const bf16 *)v;
+    p.rope = c->position == LM_POS_ROPE ? st->rope : nullptr;
+    p.cu = pl.cu;
+    p.ncu = pl.ncu;
+    p.Hq = c->Hq;
+    p.Hkv = c->Hkv;
+    p.grp = c->Hq / c->Hkv;
+    p.D = c->D;
+    p.scale = c->scale;
+    p.scale_log2 = c->scale * LOG2E;
+    return p;
+}
+
+lm_status small_fwd_launch(lm_cuda_ctx *ctx, const lm_attention_config *c, const Plan &pl,
+                           const AttnState *st, const void *q, const void *k, const void *v,
+                           void *o, float *lse, lm_error *err) {
+    SmallP p = small_params(c, pl, st, q, k, v);
+    p.o_out = (bf16 *)o;
+    p.lse = lse;
+    p.rows = (int64_t)c->B * c->T * c->Hq;
+    attn_small_fwd<<<lm_cuda_grid(ctx, p.rows, S_WARPS), S_WARPS * 32, 0, ctx->stream>>>(p);
+    LM_CK_LAUNCH("attn_small_fwd");
+    return LM_OK;
+}
+
+lm_status small_bwd_launch(lm_cuda_ctx *ctx, const lm_attention_config *c, const Plan &pl,
+                           const AttnState *st, const void *q, const void *k, const void *v,
+                           const void *o, const float *lse, const void *do_, void *dq, void *dk,
+                           void *dv, lm_error *err) {
+    const int64_t BT = (int64_t)c->B * c->T, qrows = BT * c->Hq, krows = BT * c->Hkv;
+    void *dl = nullptr;
+    LM_TRY(lm_cuda_ctx_scratch(ctx, LM_SCRATCH_C, (size_t)qrows * sizeof(float), &dl, err));
+    SmallP p = small_params(c, pl, st, q, k, v);
+    p.o = (const bf16 *)o;
+    p.dO = (const bf16 *)do_;
+    p.lse_in = lse;
+    p.delta = (const float *)dl;
+    p.dq = (bf16 *)dq;
+    p.dk = (bf16 *)dk;
+    p.dv = (bf16 *)dv;
+    p.rows = qrows;
+    attn_small_delta<<<lm_cuda_grid(ctx, qrows, S_WARPS), S_WARPS * 32, 0, ctx->stream>>>(
+        p, (float *)dl);
+    LM_CK_LAUNCH("attn_small_delta");
+    attn_small_dq<<<lm_cuda_grid(ctx, qrows, S_WARPS), S_WARPS * 32, 0, ctx->stream>>>(p);
+    LM_CK_LAUNCH("attn_small_dq");
+    p.rows = krows;
+    attn_small_dkv<<<lm_cuda_grid(ctx, krows, S_WARPS), S_WARPS * 32, 0, ctx->stream>>>(p);
+    LM_CK_LAUNCH("attn_small_dkv");
     return LM_OK;
 }
 
@@ -1597,6 +1955,11 @@ lm_status cudnn_backward(lm_cuda_ctx *ctx, AttnState *st, const lm_attention_con
     return LM_OK;
 }
 
+bool known_impl(int impl) {
+    return impl == LM_CUDA_ATTN_AUTO || impl == LM_CUDA_ATTN_OWN || impl == LM_CUDA_ATTN_CUDNN ||
+           impl == LM_CUDA_ATTN_SIMPLE;
+}
+
 /* AUTO: a refusal (or a failed cuDNN allocation) is not an error, our kernels run */
 bool cudnn_may_fall_back(lm_status s, int impl, lm_error *err) {
     if (impl == LM_CUDA_ATTN_CUDNN || (s != LM_ERR_UNSUPPORTED && s != LM_ERR_NOMEM))
@@ -1611,6 +1974,11 @@ bool cudnn_may_fall_back(lm_status s, int impl, lm_error *err) {
 lm_status check_cache(lm_attention_config *c, int64_t Tmax, int64_t pos, int64_t need,
                       const char *what, lm_error *err) {
     LM_TRY(check_config(c, what, err));
+    if (!std_head_dim(c->D))
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "attention on cuda: %s: head_dim %d is not supported (64 or 128; the "
+                         "general kernels cover the forward and backward only)",
+                         what, c->D);
     if (c->cu_seqlens)
         return lm_errorf(err, LM_ERR_INVALID,
                          "attention cuda: %s: cu_seqlens must be NULL (one position per batch "
@@ -1647,9 +2015,18 @@ extern "C" lm_status lm_cuda_attention_forward(lm_cuda_ctx *ctx, lm_attention_co
         return lm_errorf(err, LM_ERR_INVALID, "attention cuda: forward: 'lse' (%p) is misaligned",
                          (void *)lse);
     AttnState *st = lm_cuda_ctx_get<AttnState>(ctx, LM_SLOT_ATTENTION);
+    if (st->impl == LM_CUDA_ATTN_CUDNN && !std_head_dim(c->D))
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "attention cudnn: forward: head_dim %d is outside the cuDNN path (64 or "
+                         "128)",
+                         c->D);
     Plan pl;
     LM_TRY(make_plan(ctx, st, c, &pl, err));
     LM_TRY(rotate_inputs(ctx, st, c, pl, &q, &k, err));
+    if (st->impl == LM_CUDA_ATTN_SIMPLE || !std_head_dim(c->D)) {
+        st->last_impl = LM_CUDA_ATTN_SIMPLE;
+        return small_fwd_launch(ctx, c, pl, st, q, k, v, o, lse, err);
+    }
     if (st->impl != LM_CUDA_ATTN_OWN) {
         const lm_status s = cudnn_forward(ctx, st, c, pl, q, k, v, o, lse, err);
         if (s == LM_OK)
@@ -1665,10 +2042,10 @@ extern "C" lm_status lm_cuda_attention_forward(lm_cuda_ctx *ctx, lm_attention_co
 
 extern "C" lm_status lm_cuda_attention_set_impl(lm_cuda_ctx *ctx, int impl, lm_error *err) {
     LM_TRY(lm_cuda_ctx_enter(ctx, err));
-    if (impl != LM_CUDA_ATTN_AUTO && impl != LM_CUDA_ATTN_OWN && impl != LM_CUDA_ATTN_CUDNN)
+    if (!known_impl(impl))
         return lm_errorf(err, LM_ERR_INVALID,
                          "attention cuda: set_impl: unknown implementation %d (AUTO 0, OWN 1, "
-                         "CUDNN 2)",
+                         "CUDNN 2, SIMPLE 3)",
                          impl);
     lm_cuda_ctx_get<AttnState>(ctx, LM_SLOT_ATTENTION)->impl = impl;
     return LM_OK;
@@ -1694,9 +2071,18 @@ extern "C" lm_status lm_cuda_attention_backward(lm_cuda_ctx *ctx, lm_attention_c
                          "attention cuda: backward: 'lse' (%p) is required (4-byte aligned)",
                          (const void *)lse);
     AttnState *st = lm_cuda_ctx_get<AttnState>(ctx, LM_SLOT_ATTENTION);
+    if (st->bwd_impl == LM_CUDA_ATTN_CUDNN && !std_head_dim(c->D))
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "attention cudnn: backward: head_dim %d is outside the cuDNN path (64 or "
+                         "128)",
+                         c->D);
     Plan pl;
     LM_TRY(make_plan(ctx, st, c, &pl, err));
     LM_TRY(rotate_inputs(ctx, st, c, pl, &q, &k, err));
+    if (st->bwd_impl == LM_CUDA_ATTN_SIMPLE || !std_head_dim(c->D)) {
+        st->last_bwd_impl = LM_CUDA_ATTN_SIMPLE;
+        return small_bwd_launch(ctx, c, pl, st, q, k, v, o, lse, do_, dq, dk, dv, err);
+    }
     if (st->bwd_impl != LM_CUDA_ATTN_OWN) {
         const lm_status s = cudnn_backward(ctx, st, c, pl, q, k, v, o, lse, do_, dq, dk, dv, err);
         if (s == LM_OK)
@@ -1712,10 +2098,10 @@ extern "C" lm_status lm_cuda_attention_backward(lm_cuda_ctx *ctx, lm_attention_c
 
 extern "C" lm_status lm_cuda_attention_set_bwd_impl(lm_cuda_ctx *ctx, int impl, lm_error *err) {
     LM_TRY(lm_cuda_ctx_enter(ctx, err));
-    if (impl != LM_CUDA_ATTN_AUTO && impl != LM_CUDA_ATTN_OWN && impl != LM_CUDA_ATTN_CUDNN)
+    if (!known_impl(impl))
         return lm_errorf(err, LM_ERR_INVALID,
-                         "attention cuda: set_bwd_impl: unknown implementation %d (AUTO 0, OWN 1, "
-                         "CUDNN 2)",
+                         "attention cuda: set_bwd_impl: unknown implementation %d (AUTO 0, OWN "
+                         "1, CUDNN 2, SIMPLE 3)",
                          impl);
     lm_cuda_ctx_get<AttnState>(ctx, LM_SLOT_ATTENTION)->bwd_impl = impl;
     return LM_OK;
