@@ -82,7 +82,10 @@ int lm_bench_model_gpu_run(const char *config_path, const char *json_path, int q
         fprintf(stderr, "bench model cuda: %s\n", e.msg);
         goto done;
     }
+    fprintf(stderr, "bench model cuda: %s: initialising %lld parameters\n", config_path,
+            (long long)p.numel);
     lm_params_init_weights(&p, cfg.seed);
+    fprintf(stderr, "bench model cuda: building the GPU model for %lld tokens\n", (long long)N);
     if (lm_gpu_model_new(&gm, ctx, &p, N, 1, &e) != LM_OK) {
         fprintf(stderr, "bench model cuda: %s\n", e.msg);
         goto done;
@@ -101,9 +104,13 @@ int lm_bench_model_gpu_run(const char *config_path, const char *json_path, int q
     lm_cuda_device_info(name, sizeof name, NULL, NULL, &e);
     int64_t t = 0;
     double loss = 0;
-    for (int w = 0; w < 2; w++)
-        if (one_step(gm, &b, ids, labels, ++t, &loss))
+    for (int w = 0; w < 2; w++) {
+        const double t0 = lm_time_sec();
+        if (one_step(gm, &b, ids, labels, ++t, &loss) || lm_cuda_ctx_sync(ctx, &e) != LM_OK)
             goto done;
+        fprintf(stderr, "bench model cuda: warm-up step %d: %.1f ms, loss %.4f\n", w + 1,
+                (lm_time_sec() - t0) * 1e3, loss);
+    }
     const int reps = quick ? 2 : 5;
     double ms[8];
     for (int r = 0; r < reps; r++) {

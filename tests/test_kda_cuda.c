@@ -18,7 +18,9 @@
  * LINMOE_KDA_CUDA_BV / WGMMA / PDL / TMA / PROFILE environment variables set its kda.*
  * options (forced slice widths, the mma.sync recurrence, plain launches, cp.async loads,
  * per-kernel times), so the grid can be rerun on every path. test_options runs one shape
- * on each path through the options themselves.
+ * on each path through the options themselves. test_backward_repeat runs the backward of
+ * KDA and GDN cases (dense and varlen) again and again and asks for the same bits every
+ * time (kda_cuda.h "Reproducibility").
  *
  * Without a CUDA device (or a build without CUDA) the program prints "no CUDA device:
  * skipped" and exits 77 (CTest: skipped), so CI (no GPU) passes; scripts/gpu/test.sh runs
@@ -509,6 +511,165 @@ static void test_options(void **state) {
     case_free(&x);
 }
 
+/* ------------------------------------------------------ backward reproducibility */
+/* The gradients of one backward call, in the order of lm_kda_cuda_grads' outputs. */
+enum { RG_DQ, RG_DK, RG_DV, RG_DG, RG_DBETA, RG_DH0, RG_DALOG, RG_DDTB, RG_N };
+static const char *const k_rg_names[RG_N] = {"dq",    "dk",  "dv",     "dg",
+                                             "dbeta", "dh0", "dA_log", "ddt_bias"};
+
+/* one case's device inputs, training forward and upstream gradients, kept over the runs */
+typedef struct {
+    case_data x;
+    lm_kda_cuda_inputs in;
+    lm_kda_cuda_outputs out;
+    lm_kda_cuda_saved *saved;
+    const void *do_, *dht;
+    int64_t n[RG_N];   /* elements of each gradient */
+    size_t size[RG_N]; /* bytes per element: 2 (bf16) or 4 (fp32) */
+    void *ref[RG_N];   /* host bytes of the first run */
+} rep_case;
+
+static void rep_case_init(rep_case *r, const ccase *cc) {
+    memset(r, 0, sizeof *r);
+    case_data *x = &r->x;
+    case_make(x, cc);
+    const int HV = cc->HV, GK = x->GK;
+    r->in.q = dev_upload(x->hq, 2 * x->nq);
+    r->in.k = dev_upload(x->hk, 2 * x->nq);
+    r->in.v = dev_upload(x->hv, 2 * x->nv);
+    r->in.g = dev_upload(x->hg, 2 * x->ng);
+    r->in.beta = dev_upload(x->hb, 2 * x->nb);
+    r->in.A_log = x->fA ? dev_upload(x->fA, sizeof(float) * HV) : NULL;
+    r->in.dt_bias = x->fbias ? dev_upload(x->fbias, sizeof(float) * HV * GK) : NULL;
+    r->in.initial_state = x->fh0 ? dev_upload(x->fh0, sizeof(float) * x->ns) : NULL;
+    r->out.o = dev_poison(x->nv, 2);
+    r->out.final_state = dev_poison(x->ns, sizeof(float));
+    lm_error err = {0};
+    const lm_status st = lm_kda_cuda_forward_train(g_ctx, &x->c, &r->in, &r->out, &r->saved, &err);
+    if (st != LM_OK)
+        print_error("%s: %s\n", cc->name, err.msg);
+    assert_int_equal(st, LM_OK);
+    r->do_ = dev_upload(x->hdo, 2 * x->nv);
+    r->dht = dev_upload(x->fdht, sizeof(float) * x->ns);
+    const int64_t n[RG_N] = {x->nq, x->nq, x->nv, x->ng, x->nb, x->ns, HV, (int64_t)HV * GK};
+    for (int i = 0; i < RG_N; i++) {
+        r->n[i] = n[i];
+        r->size[i] = i < RG_DH0 ? 2 : sizeof(float);
+    }
+}
+
+static void rep_case_free(rep_case *r) {
+    lm_kda_cuda_saved_free(g_ctx, r->saved);
+    dev_free(r->in.q), dev_free(r->in.k), dev_free(r->in.v), dev_free(r->in.g);
+    dev_free(r->in.beta), dev_free(r->in.A_log), dev_free(r->in.dt_bias);
+    dev_free(r->in.initial_state), dev_free(r->out.o), dev_free(r->out.final_state);
+    dev_free(r->do_), dev_free(r->dht);
+    for (int i = 0; i < RG_N; i++)
+        free(r->ref[i]);
+    case_free(&r->x);
+}
+
+/* One backward of r into fresh outputs poisoned with 0xff bytes (NaN), every output
+ * requested (dA_log, ddt_bias are zeros without A_log / dt_bias; dh0 is computed without
+ * an initial state too); the first run keeps its bytes, later runs must give the same.
+ * Returns the number of outputs that differ (each described on stdout). */
+static int rep_case_run(rep_case *r, int run, const char *label) {
+    void *d[RG_N];
+    for (int i = 0; i < RG_N; i++)
+        d[i] = dev_poison(r->n[i], r->size[i]);
+    lm_kda_cuda_grads gr = {0};
+    gr.do_ = r->do_;
+    gr.dht = r->dht;
+    gr.dq = d[RG_DQ], gr.dk = d[RG_DK], gr.dv = d[RG_DV], gr.dg = d[RG_DG];
+    gr.dbeta = d[RG_DBETA], gr.dh0 = d[RG_DH0], gr.dA_log = d[RG_DALOG];
+    gr.ddt_bias = d[RG_DDTB];
+    lm_error err = {0};
+    const lm_status st = lm_kda_cuda_backward(g_ctx, r->saved, &gr, &err);
+    if (st != LM_OK)
+        print_error("%s: %s\n", r->x.cc->name, err.msg);
+    assert_int_equal(st, LM_OK);
+    int bad = 0;
+    for (int i = 0; i < RG_N; i++) {
+        const size_t bytes = (size_t)r->n[i] * r->size[i];
+        unsigned char *h = malloc(bytes);
+        assert_int_equal(lm_cuda_ctx_download(g_ctx, h, d[i], bytes, &err), LM_OK);
+        dev_free(d[i]);
+        int64_t nonfinite = 0, differ = 0;
+        for (int64_t j = 0; j < r->n[i]; j++) {
+            double v;
+            if (r->size[i] == 2) {
+                uint16_t b;
+                memcpy(&b, h + 2 * j, 2);
+                v = lm_bf16_to_f32(b);
+            } else {
+                float f;
+                memcpy(&f, h + 4 * j, 4);
+                v = f;
+            }
+            nonfinite += !isfinite(v);
+            if (run > 0)
+                differ += memcmp(h + j * r->size[i], (unsigned char *)r->ref[i] + j * r->size[i],
+                                 r->size[i]) != 0;
+        }
+        if (nonfinite || differ) {
+            print_message("%-36s %s run %d: %s: %lld of %lld not finite, %lld differ from run 0\n",
+                          r->x.cc->name, label, run, k_rg_names[i], (long long)nonfinite,
+                          (long long)r->n[i], (long long)differ);
+            bad++;
+        }
+        if (run == 0)
+            r->ref[i] = h;
+        else
+            free(h);
+    }
+    return bad;
+}
+
+/* Every backward output the same bits on every run: five cases (KDA bounded varlen with
+ * empty and length-1 documents, KDA softplus at K = 100 (a partial last channel slice),
+ * KDA softplus GVA 4, GDN bounded with A_log and dt_bias over four channel slices, GDN
+ * softplus varlen GVA 4), their backwards interleaved (run k of every case, then run k + 1),
+ * so each call finds the backward's scratch written by another shape: a part the call
+ * fails to write would show stale values. Runs 0 and 1 with the context option
+ * "deterministic" = 1, runs 2 and 3 with 0 (the backward is always deterministic); the
+ * option is restored afterwards. */
+static void test_backward_repeat(void **state) {
+    (void)state;
+    static const char *const names[] = {
+        "kda varlen T4096 D128 bounded", "kda T1000 D100 softplus A bias",
+        "kda T500 D128 softplus gva4", "gdn T1500 D128 bounded A bias",
+        "gdn varlen T1000 D64 softplus gva4"};
+    enum { NR = sizeof names / sizeof names[0], RUNS = 4 };
+    rep_case *rc = calloc(NR, sizeof *rc);
+    assert_non_null(rc);
+    for (int i = 0; i < NR; i++) {
+        const ccase *cc = NULL;
+        for (size_t j = 0; j < sizeof CASES / sizeof CASES[0]; j++)
+            if (strcmp(CASES[j].name, names[i]) == 0)
+                cc = &CASES[j];
+        assert_non_null(cc);
+        rep_case_init(&rc[i], cc);
+    }
+    const int before = lm_cuda_ctx_get_option(g_ctx, "deterministic");
+    int bad = 0;
+    for (int run = 0; run < RUNS; run++) {
+        lm_error err = {0};
+        const int det = run < 2;
+        assert_int_equal(lm_cuda_ctx_set_option(g_ctx, "deterministic", det, &err), LM_OK);
+        for (int i = 0; i < NR; i++)
+            bad += rep_case_run(&rc[i], run, det ? "deterministic=1" : "deterministic=0");
+    }
+    lm_error err = {0};
+    assert_int_equal(lm_cuda_ctx_set_option(g_ctx, "deterministic", before, &err), LM_OK);
+    print_message("backward of %d cases, %d runs each: %d outputs not finite or not the bits of "
+                  "run 0\n",
+                  (int)NR, (int)RUNS, bad);
+    for (int i = 0; i < NR; i++)
+        rep_case_free(&rc[i]);
+    free(rc);
+    assert_int_equal(bad, 0);
+}
+
 /* Forward calls with two layouts of the shared workspace, A B A B A: a B call writes its
  * workspace over A's chunk tables and flags, so a stale cache entry would run A on B's
  * data. Every call of a layout must give the bits of its first call (the forward is
@@ -621,7 +782,7 @@ int main(void) {
         return 1;
     }
     enum { NC = sizeof CASES / sizeof CASES[0] };
-    struct CMUnitTest tests[NC + 3];
+    struct CMUnitTest tests[NC + 4];
     for (int i = 0; i < NC; i++) {
         tests[i] = (struct CMUnitTest)cmocka_unit_test_prestate(run_case, (void *)&CASES[i]);
         tests[i].name = CASES[i].name;
@@ -629,6 +790,7 @@ int main(void) {
     tests[NC] = (struct CMUnitTest)cmocka_unit_test(test_alternating_layouts);
     tests[NC + 1] = (struct CMUnitTest)cmocka_unit_test(test_options);
     tests[NC + 2] = (struct CMUnitTest)cmocka_unit_test(test_invalid);
+    tests[NC + 3] = (struct CMUnitTest)cmocka_unit_test(test_backward_repeat);
     const int rc = cmocka_run_group_tests(tests, NULL, NULL);
     lm_cuda_ctx_free(g_ctx);
     return rc;

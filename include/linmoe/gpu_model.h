@@ -27,9 +27,10 @@
  * Asynchrony: every call enqueues work on the context's stream; only
  * lm_gpu_model_read_step, _download and _new synchronise.
  *
- * Determinism: every op in the step is deterministic except the KDA backward's dbeta,
- * dA_log, ddt_bias (float atomics; kda_cuda.h), so two runs from the same state may
- * differ in the last bits of those gradients.
+ * Determinism: every op in the step is deterministic (fixed-order reductions, no float
+ * atomics: kda_cuda.h "Reproducibility", the attention backward with the context's
+ * "deterministic" option, the default), so two runs from the same state give the same
+ * bits: a resumed run is the same run.
  *
  * Errors: LM_ERR_INVALID for a bad argument or batch (named), LM_ERR_UNSUPPORTED for a
  * configuration the CUDA backend cannot run (lm_gpu_model_supports names the key) or a

@@ -192,7 +192,11 @@ int lm_kda_cuda_decode_flat(lm_cuda_ctx *ctx, int B, int H, int HV, int K, int V
  * its first step. The backward uses a second scratch buffer of the context of about 129
  * KB per block (145 KB when V is not a multiple of 8 or do_ not 16-byte aligned) plus
  * 4*B*T*HV*K bytes, grown on demand; its partial gradients between kernels are bf16 (fp32
- * arithmetic). Free every saved object before its context. */
+ * arithmetic). The parts of the fixed-order sums (Reproducibility below) add to it: KDA
+ * 4*K bytes per block for ddt_bias and 4*ceil(K/32) for dA_log (plus 4*HV*K bytes per 256
+ * chunks between the sums' passes when there are more than 256), GDN 4*ceil(K/32)*B*T*HV
+ * bytes for the per-token dg parts and 8*HV bytes per 256 tokens for ddt_bias / dA_log.
+ * Free every saved object before its context. */
 typedef struct lm_kda_cuda_saved lm_kda_cuda_saved;
 
 /* Upstream gradients in (bf16 do_ [B,T,HV,V], fp32 dht [N,HV,K,V] or NULL = zeros),
@@ -203,11 +207,16 @@ typedef struct lm_kda_cuda_saved lm_kda_cuda_saved;
  * output may be NULL; dA_log / ddt_bias are zeros when the forward had no A_log /
  * dt_bias. Accuracy on the 28-case grid of tests/test_kda_cuda.c against the fp64
  * reference: dq <= 4.2e-3, dk <= 4.7e-3, dv <= 3.8e-3, dh0 <= 2.2e-3, dg <= 6.0e-3,
- * dbeta <= 8.4e-3, ddt_bias <= 4.0e-3 relative RMS error. Reproducibility: dq, dk, dv,
- * dg (KDA), dh0 are the same bits on every run; dbeta (a shared-memory atomicAdd of the
- * UT kernel's row sums), dA_log and ddt_bias (float atomicAdd over the chunks), and GDN's
- * dg (atomic per-token sums) may differ in the last bits between runs, whatever the
- * context's "deterministic" option says. */
+ * dbeta <= 8.4e-3, ddt_bias <= 4.0e-3 relative RMS error. Reproducibility: every output
+ * (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias; KDA and GDN, dense and varlen) is the
+ * same bits on every run of the same inputs on the same context options, device model and
+ * build, whatever the context's "deterministic" option says (it is always so): no sum
+ * uses float atomics. dbeta's row sums within a chunk are added in a fixed order in shared
+ * memory; dA_log and ddt_bias are written per (chunk, 32-channel slice), and GDN's
+ * per-token dg per slice, to the scratch, then summed in slice and chunk order by
+ * reduction kernels whose grid and order depend on the shape alone (segments of 256 rows,
+ * each summed by 8 interleaved lanes and then in lane order; the segments' sums likewise).
+ * That costs one to three small launches per backward. */
 typedef struct {
     const void *do_;
     const float *dht;

@@ -3,6 +3,12 @@
  * synthetic passkey rows and long-document rows mixed in; seeded, resumable from a
  * small state, and rank-aware.
  *
+ * The shard may be a manifest's (lm_shard_open of a `linmoe tokenize --out-dir`
+ * train.json / val.json): its shards are one stream in their listed order, so
+ * everything below applies to the concatenation, and a document that a shard
+ * boundary cut is one document again. Same stream, same batches: a manifest and a
+ * single shard of the same tokens give identical rows (tests/test_tokenize_shards.c).
+ *
  * Documents: the shard's tokens split at <|endoftext|> (EOT); t_0 .. t_{n-1} are a
  * document's tokens without its separator, empty documents are skipped. Rows have
  * S = seq_len tokens. Every row is one of three kinds, drawn per row (u uniform in
@@ -113,7 +119,8 @@ typedef struct {
 
 typedef struct lm_loader lm_loader;
 
-/* A loader over `shard` (borrowed; must stay open) with tokenizer `tok` (borrowed:
+/* A loader over `shard` (borrowed; must stay open; a shard file or a manifest,
+ * shard.h) with tokenizer `tok` (borrowed:
  * its EOT id separates documents; passkey documents are encoded with it).
  * 0 <= rank < world_size. The stage must be set before lm_loader_next. Errors:
  * LM_ERR_INVALID (bad rank / world_size, an empty shard, fewer documents than

@@ -14,8 +14,11 @@
  *                      errors here. Its "seed" seeds the weight init.
  *   "tokenizer": "byte" | "gpt2",             default "byte"
  *   "tokenizer_dir": "data/gpt2",             gpt2 only (vocab.json + merges.txt)
- *   "data": {"train": PATH, "val": PATH},     both required: token shards (shard.h);
- *                      paths are relative to the working directory
+ *   "data": {"train": PATH, "val": PATH},     both required: token shards or
+ *                      manifests of shards (shard.h; `linmoe tokenize --out-dir DIR`
+ *                      writes DIR/train.json and DIR/val.json, docs/data.md); paths
+ *                      are relative to the working directory, a manifest's shard
+ *                      paths to the manifest's directory
  *   "train": {
  *     "seed": 0,               data order, passkey rows (uint64)
  *     "batch_tokens": N  |  "batch_size": N   exactly one, required: tokens per

@@ -30,6 +30,10 @@ c["eval"] = {"seq_len": 0, "passkey_lengths": [256], "passkey_samples": 20,
 json.dump(c, open(out, "w"), indent=1)
 PY
 BIN=build-gpu/linmoe
+for s in train val; do  # scripts/main-job.sh's byte-level shards
+    [ -f "data/brown/$s.bin" ] || $BIN tokenize --tokenizer byte --in "data/brown/$s.txt" \
+        --out "data/brown/$s.bin" > /dev/null
+done
 T0=$(date +%s.%N)
 $BIN train --config "$DIR/config.json" --run-dir "$DIR/cpu" --device cpu --threads "$(nproc)" \
     > "$DIR/cpu.json" 2> "$DIR/cpu.log" || { tail -5 "$DIR/cpu.log"; exit 1; }

@@ -1,6 +1,7 @@
-/* Training data loader: random windows or document packing over a token shard, with
- * passkey and long-document rows; seeded, resumable, rank-aware. Contracts and the
- * exact row layouts: include/linmoe/loader.h. */
+/* Training data loader: random windows or document packing over a token shard (a
+ * shard file or a manifest's concatenated shards: both are one lm_shard, see
+ * shard.h), with passkey and long-document rows; seeded, resumable, rank-aware.
+ * Contracts and the exact row layouts: include/linmoe/loader.h. */
 #include <stdlib.h>
 #include <string.h>
 

@@ -81,11 +81,17 @@ typedef struct {
 
 typedef struct lm_gpu_kda_layer lm_gpu_kda_layer;
 
-/* Device bytes lm_gpu_kda_layer_new allocates for up to max_tokens tokens (the memory
- * plan's activations + scratch of this layer). 0 for a bad config. */
-size_t lm_gpu_kda_layer_bytes(const lm_kda_layer_config *c, int64_t max_tokens);
+/* Device bytes lm_gpu_kda_layer_new allocates for up to max_tokens tokens and up to
+ * max_seqs sequences per batch (0: no bound): the saved activations and the KDA op's
+ * saved tensors (the memory plan's activations of this layer). 0 for a bad config.
+ * lm_gpu_kda_layer_scratch_bytes: the backward scratch, which one layer uses at a time,
+ * so the model allocates one for every KDA layer and passes it to _new (NULL: the layer
+ * allocates its own). */
+size_t lm_gpu_kda_layer_bytes(const lm_kda_layer_config *c, int64_t max_tokens, int max_seqs);
+size_t lm_gpu_kda_layer_scratch_bytes(const lm_kda_layer_config *c, int64_t max_tokens);
 lm_status lm_gpu_kda_layer_new(lm_cuda_ctx *ctx, const lm_kda_layer_config *c,
-                               int64_t max_tokens, lm_gpu_kda_layer **out, lm_error *err);
+                               int64_t max_tokens, int max_seqs, void *scratch,
+                               lm_gpu_kda_layer **out, lm_error *err);
 void lm_gpu_kda_layer_free(lm_gpu_kda_layer *L);
 /* out [N, d] bf16 (overwritten) from the normed input x [N, d] bf16. b->training = 1
  * saves for the backward; 0 (evaluation) may skip it. */

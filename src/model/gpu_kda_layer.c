@@ -115,27 +115,32 @@ static void *take(carve *cv, size_t bytes) {
     return p;
 }
 
-/* Bytes of the activations + scratch for N tokens; with L, sets its pointers into base. */
-static size_t layout(const lm_kda_layer_config *c, int64_t N, char *base, lm_gpu_kda_layer *L) {
+/* Bytes of the saved activations (part 0) or of the backward scratch (part 1) for N
+ * tokens; with L, sets that part's pointers into base. */
+static size_t layout(const lm_kda_layer_config *c, int64_t N, int part, char *base,
+                     lm_gpu_kda_layer *L) {
     const size_t n = (size_t)N, C = (size_t)c->H * (size_t)c->Dh, Dh = (size_t)c->Dh,
                  H = (size_t)c->H, d = (size_t)c->d, e = 2 /* bf16 */, f = 4 /* fp32 */;
     carve cv = {base, 0};
     lm_gpu_kda_layer dummy;
     lm_gpu_kda_layer *x = L ? L : &dummy;
-    x->pq = take(&cv, e * n * C);
-    x->pk = take(&cv, e * n * C);
-    x->pv = take(&cv, e * n * C);
-    x->q = take(&cv, e * n * C);
-    x->k = take(&cv, e * n * C);
-    x->v = take(&cv, e * n * C);
-    x->fa = take(&cv, e * n * Dh);
-    x->graw = take(&cv, e * n * C);
-    x->braw = take(&cv, e * n * H);
-    x->o = take(&cv, e * n * C);
-    x->ga = take(&cv, e * n * Dh);
-    x->gate = take(&cv, e * n * C);
-    x->rstd = take(&cv, f * n * H);
-    x->y = take(&cv, e * n * C);
+    if (part == 0) {
+        x->pq = take(&cv, e * n * C);
+        x->pk = take(&cv, e * n * C);
+        x->pv = take(&cv, e * n * C);
+        x->q = take(&cv, e * n * C);
+        x->k = take(&cv, e * n * C);
+        x->v = take(&cv, e * n * C);
+        x->fa = take(&cv, e * n * Dh);
+        x->graw = take(&cv, e * n * C);
+        x->braw = take(&cv, e * n * H);
+        x->o = take(&cv, e * n * C);
+        x->ga = take(&cv, e * n * Dh);
+        x->gate = take(&cv, e * n * C);
+        x->rstd = take(&cv, f * n * H);
+        x->y = take(&cv, e * n * C);
+        return cv.off;
+    }
     x->dy = take(&cv, e * n * C);
     x->d_o = take(&cv, e * n * C);
     x->dgate = take(&cv, e * n * C);
@@ -151,8 +156,12 @@ static size_t layout(const lm_kda_layer_config *c, int64_t N, char *base, lm_gpu
     return cv.off;
 }
 
-static int plan_seqs(int64_t max_tokens) {
-    const int64_t s = (max_tokens + PLAN_DOC_TOKENS - 1) / PLAN_DOC_TOKENS;
+/* Sequences the KDA saved buffer is planned for: the caller's bound, at most one per
+ * PLAN_DOC_TOKENS tokens (a batch with more grows the buffer once). */
+static int plan_seqs(int64_t max_tokens, int max_seqs) {
+    int64_t s = (max_tokens + PLAN_DOC_TOKENS - 1) / PLAN_DOC_TOKENS;
+    if (max_seqs > 0 && max_seqs < s)
+        s = max_seqs;
     return s < 1 ? 1 : (int)s;
 }
 
@@ -325,17 +334,25 @@ static lm_status mm_f32(lm_cuda_ctx *ctx, int ta, int tb, int M, int N, int K, c
 
 /* ---------------------------------------------------------------- life cycle */
 
-size_t lm_gpu_kda_layer_bytes(const lm_kda_layer_config *c, int64_t max_tokens) {
+size_t lm_gpu_kda_layer_bytes(const lm_kda_layer_config *c, int64_t max_tokens, int max_seqs) {
     if (check_config(c, "bytes", NULL) != LM_OK || check_max_tokens(c, max_tokens, "bytes", NULL))
         return 0;
-    const size_t kda = lm_kda_cuda_saved_bytes_max(max_tokens, plan_seqs(max_tokens), c->H);
+    const size_t kda =
+        lm_kda_cuda_saved_bytes_max(max_tokens, plan_seqs(max_tokens, max_seqs), c->H);
     if (kda == 0)
         return 0; /* without CUDA */
-    return layout(c, max_tokens, NULL, NULL) + kda;
+    return layout(c, max_tokens, 0, NULL, NULL) + kda;
+}
+
+size_t lm_gpu_kda_layer_scratch_bytes(const lm_kda_layer_config *c, int64_t max_tokens) {
+    if (check_config(c, "bytes", NULL) != LM_OK || check_max_tokens(c, max_tokens, "bytes", NULL))
+        return 0;
+    return layout(c, max_tokens, 1, NULL, NULL);
 }
 
 lm_status lm_gpu_kda_layer_new(lm_cuda_ctx *ctx, const lm_kda_layer_config *c, int64_t max_tokens,
-                               lm_gpu_kda_layer **out, lm_error *err) {
+                               int max_seqs, void *scratch, lm_gpu_kda_layer **out,
+                               lm_error *err) {
     const char *what = "new";
     if (!out)
         return lm_errorf(err, LM_ERR_INVALID, "gpu kda layer new: 'out' is required");
@@ -344,7 +361,7 @@ lm_status lm_gpu_kda_layer_new(lm_cuda_ctx *ctx, const lm_kda_layer_config *c, i
         return lm_errorf(err, LM_ERR_INVALID, "gpu kda layer new: context is required");
     LM_TRY(check_config(c, what, err));
     LM_TRY(check_max_tokens(c, max_tokens, what, err));
-    const int S = plan_seqs(max_tokens);
+    const int S = plan_seqs(max_tokens, max_seqs);
     const size_t kbytes = lm_kda_cuda_saved_bytes_max(max_tokens, S, c->H);
     if (kbytes == 0)
         return lm_errorf(err, LM_ERR_UNSUPPORTED,
@@ -357,7 +374,9 @@ lm_status lm_gpu_kda_layer_new(lm_cuda_ctx *ctx, const lm_kda_layer_config *c, i
     L->c = *c;
     L->max_tokens = max_tokens;
     L->plan_seqs = S;
-    L->mem_bytes = layout(c, max_tokens, NULL, NULL);
+    const size_t acts = layout(c, max_tokens, 0, NULL, NULL);
+    const size_t scr = layout(c, max_tokens, 1, NULL, NULL);
+    L->mem_bytes = acts + (scratch ? 0 : scr);
     lm_status st = lm_cuda_ctx_alloc(ctx, &L->mem, L->mem_bytes, err);
     if (st == LM_OK) {
         st = lm_cuda_ctx_alloc(ctx, &L->kbuf, kbytes, err);
@@ -368,7 +387,8 @@ lm_status lm_gpu_kda_layer_new(lm_cuda_ctx *ctx, const lm_kda_layer_config *c, i
         lm_gpu_kda_layer_free(L);
         return tag(st, what, err);
     }
-    LM_CHECK(layout(c, max_tokens, (char *)L->mem, L) == L->mem_bytes);
+    layout(c, max_tokens, 0, (char *)L->mem, L);
+    layout(c, max_tokens, 1, scratch ? (char *)scratch : (char *)L->mem + acts, L);
     *out = L;
     return LM_OK;
 }

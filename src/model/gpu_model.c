@@ -97,6 +97,7 @@ struct lm_gpu_model {
     float *G32, *dE32, *dB32[NSUB_MAX];
     /* layer scratch shared by the attention / dense layers */
     void *s_dO, *s_dq, *s_dk, *s_dv, *s_dh, *s_h, *s_dgu;
+    void *kda_scratch; /* the KDA layers' backward scratch (one layer at a time) */
     /* batch */
     int32_t *ids, *labels, *cu_dev;
     int64_t *cu_host;
@@ -338,6 +339,14 @@ static void layout(lm_gpu_model *m, size_t out[LM_MEM_N_CLASSES]) {
     m->s_dh = take(&sb, (size_t)N * I_max * 2);
     m->s_h = take(&sb, (size_t)N * I_max * 2);
     m->s_dgu = take(&sb, (size_t)N * 2 * I_max * 2);
+    size_t kda_scr = 0;
+    for (int i = 0; i < m->L; i++)
+        if (m->ly[i].kind == LM_LAYER_KDA) {
+            const size_t b = lm_gpu_kda_layer_scratch_bytes(&m->ly[i].kc, N);
+            if (b > kda_scr)
+                kda_scr = b;
+        }
+    m->kda_scratch = kda_scr ? take(&sb, kda_scr) : NULL;
     m->nll = take(&sb, (size_t)N * 4);
     m->loss_sum = take(&sb, LM_GPU_MODEL_MAX_MICRO * 4);
     m->count = take(&sb, LM_GPU_MODEL_MAX_MICRO * 4);
@@ -393,7 +402,7 @@ static void plan_fill(lm_gpu_model *m, lm_mem_plan *out) {
     size_t layer_bytes = 0;
     for (int i = 0; i < m->L; i++) {
         if (m->ly[i].kind == LM_LAYER_KDA)
-            layer_bytes += lm_gpu_kda_layer_bytes(&m->ly[i].kc, m->max_tokens);
+            layer_bytes += lm_gpu_kda_layer_bytes(&m->ly[i].kc, m->max_tokens, m->max_seqs);
         if (m->ly[i].moe)
             layer_bytes += lm_gpu_moe_layer_bytes(&m->cfg.moe, m->max_tokens);
     }
@@ -581,7 +590,8 @@ lm_status lm_gpu_model_new(lm_gpu_model **out, lm_cuda_ctx *ctx, const lm_params
     for (int i = 0; i < m->L && st == LM_OK; i++) {
         gpu_layer *ly = &m->ly[i];
         if (ly->kind == LM_LAYER_KDA)
-            st = lm_gpu_kda_layer_new(ctx, &ly->kc, max_tokens, &ly->kda, err);
+            st = lm_gpu_kda_layer_new(ctx, &ly->kc, max_tokens, max_seqs, m->kda_scratch,
+                                      &ly->kda, err);
         if (st == LM_OK && ly->moe)
             st = lm_gpu_moe_layer_new(ctx, &m->cfg.moe, max_tokens, max_seqs, &ly->ml, err);
     }

@@ -29,8 +29,13 @@
  *       with the forward's reference rows
  *       (the bounded gate's diagonal on the tensor cores, other gates per pair in fp32),
  *       the assembly of dq, dk, dG, the reverse cumulative sum dg_j = sum_{r>=j} dG_r,
- *       and the gate, l2norm, scale and sigmoid backward; dA_log, ddt_bias by atomics.
- *   b5  (GVA only) dq, dk summed over the value heads of each q/k head.
+ *       and the gate, l2norm, scale and sigmoid backward; the chunk's parts of dA_log,
+ *       ddt_bias (KDA) or of each token's dg (GDN: one per channel slice) to scratch.
+ *   b5  GDN: dg summed over the slices, the gate backward per token.
+ *   sum dA_log, ddt_bias: the parts summed over chunks (segments) in a fixed order.
+ *   b6  dq, dk summed over the value heads of each q/k head (GVA); l2norm, scale backward.
+ * Every sum has an order fixed by the shape (no float atomics), so the backward gives the
+ * same bits on every run of the same inputs (kda_cuda.h "Reproducibility").
  * Products run on mma.sync m16n8k16 (bf16 operands, fp32 accumulation); X, dTm and the
  * intermediate of the inverse's derivative enter as bf16 hi + lo (about fp32 accuracy).
  */
@@ -83,7 +88,14 @@ struct BwdParams {
     const bf16 *Kgs; /* [cb][64][128] nk k e^G (bf16), saved by the training forward */
     bf16 *dAqk, *dP; /* bf16: the pair products take them as bf16 operands */
     part_t *dQg, *dKd, *dKg, *dqs, *dks; /* see part_t */
-    float *dgam, *dbp, *dgs;
+    float *dgam, *dbp;
+    /* the parts of the sums over chunks and slices, summed in a fixed order afterwards
+     * (kda_bwd_gdn_gate, kda_bwd_sum): GDN dg per pair-kernel slice [nzs][B*T][HV]
+     * (dgs_stride = B*T*HV); KDA ddt_bias per chunk [nchunks][HV*K], dA_log per chunk and
+     * slice [nchunks][nzs][HV] */
+    float *dgs, *pdb, *pda;
+    int64_t dgs_stride;
+    int nzs; /* pair-kernel slices holding channels: ceil(K / CW) */
     /* outputs */
     bf16 *dq, *dk, *dv, *dg, *dbeta;
     float *dh0, *dA_log, *ddt_bias;
@@ -599,7 +611,7 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_state(BwdParams p) {
 }
 
 /* -------------------------------------------------------- b3: the UT transform */
-/* 107 KB, 2 CTAs per SM: beta enters dTm in its epilogue (by column) instead of through
+/* 109 KB, 2 CTAs per SM: beta enters dTm in its epilogue (by column) instead of through
  * beta-scaled copies of v and Kg (Kg = nk k e^G as the training forward saved it), and
  * T = dTm Tm^T (hi, lo) reuses dvn's space once dv, dKg are out. */
 struct UtSmem {
@@ -611,8 +623,15 @@ struct UtSmem {
     } u;
     bf16 dW[BT][RS], vr[BT][RS], kg[BT][RS];
     bf16 Xh[BT][AS], Xl[BT][AS], Dh[BT][AS], Dl[BT][AS];
-    float beta[BT], dbeta[BT];
+    float beta[BT];
+    /* dbeta's six row sums, one slot per producer (the v . dBv and Kg . dBk terms of each
+     * 64-column half: DB_BV + half, DB_BK + half; the dAb . P terms of each 32-column
+     * half: DB_P + half): each row of a slot written once, summed in slot order */
+    float dbs[6][BT];
 };
+enum { DB_BV = 0, DB_BK = 2, DB_P = 4 };
+static_assert(2 * (sizeof(UtSmem) + 1024) <= 228 * 1024,
+              "two UT CTAs fit an SM's shared memory (1 KB reserved per CTA)");
 
 /* rows of an input [B*T][heads][D] (bf16) into a [64][RS] tile, zeros outside [L, D] */
 __device__ __forceinline__ void load_rows(bf16 (*dst)[RS], const bf16 *src, int t0, int L,
@@ -642,15 +661,16 @@ __device__ __forceinline__ void load_rows(bf16 (*dst)[RS], const bf16 *src, int 
 }
 
 /* Per-row partial sums of an mma fragment (db[hh]: row g + 8 hh of row block a, this
- * lane's columns) reduced over the 4 lanes of a row and added to sums[row]. */
-__device__ __forceinline__ void add_row_sums(float *sums, const float db[2], int a, int lane) {
+ * lane's columns) reduced over the 4 lanes of a row (a fixed butterfly) into sums[row]:
+ * the warp is the only writer of these rows of this slot, so the sum's order is fixed. */
+__device__ __forceinline__ void store_row_sums(float *sums, const float db[2], int a, int lane) {
 #pragma unroll
     for (int hh = 0; hh < 2; hh++) {
         float x = db[hh];
         x += __shfl_xor_sync(0xffffffffu, x, 1);
         x += __shfl_xor_sync(0xffffffffu, x, 2);
         if ((lane & 3) == 0)
-            atomicAdd(&sums[a * 16 + (lane >> 2) + hh * 8], x);
+            sums[a * 16 + (lane >> 2) + hh * 8] = x;
     }
 }
 
@@ -680,10 +700,8 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
         /* v, X (bf16 hi + lo), beta to shared memory */
         auto stage_v_x_beta = [&]() {
             load_rows(s.vr, p.v, t0, L, HV, hv, p.V, tid);
-            if (tid < BT) {
+            if (tid < BT)
                 s.beta[tid] = p.bs[cb * BT + tid];
-                s.dbeta[tid] = 0.0f;
-            }
 #pragma unroll
             for (int m = 0; m < BT * BT / 4 / NTB; m++) {
                 const int e = (tid + m * NTB) * 4, i = e >> 6, j = e & 63;
@@ -760,7 +778,7 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
                         st_part2(p.dKg + (cb * BT + r) * KD + c, b * v0, b * v1);
                     }
                 }
-            add_row_sums(s.dbeta, db, a, lane);
+            store_row_sums(s.dbs[(isk ? DB_BK : DB_BV) + half], db, a, lane);
         }
     }
     __syncthreads();
@@ -806,11 +824,16 @@ __global__ void __launch_bounds__(NTB, 2) kda_bwd_ut(BwdParams p) {
                 const float b = s.beta[r];
                 *reinterpret_cast<uint32_t *>(p.dP + (cb * BT + r) * BT + c) = pack_bf16(b * d0, b * d1);
             }
-        add_row_sums(s.dbeta, db, a, lane);
+        store_row_sums(s.dbs[DB_P + half], db, a, lane);
     }
     __syncthreads();
-    if (tid < BT)
-        p.dbp[cb * BT + tid] = s.dbeta[tid];
+    if (tid < BT) { /* the six row sums in a fixed order */
+        float x = s.dbs[0][tid];
+#pragma unroll
+        for (int k = 1; k < 6; k++)
+            x += s.dbs[k][tid];
+        p.dbp[cb * BT + tid] = x;
+    }
 }
 
 /* ------------------------------------- b4: pair products, assembly, gate backward */
@@ -1298,12 +1321,12 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
         }
         s.red[warp][lane] = dbias; /* the previous reads of red are before the barrier above */
         __syncthreads();
-        if (warp == 0 && p.ddt_bias && dok) {
+        if (warp == 0 && p.ddt_bias && dok) { /* this chunk's part, summed by kda_bwd_sum */
             float x = 0.0f;
 #pragma unroll
             for (int b = 0; b < PW; b++)
                 x += s.red[b][lane];
-            atomicAdd(&p.ddt_bias[hv * K + d], x);
+            p.pdb[(int64_t)ci * HV * K + hv * K + d] = x;
         }
         if (p.dA_log) {
 #pragma unroll
@@ -1312,42 +1335,126 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
             if (lane == 0)
                 s.redw[warp] = dAl;
             __syncthreads();
-            if (tid == 0) {
+            if (tid == 0) { /* this CTA's part, row ci * nzs + slice of pda */
                 float x = 0.0f;
 #pragma unroll
                 for (int b = 0; b < PW; b++)
                     x += s.redw[b];
-                atomicAdd(&p.dA_log[hv], x);
+                p.pda[((int64_t)ci * p.nzs + blockIdx.z) * HV + hv] = x;
             }
         }
-    } else {
+    } else { /* this slice's part of each token's dg, [slice][B*T][HV] */
+        float *dgs = p.dgs + (int64_t)blockIdx.z * p.dgs_stride;
         for (int r = rb; r < rb + RPW; r++) {
             float x = dok ? s.out[0][r][lane] + base : 0.0f;
 #pragma unroll
             for (int o = 16; o; o >>= 1)
                 x += __shfl_xor_sync(0xffffffffu, x, o);
             if (lane == 0 && r < L)
-                atomicAdd(&p.dgs[(int64_t)(t0 + r) * HV + hv], x);
+                dgs[(int64_t)(t0 + r) * HV + hv] = x;
         }
     }
 }
 /* ------------------------------------------- b5: GDN gate backward (per token, head) */
-__global__ void kda_bwd_gdn_gate(BwdParams p, int64_t rows) {
-    const int64_t n = rows * p.HV;
-    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n;
-         e += (int64_t)gridDim.x * blockDim.x) {
-        const int hv = (int)(e % p.HV);
+/* Thread (x, y) of a (32, 8) CTA takes head 32 blockIdx.y + x and the rows y, y + 8, ... of
+ * the GSEG-row segment blockIdx.x: a token's dg is the sum of the pair kernel's slices in
+ * slice order; the segment's sums of d(loss)/d(dt_bias) and d(loss)/d(A_log) go, summed
+ * over y in order, to gpart[segment][0][HV] and [1][HV] (kda_bwd_sum adds the segments). */
+#define GSEG 256
+__global__ void __launch_bounds__(256) kda_bwd_gdn_gate(BwdParams p, int64_t rows, float *gpart) {
+    __shared__ float red[2][8][32];
+    const int x = threadIdx.x, y = threadIdx.y, HV = p.HV;
+    const int hv = blockIdx.y * 32 + x;
+    const int64_t r0 = (int64_t)blockIdx.x * GSEG;
+    const int64_t r1 = r0 + GSEG < rows ? r0 + GSEG : rows;
+    float sdz = 0.0f, sdA = 0.0f;
+    if (hv < HV) {
         const float ga = p.A_log ? fexp(p.A_log[hv]) : 1.0f;
         const float bias = p.dt_bias ? p.dt_bias[hv] : 0.0f;
-        float dA1 = 0.0f;
-        const float dz = gate_bwd(p, __bfloat162float(p.g[e]), bias, ga, p.dgs[e], dA1);
-        if (p.dg)
-            p.dg[e] = __float2bfloat16(dz);
-        if (p.ddt_bias)
-            atomicAdd(&p.ddt_bias[hv], dz);
-        if (p.dA_log)
-            atomicAdd(&p.dA_log[hv], dA1);
+        for (int64_t r = r0 + y; r < r1; r += 8) {
+            const int64_t e = r * HV + hv;
+            float dg = p.dgs[e];
+            for (int z = 1; z < p.nzs; z++)
+                dg += p.dgs[z * p.dgs_stride + e];
+            float dA1 = 0.0f;
+            const float dz = gate_bwd(p, __bfloat162float(p.g[e]), bias, ga, dg, dA1);
+            if (p.dg)
+                p.dg[e] = __float2bfloat16(dz);
+            sdz += dz;
+            sdA += dA1;
+        }
     }
+    red[0][y][x] = sdz;
+    red[1][y][x] = sdA;
+    __syncthreads();
+    if (y == 0 && hv < HV && gpart) {
+        float a = red[0][0][x], b = red[1][0][x];
+#pragma unroll
+        for (int k = 1; k < 8; k++) {
+            a += red[0][k][x];
+            b += red[1][k][x];
+        }
+        gpart[(int64_t)blockIdx.x * 2 * HV + hv] = a;
+        gpart[(int64_t)blockIdx.x * 2 * HV + HV + hv] = b;
+    }
+}
+
+/* ------------------------------------------- fixed-order column sums (dA_log, ddt_bias) */
+/* out[c] = sum over rows r of in[r][c] (in [nrows][ncols] fp32) in an order fixed by the
+ * shape alone: CTA (blockIdx.x, blockIdx.y) of (32, 8) threads takes the SUM_ROWS-row
+ * segment blockIdx.x of columns 32 blockIdx.y .. + 31, thread (x, y) its rows y, y + 8, ...
+ * in order, then the 8 partials in order. A job with more than one segment writes the
+ * segment sums to tmp [segments][ncols] (the next pass sums them); the last pass writes
+ * columns c < split to out0[c] and the others to out1[c - split] (either may be NULL). */
+#define SUM_ROWS 256
+struct SumJob {
+    const float *in;
+    float *tmp;
+    float *out0, *out1;
+    int64_t nrows;
+    int ncols, split;
+};
+struct SumPass {
+    SumJob j[2]; /* blockIdx.z */
+};
+__global__ void __launch_bounds__(256) kda_bwd_sum(SumPass sp) {
+    __shared__ float red[8][32];
+    /* the job's fields one by one (indexing the parameter array would copy it to the stack) */
+    const bool z = blockIdx.z != 0;
+    const int64_t nrows = z ? sp.j[1].nrows : sp.j[0].nrows;
+    const int ncols = z ? sp.j[1].ncols : sp.j[0].ncols;
+    const int x = threadIdx.x, y = threadIdx.y;
+    const int64_t r0 = (int64_t)blockIdx.x * SUM_ROWS;
+    if (r0 >= nrows || (int)blockIdx.y * 32 >= ncols) /* the CTA is past this job */
+        return;
+    const int64_t r1 = r0 + SUM_ROWS < nrows ? r0 + SUM_ROWS : nrows;
+    const int c = blockIdx.y * 32 + x;
+    float acc = 0.0f;
+    if (c < ncols) {
+        const float *in = (z ? sp.j[1].in : sp.j[0].in) + c;
+#pragma unroll 4
+        for (int64_t r = r0 + y; r < r1; r += 8)
+            acc += in[r * ncols];
+    }
+    red[y][x] = acc;
+    __syncthreads();
+    if (y != 0 || c >= ncols)
+        return;
+    float s = red[0][x];
+#pragma unroll
+    for (int k = 1; k < 8; k++)
+        s += red[k][x];
+    float *const tmp = z ? sp.j[1].tmp : sp.j[0].tmp;
+    const int split = z ? sp.j[1].split : sp.j[0].split;
+    float *const out0 = z ? sp.j[1].out0 : sp.j[0].out0;
+    float *const out1 = z ? sp.j[1].out1 : sp.j[0].out1;
+    if (tmp)
+        tmp[(int64_t)blockIdx.x * ncols + c] = s;
+    else if (c < split) {
+        if (out0)
+            out0[c] = s;
+    } else if (out1)
+        out1[c - split] = s;
 }
 
 /* ------------------------ b6: dq, dk: GVA sum, l2norm and scale backward (warp per row) */
@@ -1755,6 +1862,60 @@ extern "C" lm_status lm_kda_cuda_forward_train_buf(lm_cuda_ctx *ctx, lm_kda_conf
     return forward_train_impl(ctx, c, in, out, buf, cap, saved, err);
 }
 
+/* floats of the segment sums a kda_bwd_sum job of nrows rows of ncols columns keeps between
+ * its passes (each pass divides the rows by SUM_ROWS) */
+static size_t sum_tmp_floats(int64_t nrows, int ncols) {
+    size_t n = 0;
+    while (nrows > SUM_ROWS) {
+        nrows = (nrows + SUM_ROWS - 1) / SUM_ROWS;
+        n += (size_t)nrows * (size_t)ncols;
+    }
+    return n;
+}
+
+/* The jobs' fixed-order sums on stream s: one kda_bwd_sum launch per pass for every job
+ * still running (jobs[j].tmp holds sum_tmp_floats of its shape; the pass structure is a
+ * function of the shapes only). */
+static lm_status run_sums(cudaStream_t s, const SumJob *jobs, int njobs, lm_error *err) {
+    SumJob cur[2];
+    for (int j = 0; j < njobs; j++)
+        cur[j] = jobs[j];
+    bool live[2] = {njobs > 0, njobs > 1};
+    while (live[0] || live[1]) {
+        SumPass sp;
+        memset(&sp, 0, sizeof sp);
+        int nz = 0, idx[2] = {0, 0};
+        int64_t gx = 1;
+        int gy = 1;
+        for (int j = 0; j < njobs; j++) {
+            if (!live[j])
+                continue;
+            SumJob jb = cur[j];
+            const int64_t segs = (jb.nrows + SUM_ROWS - 1) / SUM_ROWS;
+            if (segs <= 1)
+                jb.tmp = nullptr; /* the last pass: into the outputs */
+            sp.j[nz] = jb;
+            idx[nz++] = j;
+            gx = segs > gx ? segs : gx;
+            gy = (jb.ncols + 31) / 32 > gy ? (jb.ncols + 31) / 32 : gy;
+        }
+        kda_bwd_sum<<<dim3((unsigned)gx, gy, nz), dim3(32, 8), 0, s>>>(sp);
+        LM_CK_LAUNCH("kda_bwd_sum");
+        for (int z = 0; z < nz; z++) {
+            SumJob &jb = cur[idx[z]];
+            if (!sp.j[z].tmp) {
+                live[idx[z]] = false;
+                continue;
+            }
+            const int64_t segs = (jb.nrows + SUM_ROWS - 1) / SUM_ROWS;
+            jb.in = jb.tmp;
+            jb.tmp += segs * jb.ncols;
+            jb.nrows = segs;
+        }
+    }
+    return LM_OK;
+}
+
 /* the tensor maps of kda_bwd_dh (TM) for the saved buffers at p, encoded again only when
  * their place or extent changes; false when the driver gives none */
 static bool dh_maps(lm_cuda_ctx *ctx, const BwdParams &p, uint64_t rows, DhMaps &out) {
@@ -1853,6 +2014,29 @@ extern "C" lm_status lm_kda_cuda_backward(lm_cuda_ctx *ctx, lm_kda_cuda_saved *s
     p.dA_log = saved->in.A_log ? gr->dA_log : nullptr;
     p.ddt_bias = saved->in.dt_bias ? gr->ddt_bias : nullptr;
 
+    p.nzs = (K + CW - 1) / CW;
+    p.dgs_stride = rows * HV;
+    /* the fixed-order sums of dA_log and ddt_bias (kda_bwd_sum): KDA sums the pair kernel's
+     * parts over the chunks (ddt_bias) and the chunks' slices (dA_log); GDN the gate
+     * kernel's segment sums, ddt_bias and dA_log side by side */
+    const int64_t gsegs = (rows + GSEG - 1) / GSEG;
+    SumJob jobs[2];
+    memset(jobs, 0, sizeof jobs);
+    int njobs = 0, jgate = -1, jdb = -1, jda = -1; /* the jobs' indices (-1: none) */
+    if (p.gdn) {
+        if (p.dA_log || p.ddt_bias)
+            jobs[jgate = njobs++] =
+                SumJob{nullptr, nullptr, p.ddt_bias, p.dA_log, gsegs, 2 * HV, HV};
+    } else {
+        if (p.ddt_bias)
+            jobs[jdb = njobs++] =
+                SumJob{nullptr, nullptr, p.ddt_bias, nullptr, (int64_t)nchunks, HV * K, HV * K};
+        if (p.dA_log)
+            jobs[jda = njobs++] =
+                SumJob{nullptr, nullptr, p.dA_log, nullptr, (int64_t)nchunks * p.nzs, HV, HV};
+    }
+    float *gpart = nullptr;
+
     /* scratch */
     size_t bytes = 0;
     for (int pass = 0; pass < 2; pass++) {
@@ -1870,16 +2054,29 @@ extern "C" lm_status lm_kda_cuda_backward(lm_cuda_ctx *ctx, lm_kda_cuda_saved *s
         p.dbp = cv.take<float>(nblk * BT);
         p.dqs = cv.take<part_t>((size_t)rows * HV * K);
         p.dks = cv.take<part_t>((size_t)rows * HV * K);
-        p.dgs = p.gdn ? cv.take<float>((size_t)rows * HV) : nullptr;
+        p.dgs = p.gdn ? cv.take<float>((size_t)p.nzs * rows * HV) : nullptr;
+        p.pdb = !p.gdn && p.ddt_bias ? cv.take<float>(nblk * K) : nullptr;
+        p.pda = !p.gdn && p.dA_log ? cv.take<float>(nblk * p.nzs) : nullptr;
+        gpart =
+            p.gdn && (p.dA_log || p.ddt_bias) ? cv.take<float>((size_t)gsegs * 2 * HV) : nullptr;
+        for (int j = 0; j < njobs; j++)
+            jobs[j].tmp = cv.take<float>(sum_tmp_floats(jobs[j].nrows, jobs[j].ncols));
         if (!pass) {
             bytes = cv.off;
             LM_TRY(devbuf_reserve(ctx, ts->bws, bytes, err, "backward scratch"));
         }
     }
+    if (jgate >= 0)
+        jobs[jgate].in = gpart;
+    if (jdb >= 0)
+        jobs[jdb].in = p.pdb;
+    if (jda >= 0)
+        jobs[jda].in = p.pda;
     cudaStream_t s = ctx->stream;
-    if (p.dA_log)
+    /* dA_log, ddt_bias are written by kda_bwd_sum; zeros without chunks (no sums run) */
+    if (p.dA_log && nchunks == 0)
         LM_CK(cudaMemsetAsync(p.dA_log, 0, sizeof(float) * HV, s));
-    if (p.ddt_bias)
+    if (p.ddt_bias && nchunks == 0)
         LM_CK(cudaMemsetAsync(p.ddt_bias, 0, sizeof(float) * HV * (p.gdn ? 1 : K), s));
     if (gr->dA_log && !saved->in.A_log)
         LM_CK(cudaMemsetAsync(gr->dA_log, 0, sizeof(float) * HV, s));
@@ -1940,16 +2137,16 @@ extern "C" lm_status lm_kda_cuda_backward(lm_cuda_ctx *ctx, lm_kda_cuda_saved *s
         LM_CK_LAUNCH("kda_bwd_ut");
         if (prof)
             LM_CK(cudaEventRecord(ev[4], s));
-        if (p.dgs)
-            LM_CK(cudaMemsetAsync(p.dgs, 0, sizeof(float) * (size_t)rows * HV, s));
         kda_bwd_pairs<<<dim3(nchunks, HV, KD / CW), NTP, sizeof(PairSmem), s>>>(p);
         LM_CK_LAUNCH("kda_bwd_pairs");
         if (prof)
             LM_CK(cudaEventRecord(ev[5], s));
-        if (p.gdn) {
-            kda_bwd_gdn_gate<<<1024, 256, 0, s>>>(p, rows);
+        if (p.gdn && (p.dg || gpart)) {
+            kda_bwd_gdn_gate<<<dim3((unsigned)gsegs, (HV + 31) / 32), dim3(32, 8), 0, s>>>(p, rows,
+                                                                                           gpart);
             LM_CK_LAUNCH("kda_bwd_gdn_gate");
         }
+        LM_TRY(run_sums(s, jobs, njobs, err));
         if (p.dq || p.dk) {
             const int64_t nwarps = (rows * H + QK_ROWS - 1) / QK_ROWS;
             kda_bwd_qk<<<(unsigned)((nwarps + 7) / 8), 256, 0, s>>>(p, rows);
@@ -1965,7 +2162,7 @@ extern "C" lm_status lm_kda_cuda_backward(lm_cuda_ctx *ctx, lm_kda_cuda_saved *s
     if (prof) {
         LM_CK(cudaEventRecord(ev[6], s));
         LM_CK(cudaEventSynchronize(ev[6]));
-        const char *const names[6] = {"gather", "dh", "state", "ut", "pairs", "qk"};
+        const char *const names[6] = {"gather", "dh", "state", "ut", "pairs", "sums+qk"};
         fprintf(stderr, "kda cuda backward:");
         for (int i = 0; i < 6; i++) {
             float ms = 0;
