@@ -903,26 +903,41 @@ static int names(const char *msg, const char *field) {
 
 /* Validation, forward and backward all refuse `c` / `in`; the message names f1 and
  * (when given) f2. */
-static int expect_invalid(const char *what, lm_attention_config c, const lm_attention_inputs *in,
-                          const char *f1, const char *f2) {
+/* validate, forward and backward all refuse (c, in); want < 0: with any status, else with
+ * exactly status `want`. The validate message must name f1 and f2. */
+static int expect_refusal(const char *what, lm_attention_config c, const lm_attention_inputs *in,
+                          int want, const char *f1, const char *f2) {
     lm_error err = {0};
     lm_attention_config cv = c;
     lm_status st = lm_attention_validate(&cv, in, &err);
     int named = names(err.msg, f1) && names(err.msg, f2);
     printf("invalid %-36s -> %d \"%s\"%s\n", what, (int)st, err.msg,
            named ? "" : "  <-- not named");
-    int ok = st != LM_OK && named;
+#define REFUSED(s) (want < 0 ? (s) != LM_OK : (int)(s) == want)
+    int ok = REFUSED(st) && named;
     const int64_t nq = (int64_t)(c.B > 0 ? c.B : 1) * (c.T > 0 ? c.T : 1) * (c.Hq > 0 ? c.Hq : 1) *
                        (c.D > 0 ? c.D : 1);
     float *o = xcalloc(nq, 4), *lse = xcalloc(nq, 4);
     lm_error e2 = {0};
     lm_attention_config cf = c;
-    ok &= lm_attention_forward(&cf, in, o, lse, &e2) != LM_OK;
+    ok &= REFUSED(lm_attention_forward(&cf, in, o, lse, &e2));
     lm_attention_grads gr = {o, o, o, o};
     cf = c;
-    ok &= lm_attention_backward(&cf, in, o, lse, &gr, &e2) != LM_OK;
+    ok &= REFUSED(lm_attention_backward(&cf, in, o, lse, &gr, &e2));
+#undef REFUSED
     free(o), free(lse);
     return ok;
+}
+
+static int expect_invalid(const char *what, lm_attention_config c, const lm_attention_inputs *in,
+                          const char *f1, const char *f2) {
+    return expect_refusal(what, c, in, -1, f1, f2);
+}
+
+/* a non-finite input tensor: LM_ERR_NONFINITE from all three calls */
+static int expect_nonfinite(const char *what, lm_attention_config c, const lm_attention_inputs *in,
+                            const char *f1, const char *f2) {
+    return expect_refusal(what, c, in, LM_ERR_NONFINITE, f1, f2);
 }
 
 static void test_invalid(void **state) {
@@ -955,12 +970,12 @@ static void test_invalid(void **state) {
         lm_attention_config cv = c;
         assert_int_equal(lm_attention_validate(&cv, &in, &err), LM_ERR_UNSUPPORTED);
     }
-    c = base, c.scale = NAN;
-    ok &= expect_invalid("scale NaN", c, &in, "scale", NULL);
+    c = base, c.scale = NAN; /* a config scalar: LM_ERR_INVALID, not LM_ERR_NONFINITE */
+    ok &= expect_refusal("scale NaN", c, &in, LM_ERR_INVALID, "scale", NULL);
     c = base, c.rope_theta = 0.0;
     ok &= expect_invalid("rope_theta 0", c, &in, "rope_theta = 0", NULL);
     c = base, c.rope_theta = INFINITY;
-    ok &= expect_invalid("rope_theta inf", c, &in, "rope_theta", NULL);
+    ok &= expect_refusal("rope_theta inf", c, &in, LM_ERR_INVALID, "rope_theta", NULL);
     c = base, c.position = (lm_attn_position)7;
     ok &= expect_invalid("position 7", c, &in, "position", "7");
     {
@@ -986,15 +1001,15 @@ static void test_invalid(void **state) {
     memcpy(bad, x.q, 4 * x.nq);
     bad[x.nq / 2] = NAN;
     lm_attention_inputs bq = {bad, x.k, x.v};
-    ok &= expect_invalid("NaN in q", base, &bq, "'q'", "non-finite");
+    ok &= expect_nonfinite("NaN in q", base, &bq, "'q'", "non-finite");
     lm_attention_inputs bk = {x.q, bad, x.v}; /* nk < nq: element nq/2 is past k; use k's own */
     float *badk = xcalloc(x.nk, 4);
     memcpy(badk, x.k, 4 * x.nk);
     badk[3] = INFINITY;
     bk.k = badk;
-    ok &= expect_invalid("Inf in k", base, &bk, "'k'", NULL);
+    ok &= expect_nonfinite("Inf in k", base, &bk, "'k'", NULL);
     lm_attention_inputs bv = {x.q, x.k, badk};
-    ok &= expect_invalid("Inf in v", base, &bv, "'v'", NULL);
+    ok &= expect_nonfinite("Inf in v", base, &bv, "'v'", NULL);
     lm_attention_inputs bn = {x.q, NULL, x.v};
     ok &= expect_invalid("k missing", base, &bn, "required", NULL);
 
@@ -1006,7 +1021,7 @@ static void test_invalid(void **state) {
         lm_attention_grads gr = {bad, g, g, g};
         lm_status st = lm_attention_backward(&cb, &in, o, lse, &gr, &err);
         printf("invalid NaN in do -> %d \"%s\"\n", (int)st, err.msg);
-        ok &= st == LM_ERR_INVALID && names(err.msg, "'do'");
+        ok &= st == LM_ERR_NONFINITE && names(err.msg, "'do'");
         gr.do_ = x.dO;
         st = lm_attention_backward(&cb, &in, o, NULL, &gr, &err);
         printf("invalid lse missing -> %d \"%s\"\n", (int)st, err.msg);
@@ -1030,14 +1045,14 @@ static void test_invalid(void **state) {
         ok &= st == LM_ERR_INVALID && names(err.msg, "T = 2");
         cd.T = 1;
         st = lm_attention_decode(&cd, Tmax, 0, bad + x.nq / 2 - 5, kc, vc, o, NULL, &err);
-        ok &= st == LM_ERR_INVALID && names(err.msg, "'q'");
+        ok &= st == LM_ERR_NONFINITE && names(err.msg, "'q'");
         lm_attention_config cw = base;
         cw.T = 3;
         st = lm_attention_cache_write(&cw, Tmax, 6, x.k, x.v, kc, vc, &err);
         printf("invalid cache_write past Tmax -> %d \"%s\"\n", (int)st, err.msg);
         ok &= st == LM_ERR_INVALID && names(err.msg, "pos = 6") && names(err.msg, "3 token");
         st = lm_attention_cache_write(&cw, Tmax, 0, badk, x.v, kc, vc, &err);
-        ok &= st == LM_ERR_INVALID && names(err.msg, "'k'");
+        ok &= st == LM_ERR_NONFINITE && names(err.msg, "'k'");
         const int64_t cu2[] = {0, 3};
         cw.cu_seqlens = cu2, cw.n_cu_seqlens = 2;
         st = lm_attention_cache_write(&cw, Tmax, 0, x.k, x.v, kc, vc, &err);

@@ -289,14 +289,19 @@ static void test_threads_deterministic(void **s) {
     }
 }
 
-/* forward with the fixture as modified; expects LM_ERR_INVALID naming `needle` */
-static void expect_invalid_fwd(fixture *f, const char *needle) {
+/* forward with the fixture as modified; expects status `want` naming `needle` */
+static void expect_fwd_status(fixture *f, lm_status want, const char *needle) {
     lm_error err = {0};
     lm_status st = lm_attn_layer_forward(&f->cfg, &f->batch, &f->w, f->x, f->out, f->ctx, &err);
-    if (st != LM_ERR_INVALID || !strstr(err.msg, needle))
-        fprintf(stderr, "expected an error naming '%s', got %d: %s\n", needle, (int)st, err.msg);
-    assert_int_equal(st, LM_ERR_INVALID);
+    if (st != want || !strstr(err.msg, needle))
+        fprintf(stderr, "expected status %d naming '%s', got %d: %s\n", (int)want, needle, (int)st,
+                err.msg);
+    assert_int_equal(st, want);
     assert_non_null(strstr(err.msg, needle));
+}
+
+static void expect_invalid_fwd(fixture *f, const char *needle) {
+    expect_fwd_status(f, LM_ERR_INVALID, needle);
 }
 
 static void test_invalid(void **s) {
@@ -344,9 +349,9 @@ static void test_invalid(void **s) {
     f.batch.B = 2;
     expect_invalid_fwd(&f, "cu_seqlens");
     f.batch.B = 1;
-    /* non-finite x */
+    /* non-finite x: a data error (LM_ERR_NONFINITE), unlike a non-finite rope_theta */
     f.x[3] = NAN;
-    expect_invalid_fwd(&f, "'x'");
+    expect_fwd_status(&f, LM_ERR_NONFINITE, "'x'");
     f.x[3] = 0.25f;
     assert_memory_equal(o0, f.out, bytes);
     /* backward: a missing gradient, a non-finite dout, a mismatched batch */
@@ -360,7 +365,7 @@ static void test_invalid(void **s) {
     f.R[5] = INFINITY;
     memset(&err, 0, sizeof err);
     st = lm_attn_layer_backward(&f.cfg, &f.batch, &f.w, f.x, f.R, f.dx, &f.g, f.ctx, &err);
-    assert_int_equal(st, LM_ERR_INVALID);
+    assert_int_equal(st, LM_ERR_NONFINITE);
     assert_non_null(strstr(err.msg, "dout"));
     f.R[5] = 1.0f;
     lm_attn_layer_batch other = {1, 37, NULL, 0};
@@ -560,16 +565,23 @@ static void test_infer_threads_deterministic(void **s) {
     }
 }
 
-/* infer with the given arguments; expects LM_ERR_INVALID naming `needle` */
+/* infer with the given arguments; expects status `want` naming `needle` */
+static void expect_infer_status(fixture *f, lm_status want, int B, int T, int64_t pos,
+                                const lm_attn_layer_weights *w, const float *x, float *out,
+                                lm_attn_layer_cache *kv, const char *needle) {
+    lm_error err = {0};
+    lm_status rc = lm_attn_layer_infer(&f->cfg, B, T, pos, w, x, out, kv, f->ctx, &err);
+    if (rc != want || !strstr(err.msg, needle))
+        fprintf(stderr, "expected status %d naming '%s', got %d: %s\n", (int)want, needle, (int)rc,
+                err.msg);
+    assert_int_equal(rc, want);
+    assert_non_null(strstr(err.msg, needle));
+}
+
 static void expect_invalid_infer(fixture *f, int B, int T, int64_t pos,
                                  const lm_attn_layer_weights *w, const float *x, float *out,
                                  lm_attn_layer_cache *kv, const char *needle) {
-    lm_error err = {0};
-    lm_status rc = lm_attn_layer_infer(&f->cfg, B, T, pos, w, x, out, kv, f->ctx, &err);
-    if (rc != LM_ERR_INVALID || !strstr(err.msg, needle))
-        fprintf(stderr, "expected an error naming '%s', got %d: %s\n", needle, (int)rc, err.msg);
-    assert_int_equal(rc, LM_ERR_INVALID);
-    assert_non_null(strstr(err.msg, needle));
+    expect_infer_status(f, LM_ERR_INVALID, B, T, pos, w, x, out, kv, needle);
 }
 
 static void test_infer_invalid(void **s) {
@@ -609,7 +621,7 @@ static void test_infer_invalid(void **s) {
     w.v_proj = NULL;
     expect_invalid_infer(&f, IB, T, 0, &w, x, out, &c.kv, "v_proj");
     x[4] = NAN;
-    expect_invalid_infer(&f, IB, T, 2, &f.w, x, out, &c.kv, "'x'");
+    expect_infer_status(&f, LM_ERR_NONFINITE, IB, T, 2, &f.w, x, out, &c.kv, "'x'");
     x[4] = 0.5f;
     lm_error err = {0};
     assert_int_equal(lm_attn_layer_infer(&f.cfg, IB, T, 1, &f.w, x, out, &c.kv, NULL, &err),

@@ -606,13 +606,24 @@ static void test_threads(void **state) {
 
 /* ---------------------------------------------------------------- bad inputs */
 
-static void expect_fail(lm_status st, const lm_error *err, const char *needle) {
-    if (st == LM_OK)
-        print_message("expected failure mentioning '%s'\n", needle);
-    assert_int_equal(st, LM_ERR_INVALID);
+/* st must be `want` with a message naming `needle` */
+static void expect_status(lm_status st, lm_status want, const lm_error *err, const char *needle) {
+    if (st != want)
+        print_message("expected status %d mentioning '%s', got %d\n", (int)want, needle, (int)st);
+    assert_int_equal(st, want);
     if (!strstr(err->msg, needle))
         print_message("message '%s' lacks '%s'\n", err->msg, needle);
     assert_non_null(strstr(err->msg, needle));
+}
+
+/* bad configuration or argument: LM_ERR_INVALID (a non-finite eps or scale included) */
+static void expect_fail(lm_status st, const lm_error *err, const char *needle) {
+    expect_status(st, LM_ERR_INVALID, err, needle);
+}
+
+/* a non-finite tensor value: LM_ERR_NONFINITE */
+static void expect_nonfinite(lm_status st, const lm_error *err, const char *needle) {
+    expect_status(st, LM_ERR_NONFINITE, err, needle);
 }
 
 static void test_bad_inputs(void **state) {
@@ -669,18 +680,18 @@ static void test_bad_inputs(void **state) {
     /* non-finite values, named with their tensor and position */
     P.fsrc[2 * P.nd + 19] = NAN; /* residual_2, row 2, column 3 */
     RESET();
-    expect_fail(FWD(), &err, "'residual_2'");
+    expect_nonfinite(FWD(), &err, "'residual_2'");
     assert_non_null(strstr(err.msg, "row 2, column 3"));
-    expect_fail(BWD(), &err, "'residual_2'");
+    expect_nonfinite(BWD(), &err, "'residual_2'");
     P.fsrc[2 * P.nd + 19] = 0.5f;
     P.fw[5] = INFINITY;
-    expect_fail(FWD(), &err, "'query'");
+    expect_nonfinite(FWD(), &err, "'query'");
     P.fw[5] = 0.1f;
     P.fg[0] = -INFINITY;
-    expect_fail(FWD(), &err, "'rms_weight'");
+    expect_nonfinite(FWD(), &err, "'rms_weight'");
     P.fg[0] = 1.0f;
     P.fdo[79] = NAN;
-    expect_fail(BWD(), &err, "'do'");
+    expect_nonfinite(BWD(), &err, "'do'");
     /* trusted inputs skip the scan (documented), and then the call goes through */
     c.trusted_inputs = 1;
     assert_int_equal(BWD(), LM_OK);

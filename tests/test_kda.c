@@ -1011,7 +1011,9 @@ static int names_field(const char *msg, const char *field) {
     return 0;
 }
 
-static int expect_invalid(const char *what, lm_kda_config c, const lm_kda_inputs *in,
+/* validate and the chunk forward both refuse (c, in); want < 0: with any status, else
+ * with exactly status `want`. The validate message must name f1 or f2. */
+static int expect_refusal(const char *what, lm_kda_config c, const lm_kda_inputs *in, int want,
                           const char *f1, const char *f2) {
     lm_error err = {0};
     lm_kda_config cv = c;
@@ -1019,7 +1021,7 @@ static int expect_invalid(const char *what, lm_kda_config c, const lm_kda_inputs
     int named = names_field(err.msg, f1) || (f2 && names_field(err.msg, f2));
     printf("invalid %-40s validate -> %d \"%s\"%s\n", what, (int)st, err.msg,
            named ? "" : "  <-- field not named");
-    int ok = st != LM_OK && named;
+    int ok = (want < 0 ? st != LM_OK : (int)st == want) && named;
     /* the entry points validate too */
     lm_error e2 = {0};
     lm_kda_config cf = c;
@@ -1029,9 +1031,20 @@ static int expect_invalid(const char *what, lm_kda_config c, const lm_kda_inputs
     lm_status st2 = lm_kda_chunk_forward(&cf, in, &out, &e2);
     if (st2 == LM_OK)
         printf("invalid %s: lm_kda_chunk_forward returned OK\n", what);
-    ok &= st2 != LM_OK;
+    ok &= want < 0 ? st2 != LM_OK : (int)st2 == want;
     free(o);
     return ok;
+}
+
+static int expect_invalid(const char *what, lm_kda_config c, const lm_kda_inputs *in,
+                          const char *f1, const char *f2) {
+    return expect_refusal(what, c, in, -1, f1, f2);
+}
+
+/* a NaN/Inf input tensor: LM_ERR_NONFINITE (the data, not the configuration) */
+static int expect_nonfinite(const char *what, lm_kda_config c, const lm_kda_inputs *in,
+                            const char *f1, const char *f2) {
+    return expect_refusal(what, c, in, LM_ERR_NONFINITE, f1, f2);
 }
 
 static void test_invalid(void **state) {
@@ -1088,19 +1101,43 @@ static void test_invalid(void **state) {
     q2[kc.nq / 2] = NAN;
     lm_kda_inputs bad = in;
     bad.q = q2;
-    ok &= expect_invalid("NaN in q", base, &bad, "q", NULL);
+    ok &= expect_nonfinite("NaN in q", base, &bad, "q", NULL);
     float *v2 = xcalloc(kc.nv, sizeof(float));
     memcpy(v2, kc.v, sizeof(float) * kc.nv);
     v2[3] = INFINITY;
     bad = in;
     bad.v = v2;
-    ok &= expect_invalid("Inf in v", base, &bad, "v", NULL);
+    ok &= expect_nonfinite("Inf in v", base, &bad, "v", NULL);
     float *h2 = xcalloc(kc.ns, sizeof(float));
     memcpy(h2, kc.h0, sizeof(float) * kc.ns);
     h2[kc.ns - 1] = NAN;
     bad = in;
     bad.initial_state = h2;
-    ok &= expect_invalid("NaN in initial_state", base, &bad, "initial_state", "h0");
+    ok &= expect_nonfinite("NaN in initial_state", base, &bad, "initial_state", "h0");
+    /* a non-finite config scalar stays LM_ERR_INVALID */
+    c = base, c.scale = NAN;
+    ok &= expect_refusal("scale NaN", c, &in, LM_ERR_INVALID, "scale", NULL);
+    {
+        /* backward: NaN in do, Inf in dht (upstream gradients) */
+        float *do2 = xcalloc(kc.nv, sizeof(float)), *dht2 = xcalloc(kc.ns, sizeof(float));
+        memcpy(do2, kc.dO, sizeof(float) * kc.nv);
+        memcpy(dht2, kc.dht, sizeof(float) * kc.ns);
+        do2[kc.nv - 1] = NAN;
+        lm_kda_grads gr = {0};
+        gr.do_ = do2;
+        lm_kda_config cb = base;
+        lm_status st = lm_kda_chunk_backward(&cb, &in, &gr, &err);
+        printf("invalid %-40s backward -> %d \"%s\"\n", "NaN in do", (int)st, err.msg);
+        ok &= st == LM_ERR_NONFINITE && names_field(err.msg, "do");
+        gr.do_ = kc.dO;
+        gr.dht = dht2;
+        dht2[2] = INFINITY;
+        cb = base;
+        st = lm_kda_chunk_backward(&cb, &in, &gr, &err);
+        printf("invalid %-40s backward -> %d \"%s\"\n", "Inf in dht", (int)st, err.msg);
+        ok &= st == LM_ERR_NONFINITE && names_field(err.msg, "dht");
+        free(do2), free(dht2);
+    }
 
     /* gate NONE: g > 0; g < lower_bound with the shared path asked for or a bound given */
     float *g2 = xcalloc(kc.ng, sizeof(float));

@@ -330,11 +330,11 @@ static void test_invalid(void **s) {
     assert_int_equal(st, LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "lower_bound"));
     f.cfg.lower_bound = -5.0f;
-    /* non-finite x */
+    /* non-finite x: a data error (LM_ERR_NONFINITE), not bad input */
     f.x[3] = NAN;
     memset(&err, 0, sizeof err);
     st = lm_kda_layer_forward(&f.cfg, &f.batch, &f.w, f.x, f.out, f.ctx, &err);
-    assert_int_equal(st, LM_ERR_INVALID);
+    assert_int_equal(st, LM_ERR_NONFINITE);
     assert_non_null(strstr(err.msg, "'x'"));
     assert_memory_equal(o0, f.out, bytes);
     free(o0);
@@ -576,16 +576,23 @@ static void test_infer_threads_deterministic(void **s) {
     }
 }
 
-/* infer with the given arguments; expects LM_ERR_INVALID naming `needle` */
+/* infer with the given arguments; expects status `want` naming `needle` */
+static void expect_infer_status(const ifx *f, lm_status want, int B, int T,
+                                const lm_kda_layer_weights *w, const float *x, float *out,
+                                lm_kda_layer_state *st, lm_kda_layer_ctx *ctx, const char *needle) {
+    lm_error err = {0};
+    lm_status rc = lm_kda_layer_infer(&f->cfg, B, T, w, x, out, st, ctx, &err);
+    if (rc != want || !strstr(err.msg, needle))
+        fprintf(stderr, "expected status %d naming '%s', got %d: %s\n", (int)want, needle, (int)rc,
+                err.msg);
+    assert_int_equal(rc, want);
+    assert_non_null(strstr(err.msg, needle));
+}
+
 static void expect_invalid_infer(const ifx *f, int B, int T, const lm_kda_layer_weights *w,
                                  const float *x, float *out, lm_kda_layer_state *st,
                                  lm_kda_layer_ctx *ctx, const char *needle) {
-    lm_error err = {0};
-    lm_status rc = lm_kda_layer_infer(&f->cfg, B, T, w, x, out, st, ctx, &err);
-    if (rc != LM_ERR_INVALID || !strstr(err.msg, needle))
-        fprintf(stderr, "expected an error naming '%s', got %d: %s\n", needle, (int)rc, err.msg);
-    assert_int_equal(rc, LM_ERR_INVALID);
-    assert_non_null(strstr(err.msg, needle));
+    expect_infer_status(f, LM_ERR_INVALID, B, T, w, x, out, st, ctx, needle);
 }
 
 static void test_infer_invalid(void **s) {
@@ -622,11 +629,11 @@ static void test_infer_invalid(void **s) {
     w.o_norm = NULL;
     expect_invalid_infer(&f, IB, T, &w, x, out, &k.s, ctx, "o_norm");
     x[7] = INFINITY;
-    expect_invalid_infer(&f, IB, T, &f.w, x, out, &k.s, ctx, "'x'");
+    expect_infer_status(&f, LM_ERR_NONFINITE, IB, T, &f.w, x, out, &k.s, ctx, "'x'");
     x[7] = 0.5f;
     const float keep = k.s.conv_v[3];
     k.s.conv_v[3] = NAN;
-    expect_invalid_infer(&f, IB, T, &f.w, x, out, &k.s, ctx, "state.conv_v");
+    expect_infer_status(&f, LM_ERR_NONFINITE, IB, T, &f.w, x, out, &k.s, ctx, "state.conv_v");
     k.s.conv_v[3] = keep;
     assert_memory_equal(o0, out, (size_t)nx * sizeof(float));
     assert_memory_equal(k0, k.buf, (size_t)k.n * sizeof(float));

@@ -85,14 +85,17 @@ static int fd_check(const char *name, loss_fn f, void *ctx, double *p, int64_t n
     return ok;
 }
 
-static void expect_invalid(const char *what, lm_status st, const lm_error *err,
-                           const char *needle) {
+/* st must be `want` (LM_ERR_INVALID: bad argument or config scalar; LM_ERR_NONFINITE:
+ * a NaN/Inf tensor value) with a message naming `needle`. */
+static void expect_status(const char *what, lm_status st, lm_status want, const lm_error *err,
+                          const char *needle) {
     const int named = strstr(err->msg, needle) != NULL;
     printf("invalid %-44s -> %d \"%s\"%s\n", what, (int)st, err->msg,
            named ? "" : "  <-- not named");
-    if (st != LM_ERR_INVALID || !named)
-        print_message("case '%s': expected LM_ERR_INVALID naming '%s'\n", what, needle);
-    assert_int_equal(st, LM_ERR_INVALID);
+    if (st != want || !named)
+        print_message("case '%s': expected status %d (%s) naming '%s'\n", what, (int)want,
+                      lm_status_str(want), needle);
+    assert_int_equal(st, want);
     assert_true(named);
 }
 
@@ -1152,14 +1155,16 @@ static void test_invalid(void **state) {
         x[i] = 0.1f * (float)(i % 7) - 0.2f, dy[i] = 1.0f, g[i] = 0.5f, st3[i] = 0.0f;
     for (int i = 0; i < 32; i++)
         w[i] = 1.0f;
-#define INV(what, call, needle)                                                                    \
+#define EXPECT(want, what, call, needle)                                                           \
     do {                                                                                           \
         memset(&err, 0, sizeof err);                                                               \
         fill_sentinel(y, 64);                                                                      \
         st = (call);                                                                               \
-        expect_invalid(what, st, &err, needle);                                                    \
+        expect_status(what, st, want, &err, needle);                                               \
         assert_sentinel(y, 64);                                                                    \
     } while (0)
+#define INV(what, call, needle) EXPECT(LM_ERR_INVALID, what, call, needle)
+#define NONF(what, call, needle) EXPECT(LM_ERR_NONFINITE, what, call, needle)
 
     /* RMSNorm */
     INV("rmsnorm D = 0", lm_rmsnorm_forward(4, 0, 1e-5f, x, w, y, NULL, &err), "D = 0");
@@ -1169,19 +1174,25 @@ static void test_invalid(void **state) {
     INV("rmsnorm x NULL", lm_rmsnorm_forward(4, 4, 1e-5f, NULL, w, y, NULL, &err), "'x'");
     INV("rmsnorm y aliases x", lm_rmsnorm_forward(4, 4, 1e-5f, y, w, y, NULL, &err), "alias");
     x[9] = NAN;
-    INV("rmsnorm x NaN", lm_rmsnorm_forward(4, 4, 1e-5f, x, w, y, NULL, &err), "'x'");
+    NONF("rmsnorm x NaN", lm_rmsnorm_forward(4, 4, 1e-5f, x, w, y, NULL, &err), "'x'");
     assert_non_null(strstr(err.msg, "row 2"));
     x[9] = 0.5f;
     w[2] = INFINITY;
-    INV("rmsnorm weight Inf", lm_rmsnorm_forward(4, 4, 1e-5f, x, w, y, NULL, &err), "'weight'");
+    NONF("rmsnorm weight Inf", lm_rmsnorm_forward(4, 4, 1e-5f, x, w, y, NULL, &err), "'weight'");
     w[2] = 1.0f;
     dy[5] = NAN;
-    INV("rmsnorm dy NaN", lm_rmsnorm_backward(4, 4, 1e-5f, x, w, NULL, dy, y, NULL, &err), "'dy'");
+    NONF("rmsnorm dy NaN", lm_rmsnorm_backward(4, 4, 1e-5f, x, w, NULL, dy, y, NULL, &err), "'dy'");
     dy[5] = 1.0f;
     {
         float rs[4] = {1, 1, -1, 1};
         INV("rmsnorm rstd < 0", lm_rmsnorm_backward(4, 4, 1e-5f, x, w, rs, dy, y, NULL, &err),
             "rstd");
+        rs[2] = NAN;
+        NONF("rmsnorm rstd NaN", lm_rmsnorm_backward(4, 4, 1e-5f, x, w, rs, dy, y, NULL, &err),
+             "rstd");
+        rs[2] = 0.0f; /* what the forward saves when a row's mean square overflows */
+        NONF("rmsnorm rstd 0", lm_rmsnorm_backward(4, 4, 1e-5f, x, w, rs, dy, y, NULL, &err),
+             "overflowed");
     }
     /* gated RMSNorm */
     INV("gated H = 0", lm_gated_rmsnorm_forward(4, 0, 4, 1e-5f, x, g, w, y, NULL, &err), "H = 0");
@@ -1189,11 +1200,11 @@ static void test_invalid(void **state) {
     INV("gated gate NULL", lm_gated_rmsnorm_forward(4, 2, 4, 1e-5f, x, NULL, w, y, NULL, &err),
         "'gate'");
     g[30] = -INFINITY;
-    INV("gated gate Inf", lm_gated_rmsnorm_forward(4, 2, 4, 1e-5f, x, g, w, y, NULL, &err),
-        "'gate'");
-    INV("gated backward gate Inf",
-        lm_gated_rmsnorm_backward(4, 2, 4, 1e-5f, x, g, w, NULL, dy, y, NULL, NULL, &err),
-        "'gate'");
+    NONF("gated gate Inf", lm_gated_rmsnorm_forward(4, 2, 4, 1e-5f, x, g, w, y, NULL, &err),
+         "'gate'");
+    NONF("gated backward gate Inf",
+         lm_gated_rmsnorm_backward(4, 2, 4, 1e-5f, x, g, w, NULL, dy, y, NULL, NULL, &err),
+         "'gate'");
     g[30] = 0.5f;
     INV("gated o aliases gate", lm_gated_rmsnorm_forward(4, 2, 4, 1e-5f, x, y, w, y, NULL, &err),
         "alias");
@@ -1239,14 +1250,14 @@ static void test_invalid(void **state) {
             "cu_seqlens");
     }
     st3[5] = NAN;
-    INV("conv initial_state NaN", lm_short_conv_forward(&c, x, w, st3, y, NULL, &err),
-        "'initial_state'");
+    NONF("conv initial_state NaN", lm_short_conv_forward(&c, x, w, st3, y, NULL, &err),
+         "'initial_state'");
     st3[5] = 0.0f;
     x[3] = INFINITY;
-    INV("conv x Inf", lm_short_conv_forward(&c, x, w, NULL, y, NULL, &err), "'x'");
+    NONF("conv x Inf", lm_short_conv_forward(&c, x, w, NULL, y, NULL, &err), "'x'");
     x[3] = 0.5f;
     dy[60] = NAN;
-    INV("conv dy NaN", lm_short_conv_backward(&c, x, w, NULL, dy, y, NULL, NULL, &err), "'dy'");
+    NONF("conv dy NaN", lm_short_conv_backward(&c, x, w, NULL, dy, y, NULL, NULL, &err), "'dy'");
     dy[60] = 1.0f;
     INV("conv step without state", lm_short_conv_step(2, 8, 4, LM_ACT_SILU, x, w, NULL, y, &err),
         "conv_state");
@@ -1265,8 +1276,8 @@ static void test_invalid(void **state) {
         memcpy(wbad, w, sizeof wbad);
         wbad[7] = NAN;
         lm_swiglu_weights swb = {w, w, wbad};
-        INV("swiglu down_proj NaN", lm_swiglu_forward(4, 4, 4, &swb, x, y, NULL, NULL, &err),
-            "'down_proj'");
+        NONF("swiglu down_proj NaN", lm_swiglu_forward(4, 4, 4, &swb, x, y, NULL, NULL, &err),
+             "'down_proj'");
     }
     INV("swiglu out aliases x", lm_swiglu_forward(4, 4, 4, &sw, y, y, NULL, NULL, &err), "alias");
     {
@@ -1275,11 +1286,11 @@ static void test_invalid(void **state) {
             hid[i] = 0.0f;
         hid[17] = INFINITY;
         lm_swiglu_grads sg = {NULL, NULL, NULL};
-        INV("swiglu hidden Inf", lm_swiglu_backward(4, 4, 4, &sw, x, hid, dy, y, &sg, NULL, &err),
-            "'hidden'");
+        NONF("swiglu hidden Inf", lm_swiglu_backward(4, 4, 4, &sw, x, hid, dy, y, &sg, NULL, &err),
+             "'hidden'");
         dy[2] = NAN;
-        INV("swiglu dout NaN", lm_swiglu_backward(4, 4, 4, &sw, x, NULL, dy, y, &sg, NULL, &err),
-            "'dout'");
+        NONF("swiglu dout NaN", lm_swiglu_backward(4, 4, 4, &sw, x, NULL, dy, y, &sg, NULL, &err),
+             "'dout'");
         dy[2] = 1.0f;
     }
 
@@ -1312,14 +1323,14 @@ static void test_invalid(void **state) {
     tg[2] = 15;
     INV("ce W NULL", lm_cross_entropy_forward(&ce, x, NULL, tg, &loss, NULL, lse, &err), "'W'");
     x[6] = NAN;
-    INV("ce h NaN", lm_cross_entropy_forward(&ce, x, w, tg, &loss, NULL, lse, &err), "'h'");
+    NONF("ce h NaN", lm_cross_entropy_forward(&ce, x, w, tg, &loss, NULL, lse, &err), "'h'");
     x[6] = 0.5f;
     {
         float Wb[64];
         for (int i = 0; i < 64; i++)
             Wb[i] = 0.1f;
         Wb[63] = INFINITY;
-        INV("ce W Inf", lm_cross_entropy_forward(&ce, x, Wb, tg, &loss, NULL, lse, &err), "'W'");
+        NONF("ce W Inf", lm_cross_entropy_forward(&ce, x, Wb, tg, &loss, NULL, lse, &err), "'W'");
         Wb[63] = 0.1f;
         float small[4];
         ce.ws = small, ce.ws_floats = 4;
@@ -1329,8 +1340,8 @@ static void test_invalid(void **state) {
         INV("ce dloss NaN", lm_cross_entropy_backward(&ce, x, Wb, tg, NULL, NAN, y, NULL, &err),
             "dloss");
         float lbad[4] = {1, 2, NAN, 3};
-        INV("ce lse NaN", lm_cross_entropy_backward(&ce, x, Wb, tg, lbad, 1.0f, y, NULL, &err),
-            "'lse'");
+        NONF("ce lse NaN", lm_cross_entropy_backward(&ce, x, Wb, tg, lbad, 1.0f, y, NULL, &err),
+             "'lse'");
         INV("ce dh aliases h", lm_cross_entropy_backward(&ce, y, Wb, tg, NULL, 1.0f, y, NULL, &err),
             "alias");
         /* finite but huge: the logits overflow */
@@ -1339,11 +1350,13 @@ static void test_invalid(void **state) {
             hb[i] = 3e19f;
         for (int i = 0; i < 64; i++)
             Wh[i] = 3e19f;
-        INV("ce logits overflow",
-            lm_cross_entropy_forward(&ce, hb, Wh, tg, &loss, NULL, NULL, &err), "overflow");
+        NONF("ce logits overflow",
+             lm_cross_entropy_forward(&ce, hb, Wh, tg, &loss, NULL, NULL, &err), "overflow");
     }
 #undef CE_SET
+#undef NONF
 #undef INV
+#undef EXPECT
 }
 
 int main(void) {

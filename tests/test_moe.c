@@ -520,12 +520,13 @@ static void test_bad_inputs(void **state) {
     err = (lm_error){LM_OK, ""};
     expect_error(lm_moe_forward(fx.ctx, &fx.W, &fx.st, fx.x, 0, NULL, 0, 0, fx.out, &err), &err,
                  "T = 0");
-    /* a NaN in x names the token and channel */
+    /* a NaN in x names the token and channel; a data error: LM_ERR_NONFINITE */
     const float x0 = fx.x[2 * mc->d + 3];
     fx.x[2 * mc->d + 3] = NAN;
     err = (lm_error){LM_OK, ""};
-    expect_error(lm_moe_forward(fx.ctx, &fx.W, &fx.st, fx.x, mc->T, NULL, 0, 0, fx.out, &err), &err,
-                 "token 2, channel 3");
+    lm_status nst = lm_moe_forward(fx.ctx, &fx.W, &fx.st, fx.x, mc->T, NULL, 0, 0, fx.out, &err);
+    expect_error(nst, &err, "token 2, channel 3");
+    assert_int_equal(nst, LM_ERR_NONFINITE);
     fx.x[2 * mc->d + 3] = x0;
     /* a missing shared weight */
     const float *sg = fx.W.p[LM_MOE_SHARED_UP_PROJ];

@@ -317,6 +317,9 @@ static void test_bad_config(void **state) {
     c.routed_scaling_factor = NAN;
     expect_bad(&c, "routed_scaling_factor");
     lm_router_config_default(&c, 8, 2);
+    c.bias_clamp = NAN; /* a non-finite config scalar is LM_ERR_INVALID, not LM_ERR_NONFINITE */
+    expect_bad(&c, "bias_clamp");
+    lm_router_config_default(&c, 8, 2);
     c.quantile_iters = 0;
     expect_bad(&c, "quantile_iters");
     lm_router_config_default(&c, 8, 2);
@@ -338,13 +341,14 @@ static void test_bad_inputs(void **state) {
     lm_router_state st;
     assert_int_equal(lm_router_state_init(&st, E, &err), LM_OK);
 
+    /* non-finite tensor values: LM_ERR_NONFINITE (a numeric blow-up, not bad input) */
     lg[3 * E + 5] = NAN;
-    assert_int_equal(lm_router_forward(&c, &st, lg, T, NULL, 0, 1, &r, &err), LM_ERR_INVALID);
+    assert_int_equal(lm_router_forward(&c, &st, lg, T, NULL, 0, 1, &r, &err), LM_ERR_NONFINITE);
     printf("  NaN logit -> %s\n", err.msg);
     assert_true(has(err.msg, "token 3") && has(err.msg, "expert 5"));
     lg[3 * E + 5] = 0.0f;
     lg[1 * E + 2] = -INFINITY;
-    assert_int_equal(lm_router_forward(&c, &st, lg, T, NULL, 0, 1, &r, &err), LM_ERR_INVALID);
+    assert_int_equal(lm_router_forward(&c, &st, lg, T, NULL, 0, 1, &r, &err), LM_ERR_NONFINITE);
     assert_true(has(err.msg, "token 1") && has(err.msg, "expert 2"));
     lg[1 * E + 2] = 0.0f;
     /* nothing was accumulated by the failed calls */
@@ -353,7 +357,7 @@ static void test_bad_inputs(void **state) {
     assert_int_equal(st.n_micro, 0);
 
     st.e_score_correction_bias[2] = NAN;
-    assert_int_equal(lm_router_forward(&c, &st, lg, T, NULL, 0, 0, &r, &err), LM_ERR_INVALID);
+    assert_int_equal(lm_router_forward(&c, &st, lg, T, NULL, 0, 0, &r, &err), LM_ERR_NONFINITE);
     assert_true(has(err.msg, "e_score_correction_bias[2]"));
     st.e_score_correction_bias[2] = 0.0f;
 
@@ -380,7 +384,7 @@ static void test_bad_inputs(void **state) {
     assert_int_equal(lm_router_forward(&c, &st, lg, T, NULL, 0, 1, &r, &err), LM_OK);
     float dw[12] = {0}, dl[48];
     dw[7] = INFINITY;
-    assert_int_equal(lm_router_backward(&c, &r, dw, dl, &err), LM_ERR_INVALID);
+    assert_int_equal(lm_router_backward(&c, &r, dw, dl, &err), LM_ERR_NONFINITE);
     assert_true(has(err.msg, "dtopk_weight[token 3, slot 1]"));
     lm_router_config c3;
     lm_router_config_default(&c3, E, 3);

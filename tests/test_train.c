@@ -10,7 +10,8 @@
  *  - config errors name the key path and the value; missing / corrupt data names the
  *    file;
  *  - the NaN/Inf guard skips and counts a bad step, and stops after max_bad_steps in
- *    a row;
+ *    a row; a forward failing with LM_ERR_NONFINITE (weights that overflow fp32) is
+ *    such a step, a non-finite config scalar is LM_ERR_INVALID;
  *  - `linmoe train` exit codes and output. */
 #include "test_util.h"
 
@@ -582,6 +583,55 @@ static void test_nan_guard(void **state) {
     lm_train_config_free(&c);
 }
 
+/* A train config from g_cfg with `edit` applied, parsed (its status returned). */
+static lm_status edited_cfg(void (*edit)(cJSON *), lm_train_config *c, lm_error *err) {
+    char *text = read_file(g_cfg, NULL);
+    cJSON *j = cJSON_Parse(text);
+    free(text);
+    edit(j);
+    char *s = cJSON_Print(j);
+    cJSON_Delete(j);
+    lm_status st = lm_train_config_parse(c, s, "cfg.json", err);
+    free(s);
+    return st;
+}
+
+/* weights of ~1e12: the first forward overflows fp32 (a NaN reaches a norm's input) */
+static void e_huge_init(cJSON *j) {
+    cJSON_ReplaceItemInObject(obj(j, "model"), "initializer_range", cJSON_CreateNumber(1e12));
+}
+/* an eps that is +Inf in fp32 (finite as a JSON double) */
+static void e_eps_inf(cJSON *j) {
+    cJSON_ReplaceItemInObject(obj(j, "model"), "rms_norm_eps", cJSON_CreateNumber(1e39));
+}
+
+/* The bad-step guard goes by status: a forward that fails with LM_ERR_NONFINITE (the
+ * numbers blew up) is a skipped step, and max_bad_steps of them stop the run; a
+ * non-finite configuration scalar is bad input (LM_ERR_INVALID), never a bad step. */
+static void test_nonfinite_status(void **state) {
+    (void)state;
+    lm_train_config c;
+    lm_error err = {0};
+    assert_int_equal(edited_cfg(e_huge_init, &c, &err), LM_OK);
+    lm_train_options o;
+    lm_train_options_default(&o);
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s/N", g_dir);
+    o.run_dir = dir;
+    o.quiet = 1;
+    lm_train_summary s;
+    assert_int_equal(lm_train_run(&c, &o, &s, &err), LM_ERR_INVALID);
+    fprintf(stderr, "expected error: %s\n", err.msg);
+    assert_non_null(strstr(err.msg, "5 non-finite steps in a row"));
+    assert_non_null(strstr(err.msg, "at step 5"));
+    lm_train_config_free(&c);
+
+    memset(&err, 0, sizeof err);
+    assert_int_equal(edited_cfg(e_eps_inf, &c, &err), LM_ERR_INVALID);
+    fprintf(stderr, "expected error: %s\n", err.msg);
+    assert_non_null(strstr(err.msg, "rms_norm_eps = inf"));
+}
+
 static void test_cli(void **state) {
     (void)state;
     char out[8192];
@@ -618,9 +668,13 @@ static void test_cli(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_resume_bit_exact),   cmocka_unit_test(test_checkpoint_failure),
-        cmocka_unit_test(test_corrupt_checkpoint), cmocka_unit_test(test_config_errors),
-        cmocka_unit_test(test_nan_guard),          cmocka_unit_test(test_cli),
+        cmocka_unit_test(test_resume_bit_exact),
+        cmocka_unit_test(test_checkpoint_failure),
+        cmocka_unit_test(test_corrupt_checkpoint),
+        cmocka_unit_test(test_config_errors),
+        cmocka_unit_test(test_nan_guard),
+        cmocka_unit_test(test_nonfinite_status),
+        cmocka_unit_test(test_cli),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -26,7 +26,13 @@ typedef enum {
     LM_ERR_IO = 2,      /* a file could not be opened, read, written or renamed   */
     LM_ERR_FORMAT = 3,  /* a file's content is malformed (header, offsets, dtype)  */
     LM_ERR_NOMEM = 4,   /* an allocation failed                                    */
-    LM_ERR_UNSUPPORTED = 5 /* valid request this build cannot serve (e.g. no CUDA)  */
+    LM_ERR_UNSUPPORTED = 5, /* valid request this build cannot serve (e.g. no CUDA) */
+    /* A tensor value given to or computed by an op is NaN or +-Inf: the data, not the
+     * configuration (a non-finite config scalar such as scale, eps or dloss is
+     * LM_ERR_INVALID). Every CPU finiteness scan of tensor elements returns it, so a
+     * caller (the trainer's bad-step skip) can tell a numeric blow-up from bad input
+     * without reading the message. */
+    LM_ERR_NONFINITE = 6
 } lm_status;
 
 /* Error context: the first failing call writes a message that names the input,

@@ -35,6 +35,8 @@ const char *lm_status_str(lm_status st) {
         return "out of memory";
     case LM_ERR_UNSUPPORTED:
         return "unsupported";
+    case LM_ERR_NONFINITE:
+        return "non-finite value";
     }
     return "unknown status";
 }

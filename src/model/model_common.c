@@ -29,7 +29,8 @@ lm_status lm_model_check_finite(const char *layer, const char *what, const char 
     if (!p) return lm_errorf(err, LM_ERR_INVALID, "%s %s: '%s' is required", layer, what, name);
     for (int64_t i = 0; i < n; i++)
         if (!isfinite(p[i]))
-            return lm_errorf(err, LM_ERR_INVALID, "%s %s: '%s' has a non-finite value %g at element %lld",
-                             layer, what, name, (double)p[i], (long long)i);
+            return lm_errorf(err, LM_ERR_NONFINITE,
+                             "%s %s: '%s' has a non-finite value %g at element %lld", layer, what,
+                             name, (double)p[i], (long long)i);
     return LM_OK;
 }

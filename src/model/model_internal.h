@@ -17,8 +17,9 @@
 void lm_model_mm(int tA, int tB, int M, int N, int K, const float *A, int lda, const float *B,
                  int ldb, int accum, float *C, int ldc);
 
-/* LM_ERR_INVALID naming `layer`, `what` (forward/backward) and the tensor when `p`
- * is NULL or holds a non-finite value (the first one's index and value). */
+/* LM_ERR_INVALID naming `layer`, `what` (forward/backward) and the tensor when `p` is
+ * NULL; LM_ERR_NONFINITE when it holds a non-finite value (the first one's index and
+ * value). */
 lm_status lm_model_check_finite(const char *layer, const char *what, const char *name,
                                 const float *p, int64_t n, lm_error *err);
 

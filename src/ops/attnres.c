@@ -80,7 +80,7 @@ static lm_status check_finite(const float *x, int64_t n, int D, const char *name
                 snprintf(nm, sizeof(nm), "%s_%d", name, idx);
             else
                 snprintf(nm, sizeof(nm), "%s", name);
-            return lm_errorf(err, LM_ERR_INVALID,
+            return lm_errorf(err, LM_ERR_NONFINITE,
                              "attnres: input '%s' has a non-finite value (%g) at element %lld "
                              "(row %lld, column %lld)",
                              nm, (double)x[i], (long long)i, (long long)(i / D),

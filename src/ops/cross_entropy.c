@@ -193,7 +193,7 @@ static lm_status check_lse(const float *lse, int64_t N, lm_error *err) {
     if (i < 0)
         return LM_OK;
     return lm_errorf(
-        err, LM_ERR_INVALID,
+        err, LM_ERR_NONFINITE,
         "%s: the logits of row %lld overflow fp32 (log-sum-exp = %g): h or W too large", OP,
         (long long)i, (double)lse[i]);
 }

@@ -23,8 +23,9 @@ static lm_status check_finite(const float *x, int64_t n, const char *name, lm_er
     if (!x) return LM_OK;
     for (int64_t i = 0; i < n; i++)
         if (!isfinite(x[i]))
-            return lm_errorf(err, LM_ERR_INVALID, "kda: input '%s' has a non-finite value (%g) at element %lld",
-                             name, (double)x[i], (long long)i);
+            return lm_errorf(err, LM_ERR_NONFINITE,
+                             "kda: input '%s' has a non-finite value (%g) at element %lld", name,
+                             (double)x[i], (long long)i);
     return LM_OK;
 }
 

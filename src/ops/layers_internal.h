@@ -52,8 +52,8 @@ static inline int64_t lm_layers_first_nonfinite(const float *x, int64_t n) {
     return first == INT64_MAX ? -1 : first;
 }
 
-/* LM_OK when x (n elements, rows of `cols`) is finite; otherwise an error naming the
- * op, the input, the value and its position (row, column). x == NULL is OK. */
+/* LM_OK when x (n elements, rows of `cols`) is finite; otherwise LM_ERR_NONFINITE
+ * naming the op, the input, the value and its position (row, column). x == NULL is OK. */
 static inline lm_status lm_layers_check_finite(const char *op, const char *name, const float *x,
                                                int64_t n, int64_t cols, lm_error *err) {
     if (!x || n <= 0)
@@ -63,7 +63,7 @@ static inline lm_status lm_layers_check_finite(const char *op, const char *name,
         return LM_OK;
     if (cols <= 0)
         cols = 1;
-    return lm_errorf(err, LM_ERR_INVALID,
+    return lm_errorf(err, LM_ERR_NONFINITE,
                      "%s: input '%s' has a non-finite value (%g) at element %lld (row %lld, "
                      "column %lld)",
                      op, name, (double)x[i], (long long)i, (long long)(i / cols),

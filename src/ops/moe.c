@@ -319,7 +319,7 @@ lm_status lm_moe_forward(lm_moe_ctx *ctx, const lm_moe_weights *w, lm_router_sta
     for (int64_t i = 0; i < (int64_t)T * d; i++)
         if (!isfinite(x[i]))
             return lm_errorf(
-                err, LM_ERR_INVALID,
+                err, LM_ERR_NONFINITE,
                 "moe: input 'x' has a non-finite value (%g) at token %lld, channel %lld",
                 (double)x[i], (long long)(i / d), (long long)(i % d));
     ctx->T = 0; /* no valid forward until this one completes */

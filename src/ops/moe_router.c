@@ -767,13 +767,13 @@ lm_status lm_router_quantile_solve(const lm_router_config *c, const float *score
         return lm_errorf(err, LM_ERR_INVALID, "router: quantile solve needs scores and beta");
     for (int64_t i = 0; i < (int64_t)T * E; i++)
         if (!isfinite(scores[i]))
-            return lm_errorf(err, LM_ERR_INVALID,
+            return lm_errorf(err, LM_ERR_NONFINITE,
                              "router: quantile solve: scores[t=%lld, expert=%d] = %g is not finite",
                              (long long)(i / E), (int)(i % E), (double)scores[i]);
     if (bias)
         for (int e = 0; e < E; e++)
             if (!isfinite(bias[e]))
-                return lm_errorf(err, LM_ERR_INVALID, "router: bias[%d] = %g is not finite", e,
+                return lm_errorf(err, LM_ERR_NONFINITE, "router: bias[%d] = %g is not finite", e,
                                  (double)bias[e]);
     const int nt = omp_get_max_threads();
     void *scr = LM_MALLOC(qb_bytes(T, E, k, nt));
@@ -987,7 +987,7 @@ lm_status lm_router_forward(const lm_router_config *c, lm_router_state *st, cons
     if (bias)
         for (int e = 0; e < E; e++)
             if (!isfinite(bias[e]))
-                return lm_errorf(err, LM_ERR_INVALID,
+                return lm_errorf(err, LM_ERR_NONFINITE,
                                  "router: e_score_correction_bias[%d] = %g is not finite", e,
                                  (double)bias[e]);
     if (cu_seqlens) {
@@ -1008,7 +1008,7 @@ lm_status lm_router_forward(const lm_router_config *c, lm_router_state *st, cons
     }
     for (int64_t i = 0; i < (int64_t)T * E; i++)
         if (!isfinite(logits[i]))
-            return lm_errorf(err, LM_ERR_INVALID,
+            return lm_errorf(err, LM_ERR_NONFINITE,
                              "router: logits[token %lld, expert %d] = %g is not finite",
                              (long long)(i / E), (int)(i % E), (double)logits[i]);
 
@@ -1197,7 +1197,7 @@ lm_status lm_router_backward(const lm_router_config *c, const lm_route *r,
     if (dtopk_weight)
         for (int64_t i = 0; i < (int64_t)T * k; i++)
             if (!isfinite(dtopk_weight[i]))
-                return lm_errorf(err, LM_ERR_INVALID,
+                return lm_errorf(err, LM_ERR_NONFINITE,
                                  "router: dtopk_weight[token %lld, slot %d] = %g is not finite",
                                  (long long)(i / k), (int)(i % k), (double)dtopk_weight[i]);
 

@@ -209,11 +209,16 @@ static lm_status norm_backward(const char *op, int64_t R, int D, float eps, cons
                          op);
     LM_TRY(lm_layers_check_finite(op, gate ? "do" : "dy", dy, R * D, D, err));
     if (rstd) {
+        /* NaN/Inf, and 0 (= 1/sqrt(+Inf): the forward's mean square overflowed fp32; any
+         * finite mean square gives rstd >= 1/sqrt(FLT_MAX) > 0) are the data blowing up;
+         * a finite negative rstd, which no forward computes, is bad input */
         for (int64_t r = 0; r < R; r++)
             if (!(rstd[r] > 0.0f) || !isfinite(rstd[r]))
-                return lm_errorf(err, LM_ERR_INVALID,
-                                 "%s: input 'rstd' must be finite and > 0; rstd[%lld] = %g", op,
-                                 (long long)r, (double)rstd[r]);
+                return lm_errorf(
+                    err, isfinite(rstd[r]) && rstd[r] < 0.0f ? LM_ERR_INVALID : LM_ERR_NONFINITE,
+                    "%s: input 'rstd' must be finite and > 0; rstd[%lld] = %g%s", op, (long long)r,
+                    (double)rstd[r],
+                    rstd[r] == 0.0f ? " (the forward's mean square overflowed fp32)" : "");
     }
     if (!weight)
         dweight = NULL;

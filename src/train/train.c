@@ -99,13 +99,10 @@ static void fmt_dur(char *buf, size_t n, double s) {
         snprintf(buf, n, "%lds", t);
 }
 
-/* Forward / backward errors that mean "the numbers blew up" (a bad step: the
- * model's "non-finite value" checks, the router's "NaN/Inf logits"), as opposed to
- * bad input or internal errors (fatal). */
-static int numeric_error(const char *msg) {
-    return strstr(msg, "non-finite") || strstr(msg, "not finite") || strstr(msg, "NaN") ||
-           strstr(msg, "Inf");
-}
+/* Forward / backward errors that mean "the numbers blew up" (a bad step): the ops'
+ * and the model's finiteness scans of tensor values report LM_ERR_NONFINITE; every
+ * other status (bad input, a non-finite config scalar, I/O, memory) is fatal. */
+static int numeric_error(lm_status st) { return st == LM_ERR_NONFINITE; }
 
 static lm_status mkdir_p(const char *path, lm_error *err) {
     char buf[PATHMAX];
@@ -358,7 +355,7 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
         if (r == LM_OK)
             r = lm_model_backward(m, 1.0f / (float)M, mi > 0, err);
         if (r != LM_OK) {
-            if (!numeric_error(err->msg))
+            if (!numeric_error(r))
                 return r;
             say(x, "step %lld: %s", (long long)x->k.step + 1, err->msg);
             bad = 1;

@@ -552,12 +552,14 @@ lm_status lm_kda_chunk_backward(lm_kda_config *c, const lm_kda_inputs *in, lm_kd
     if (!gr || !gr->do_) return lm_errorf(err, LM_ERR_INVALID, "kda backward: 'do' is required");
     for (int64_t i = 0, n = (int64_t)c->B * c->T * c->HV * c->V; i < n; i++)
         if (!isfinite(gr->do_[i]))
-            return lm_errorf(err, LM_ERR_INVALID, "kda backward: 'do' has a non-finite value %g at element %lld",
+            return lm_errorf(err, LM_ERR_NONFINITE,
+                             "kda backward: 'do' has a non-finite value %g at element %lld",
                              (double)gr->do_[i], (long long)i);
     if (gr->dht)
         for (int64_t i = 0, n = (int64_t)c->N * c->HV * c->K * c->V; i < n; i++)
             if (!isfinite(gr->dht[i]))
-                return lm_errorf(err, LM_ERR_INVALID, "kda backward: 'dht' has a non-finite value %g at element %lld",
+                return lm_errorf(err, LM_ERR_NONFINITE,
+                                 "kda backward: 'dht' has a non-finite value %g at element %lld",
                                  (double)gr->dht[i], (long long)i);
     lm_kda_prep p;
     LM_TRY(lm_kda_prep_forward(c, in, &p));
