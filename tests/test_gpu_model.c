@@ -24,10 +24,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
 #include "linmoe/backend.h"
+#include "linmoe/eval.h"
+#include "linmoe/shard.h"
+#include "linmoe/tokenizer.h"
 #include "linmoe/gpu_model.h"
 #include "linmoe/kda_cuda.h"
 #include "linmoe/model.h"
@@ -261,6 +265,77 @@ static void test_parity(void **state) {
     assert_int_equal(bad, 0);
 }
 
+/* The GPU evals (eval.h lm_eval_bpb_gpu, lm_eval_passkey_gpu) against the CPU ones on
+ * the same weights: bits per byte within NLL_TOL relative (the same windows, documents and
+ * bytes), and the passkey accuracy and prefix counts of 4 samples at 160 tokens (random
+ * weights: both near 0, but the answer positions, counts and errors are exercised). */
+static void test_evals(void **state) {
+    (void)state;
+    lm_error e = {0};
+    lm_model_config cfg;
+    assert_int_equal(lm_model_config_load(&cfg, "configs/tiny.json", NULL, 0, &e), LM_OK);
+    lm_params p = {0};
+    assert_int_equal(lm_params_init(&p, &cfg, &e), LM_OK);
+    lm_params_init_weights(&p, 5);
+    const int lens[] = {5, 70, 0, 130, 1, 40, 63, 0, 77, 13};
+    int64_t n = 0;
+    for (int d = 0; d < 10; d++)
+        n += lens[d] + 1;
+    int32_t *t = malloc(sizeof(int32_t) * (size_t)n);
+    int64_t k = 0;
+    uint64_t r = 99;
+    for (int d = 0; d < 10; d++) {
+        for (int i = 0; i < lens[d]; i++) {
+            r = r * 6364136223846793005ULL + 1442695040888963407ULL;
+            t[k++] = (int32_t)('a' + (r >> 33) % 26);
+        }
+        t[k++] = 256;
+    }
+    char path[] = "/tmp/linmoe_test_gpu_eval_XXXXXX";
+    const int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    assert_int_equal(lm_shard_write(path, 257, t, (uint64_t)k, &e), LM_OK);
+    free(t);
+    lm_shard sh;
+    assert_int_equal(lm_shard_open(&sh, path, &e), LM_OK);
+    lm_tokenizer *tok = NULL;
+    assert_int_equal(lm_tokenizer_open(&tok, "byte", NULL, &e), LM_OK);
+    lm_model *cm = NULL;
+    assert_int_equal(lm_model_new(&cm, &p, 256, &e), LM_OK);
+    lm_gpu_model *gm = NULL;
+    if (lm_gpu_model_new(&gm, g_ctx, &p, 256, 8, &e) != LM_OK)
+        fail_msg("gpu new: %s", e.msg);
+    lm_eval_bpb_result rc, rg;
+    assert_int_equal(lm_eval_bpb(cm, tok, &sh, 64, &rc, &e), LM_OK);
+    if (lm_eval_bpb_gpu(gm, tok, &sh, 64, &rg, &e) != LM_OK)
+        fail_msg("eval bpb gpu: %s", e.msg);
+    const double rel = fabs(rg.bits_per_byte - rc.bits_per_byte) / rc.bits_per_byte;
+    printf("evals: bits per byte cpu %.6f gpu %.6f (rel %.2e); windows %lld / %lld, bytes %lld / "
+           "%lld\n",
+           rc.bits_per_byte, rg.bits_per_byte, rel, (long long)rc.windows, (long long)rg.windows,
+           (long long)rc.bytes, (long long)rg.bytes);
+    assert_true(rel <= NLL_TOL);
+    assert_int_equal(rc.windows, rg.windows);
+    assert_int_equal(rc.bytes, rg.bytes);
+    assert_int_equal(rc.tokens, rg.tokens);
+    lm_eval_passkey_result pc, pg;
+    assert_int_equal(lm_eval_passkey(cm, tok, &sh, 160, 4, 7, &pc, &e), LM_OK);
+    if (lm_eval_passkey_gpu(gm, tok, &sh, 160, 4, 7, &pg, &e) != LM_OK)
+        fail_msg("eval passkey gpu: %s", e.msg);
+    printf("evals: passkey cpu %d/%d (prefix %lld of %lld) gpu %d/%d (prefix %lld of %lld)\n",
+           pc.correct, pc.samples, (long long)pc.prefix_tokens, (long long)pc.answer_tokens,
+           pg.correct, pg.samples, (long long)pg.prefix_tokens, (long long)pg.answer_tokens);
+    assert_int_equal(pc.answer_tokens, pg.answer_tokens);
+    assert_int_equal(pc.samples, pg.samples);
+    lm_gpu_model_free(gm);
+    lm_model_free(cm);
+    lm_tokenizer_free(tok);
+    lm_shard_close(&sh);
+    unlink(path);
+    lm_params_free(&p);
+}
+
 /* A config the CUDA backend cannot run is refused before any allocation, naming the key. */
 static void test_refusal(void **state) {
     (void)state;
@@ -284,6 +359,7 @@ int main(void) {
     }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_refusal),
+        cmocka_unit_test(test_evals),
         cmocka_unit_test(test_parity),
     };
     const int rc = cmocka_run_group_tests(tests, NULL, NULL);

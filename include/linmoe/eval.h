@@ -90,6 +90,24 @@ typedef struct {
 lm_status lm_eval_passkey(lm_model *m, lm_tokenizer *tok, const lm_shard *filler, int length,
                           int samples, uint64_t seed, lm_eval_passkey_result *out, lm_error *err);
 
+/* The same two evals with the GPU model (include/linmoe/gpu_model.h), for
+ * `linmoe train --device cuda` (src/eval/eval_gpu.c):
+ *   bits per byte: the pinned protocol above, batches of at most
+ *     lm_gpu_model_max_tokens(m) tokens (and 256 windows), -log p per token from the
+ *     fused cross-entropy (lm_gpu_model_eval's nll: the router aux losses never enter);
+ *   passkey: one forward over ids[0 .. digits_end) per sample (teacher forcing); a
+ *     sample is correct when the argmax (ties to the lower id) of the logits at every
+ *     position answer_pos - 1 .. digits_end - 2 is the next token: the greedy decode of
+ *     lm_eval_passkey reproduces the answer exactly when this holds, so the accuracy and
+ *     the prefix count have the same meaning. length <= lm_gpu_model_max_tokens(m).
+ * Errors: as above, plus the GPU model's. */
+struct lm_gpu_model;
+lm_status lm_eval_bpb_gpu(struct lm_gpu_model *m, const lm_tokenizer *tok, const lm_shard *val,
+                          int seq_len, lm_eval_bpb_result *out, lm_error *err);
+lm_status lm_eval_passkey_gpu(struct lm_gpu_model *m, lm_tokenizer *tok, const lm_shard *filler,
+                              int length, int samples, uint64_t seed, lm_eval_passkey_result *out,
+                              lm_error *err);
+
 /* Balance of one MoE layer from its selection counts [E] (reference/moe.md §8.2,
  * as lm_router_metrics): maxvio = max_e c_e / mean - 1, min_load = min_e c_e / mean,
  * dead = experts with c_e = 0, load[e] = c_e / sum (may be NULL). No selections:

@@ -75,6 +75,9 @@ lm_status lm_gpu_model_new(lm_gpu_model **out, lm_cuda_ctx *ctx, const lm_params
                            int64_t max_tokens, int max_seqs, lm_error *err);
 void lm_gpu_model_free(lm_gpu_model *m);
 const lm_mem_plan *lm_gpu_model_mem_plan(const lm_gpu_model *m);
+/* The model's config (rope_theta as last set) and its max_tokens. */
+const lm_model_config *lm_gpu_model_config(const lm_gpu_model *m);
+int64_t lm_gpu_model_max_tokens(const lm_gpu_model *m);
 
 /* Host -> device: the parameter values of p (same config) into the masters, the bf16
  * copy and the MoE biases. Device -> host: masters and biases into p (synchronises). */
@@ -100,6 +103,13 @@ lm_status lm_gpu_model_micro_step(lm_gpu_model *m, const lm_model_batch *b, cons
  * (0 for ignored labels) downloaded into it (synchronises). */
 lm_status lm_gpu_model_eval(lm_gpu_model *m, const lm_model_batch *b, const int32_t *ids,
                             const int32_t *labels, int slot, float *nll_host, lm_error *err);
+
+/* Logits of rows row0 .. row0 + n_rows - 1 (rows of the B*T tokens, row-major) of the
+ * last forward (micro_step or eval), fp32, downloaded into logits_host [n_rows, V]
+ * (synchronises). 1 <= n_rows <= LM_GPU_MODEL_LOGIT_ROWS. */
+#define LM_GPU_MODEL_LOGIT_ROWS 64
+lm_status lm_gpu_model_logits_rows(lm_gpu_model *m, int64_t row0, int n_rows, float *logits_host,
+                                   lm_error *err);
 
 /* The global gradient norm of the trainable parameters (device; AdamW's clipping input). */
 lm_status lm_gpu_model_grad_norm(lm_gpu_model *m, lm_error *err);

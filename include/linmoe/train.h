@@ -181,8 +181,9 @@ typedef struct {
     int progress;               /* -1 auto (live line when stderr is a terminal), 0 plain, 1 live */
     int quiet;                  /* 1: no human-readable output at all */
     lm_device device;           /* cpu (default, zero) or cuda:N: where the steps run
-                                   (include/linmoe/gpu_model.h); evals and checkpoints go
-                                   through the host copy of the parameters */
+                                   (include/linmoe/gpu_model.h) and so do the evals
+                                   (eval.h lm_eval_*_gpu); checkpoints go through the
+                                   host copy of the parameters */
 } lm_train_options;
 
 void lm_train_options_default(lm_train_options *o);

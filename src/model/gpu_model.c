@@ -102,6 +102,7 @@ struct lm_gpu_model {
     int32_t *ids, *labels, *cu_dev;
     int64_t *cu_host;
     float *nll;
+    float *logit_rows; /* [LM_GPU_MODEL_LOGIT_ROWS, V] fp32 */
     /* step scalars */
     float *loss_sum, *aux, *gnorm;
     int32_t *count, *skipped;
@@ -348,6 +349,7 @@ static void layout(lm_gpu_model *m, size_t out[LM_MEM_N_CLASSES]) {
         }
     m->kda_scratch = kda_scr ? take(&sb, kda_scr) : NULL;
     m->nll = take(&sb, (size_t)N * 4);
+    m->logit_rows = take(&sb, (size_t)LM_GPU_MODEL_LOGIT_ROWS * m->V * 4);
     m->loss_sum = take(&sb, LM_GPU_MODEL_MAX_MICRO * 4);
     m->count = take(&sb, LM_GPU_MODEL_MAX_MICRO * 4);
     m->aux = take(&sb, (size_t)LM_GPU_MODEL_MAX_MICRO * m->L * 4);
@@ -449,6 +451,8 @@ lm_status lm_gpu_model_plan(const lm_model_config *cfg, int64_t max_tokens, int 
 }
 
 const lm_mem_plan *lm_gpu_model_mem_plan(const lm_gpu_model *m) { return m ? &m->plan : NULL; }
+const lm_model_config *lm_gpu_model_config(const lm_gpu_model *m) { return m ? &m->cfg : NULL; }
+int64_t lm_gpu_model_max_tokens(const lm_gpu_model *m) { return m ? m->max_tokens : 0; }
 
 /* ---------------------------------------------------------------- construction */
 
@@ -1104,6 +1108,23 @@ lm_status lm_gpu_model_eval(lm_gpu_model *m, const lm_model_batch *b, const int3
     if (nll_host)
         LM_TRY(lm_cuda_ctx_download(m->ctx, nll_host, m->nll, sizeof(float) * (size_t)m->b.N, err));
     return LM_OK;
+}
+
+lm_status lm_gpu_model_logits_rows(lm_gpu_model *m, int64_t row0, int n_rows, float *logits_host,
+                                   lm_error *err) {
+    if (!m || !logits_host)
+        return lm_errorf(err, LM_ERR_INVALID, "gpu model: logits_rows: NULL argument");
+    if (n_rows < 1 || n_rows > LM_GPU_MODEL_LOGIT_ROWS || row0 < 0 || row0 + n_rows > m->b.N)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "gpu model: logits_rows %lld .. %lld outside the last batch of %lld "
+                         "tokens (at most %d rows)",
+                         (long long)row0, (long long)(row0 + n_rows), (long long)m->b.N,
+                         LM_GPU_MODEL_LOGIT_ROWS);
+    const uint16_t *x = (const uint16_t *)m->xfin + row0 * m->d;
+    LM_TRY(mm(m, 0, 1, n_rows, m->V, m->d, x, m->d, m->W_head, m->d, 0, m->logit_rows, m->V, 1,
+              err));
+    return lm_cuda_ctx_download(m->ctx, logits_host, m->logit_rows,
+                                sizeof(float) * (size_t)n_rows * m->V, err);
 }
 
 /* ---------------------------------------------------------------- optimizer */

@@ -38,9 +38,9 @@ typedef struct {
     lm_params p;
     int have_p;
     lm_model *m;
-    /* --device cuda: the steps run on gm; m (the CPU model over p) runs the evals, and p,
-     * opt's moments and m's router states are refreshed from the device (host_sync)
-     * before an eval or a checkpoint reads them */
+    /* --device cuda: the steps and evals run on gm; p, opt's moments and m's router
+     * states (m: the CPU model over p, planned for one token) are refreshed from the
+     * device (host_sync) before a checkpoint reads them */
     lm_cuda_ctx *cuda;
     lm_gpu_model *gm;
     int host_stale;
@@ -273,14 +273,21 @@ static void log_stage(ctx *x, int s) {
 static lm_status run_eval(ctx *x, lm_error *err) {
     const lm_train_config *c = x->c;
     double t0 = lm_time_sec();
-    LM_TRY(host_sync(x, err));
     lm_eval_bpb_result r;
     memset(&r, 0, sizeof r);
-    LM_TRY(lm_eval_bpb(x->m, x->tok, &x->val_sub, c->eval_seq_len, &r, err));
     lm_eval_passkey_result pk[LM_TRAIN_MAX_PASSKEY_LENGTHS];
-    for (int i = 0; i < c->n_passkey_lengths; i++)
-        LM_TRY(lm_eval_passkey(x->m, x->tok, &x->val, c->passkey_lengths[i], c->passkey_samples,
-                               c->passkey_seed, &pk[i], err));
+    if (x->gm) {
+        /* on the device, with the current weights (eval_gpu.c: the same protocols) */
+        LM_TRY(lm_eval_bpb_gpu(x->gm, x->tok, &x->val_sub, c->eval_seq_len, &r, err));
+        for (int i = 0; i < c->n_passkey_lengths; i++)
+            LM_TRY(lm_eval_passkey_gpu(x->gm, x->tok, &x->val, c->passkey_lengths[i],
+                                       c->passkey_samples, c->passkey_seed, &pk[i], err));
+    } else {
+        LM_TRY(lm_eval_bpb(x->m, x->tok, &x->val_sub, c->eval_seq_len, &r, err));
+        for (int i = 0; i < c->n_passkey_lengths; i++)
+            LM_TRY(lm_eval_passkey(x->m, x->tok, &x->val, c->passkey_lengths[i],
+                                   c->passkey_samples, c->passkey_seed, &pk[i], err));
+    }
     const int s = (int)x->k.stage;
     FILE *f = x->feval;
     fprintf(f,
@@ -669,7 +676,8 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
             max_tokens = c->passkey_lengths[i];
     const int on_gpu = o->device.type == LM_DEVICE_CUDA;
     if (on_gpu) {
-        /* the steps run on the device; the CPU model only runs the evals */
+        /* the steps and the evals run on the device; the CPU model only holds the router
+         * states a checkpoint reads (its activations are planned for one token) */
         int64_t eval_tokens = c->eval_seq_len;
         for (int i = 0; i < c->n_passkey_lengths; i++)
             if (c->passkey_lengths[i] > eval_tokens)
@@ -685,8 +693,9 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         }
         LM_TRY(lm_gpu_model_supports(&x->p.cfg, err));
         LM_TRY(lm_cuda_ctx_new(&x->cuda, o->device.index, err));
-        LM_TRY(lm_gpu_model_new(&x->gm, x->cuda, &x->p, max_micro, max_seqs, err));
-        max_tokens = eval_tokens;
+        LM_TRY(lm_gpu_model_new(&x->gm, x->cuda, &x->p,
+                                max_micro > eval_tokens ? max_micro : eval_tokens, max_seqs, err));
+        max_tokens = 1;
     }
     LM_TRY(lm_model_new(&x->m, &x->p, max_tokens, err));
     lm_adamw_init(&x->opt, &x->p);
