@@ -153,6 +153,12 @@ lm_status lm_moe_forward(lm_moe_ctx *ctx, const lm_moe_weights *w, lm_router_sta
 lm_status lm_moe_backward(lm_moe_ctx *ctx, const lm_moe_weights *w, const float *x,
                           const float *dout, float *dx, lm_moe_grads *g, lm_error *err);
 
+/* The factor the aux loss's gradient (balance = AUX_LOSS) gets in the following
+ * backward calls: the caller's loss scale, so that the backward is that of
+ * scale * (loss + aux loss) when dout is the gradient of scale * loss (model.h's
+ * lm_model_backward with micro-batches). Default 1; any finite value. */
+void lm_moe_ctx_set_aux_scale(lm_moe_ctx *ctx, float scale);
+
 /* The routing of the last forward (topk_idx, topk_weight, keep, scores, aux_loss,
  * capacity, drop counts); NULL before the first forward. Owned by the context. */
 const lm_route *lm_moe_ctx_route(const lm_moe_ctx *ctx);

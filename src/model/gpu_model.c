@@ -113,6 +113,7 @@ struct lm_gpu_model {
     /* the last micro-batch */
     lm_gpu_batch b;
     int have_fwd;
+    float loss_scale; /* of the running micro-step */
     /* profiling (lm_gpu_model_set_profile): GPU ms per op class */
     lm_cuda_timer *timer;
     double prof[LM_GPU_PROF_N];
@@ -870,8 +871,9 @@ static lm_status sub_backward(lm_gpu_model *m, int l, const void *dout, void *dx
     }
     if (!ly->moe)
         return dense_backward(m, ly, x, dout, dx, err);
-    /* the aux loss enters with weight 1 per micro-batch, as the CPU model's backward */
-    return lm_gpu_moe_layer_backward(ly->ml, &m->b, &ly->mw, x, dout, 1.0f, dx, &ly->mg, err);
+    /* the backward of loss_scale * (CE + aux losses), as the CPU model's */
+    return lm_gpu_moe_layer_backward(ly->ml, &m->b, &ly->mw, x, dout, m->loss_scale, dx, &ly->mg,
+                                     err);
 }
 
 /* AttnRes sources of sublayer l (model.c ar_sources): -1 the embedding, else the
@@ -1078,6 +1080,7 @@ lm_status lm_gpu_model_micro_step(lm_gpu_model *m, const lm_model_batch *b, cons
                          (double)loss_scale);
     LM_TRY(check_slot(slot, err));
     LM_TRY(set_batch(m, b, ids, labels, 1, err));
+    m->loss_scale = loss_scale;
     if (!accumulate)
         LM_TRY(lm_cuda_ctx_memset(m->ctx, m->g32, 0, (size_t)m->numel * 4, err));
     LM_TRY(lm_cuda_ctx_memset(m->ctx, m->aux + (size_t)slot * m->L, 0, (size_t)m->L * 4, err));

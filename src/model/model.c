@@ -90,6 +90,7 @@ struct lm_model {
     int64_t *cu;
     int32_t *ids, *labels;
     double loss;
+    float loss_scale; /* of the running backward (the MoE layers' aux gradient scale) */
 };
 
 /* ---------------------------------------------------------------- helpers */
@@ -860,6 +861,7 @@ static lm_status sublayer_backward(lm_model *m, int l, const float *dout, lm_err
         g.p[w] = G_dst(m, ly->mw.p[w], off[w]);
     }
     LM_CHECK(o <= m->stage_floats);
+    lm_moe_ctx_set_aux_scale(ly->mctx, m->loss_scale); /* backward of scale * (CE + aux) */
     LM_TRY(lm_moe_backward(ly->mctx, &ly->mw, x, dout, m->dxn, &g, err));
     for (int w = 0; w < LM_MOE_N_WEIGHTS; w++)
         stage_add(m, ly->mw.p[w], off[w], n[w]);
@@ -880,6 +882,7 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
      * that overwrite, writes its tensor directly (accumulate = 0: the only writer, on
      * zeros) or through the stage (accumulate = 1). */
     m->acc = accumulate ? 1 : 0;
+    m->loss_scale = loss_scale;
     if (!m->acc)
         memset(m->grads, 0, (size_t)m->p->numel * sizeof(float));
     /* head and final norm */

@@ -179,6 +179,7 @@ lm_status lm_moe_ctx_new(lm_moe_ctx **out, const lm_moe_config *c, int max_token
     if (!x)
         return lm_errorf(err, LM_ERR_NOMEM, "moe: out of memory allocating the context");
     x->c = *c;
+    x->aux_scale = 1.0f;
     x->E = (int)E, x->k = (int)k, x->d = (int)d, x->f = (int)f, x->fs = (int)fs;
     x->max_T = max_tokens;
     x->max_tasks = max_tasks_for(x->E, max_tokens, x->d, x->fs);
@@ -235,6 +236,11 @@ void lm_moe_ctx_free(lm_moe_ctx *ctx) {
 }
 
 const lm_moe_config *lm_moe_ctx_config(const lm_moe_ctx *ctx) { return ctx ? &ctx->c : NULL; }
+
+void lm_moe_ctx_set_aux_scale(lm_moe_ctx *ctx, float scale) {
+    if (ctx && isfinite(scale))
+        ctx->aux_scale = scale;
+}
 
 const lm_route *lm_moe_ctx_route(const lm_moe_ctx *ctx) {
     return ctx && ctx->T > 0 ? &ctx->route : NULL;
@@ -382,7 +388,9 @@ lm_status lm_moe_backward(lm_moe_ctx *ctx, const lm_moe_weights *w, const float 
     lm_moe_cpu_sort_tasks(ctx->tasks, n);
     lm_moe_cpu_run_tasks(&run, ctx->tasks, n);
 
-    LM_TRY(lm_router_backward(&ctx->c.router, &ctx->route, ctx->dw, ctx->dlogits, err));
+    lm_router_config rc = ctx->c.router;
+    rc.aux_loss_alpha *= ctx->aux_scale; /* the aux gradient is linear in alpha */
+    LM_TRY(lm_router_backward(&rc, &ctx->route, ctx->dw, ctx->dlogits, err));
 
     /* phase 2: d gate.weight, d shared gate/up, dx rows */
     n = 0;

@@ -45,6 +45,7 @@ struct lm_moe_ctx {
     int max_T;
     int T;        /* tokens of the last forward; 0: no forward yet */
     int training; /* flag of the last forward */
+    float aux_scale; /* factor on the aux loss's gradient in the backward (default 1) */
     lm_route route;
     /* permutation of the last forward: expert e owns rows [seg_off[e], seg_off[e+1])
      * of the permuted buffers, tokens in increasing order inside a segment */
