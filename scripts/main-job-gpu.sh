@@ -13,8 +13,8 @@
 #       ["gpu-carry/main-job.tar.gz"]): unpack, tokenize (the command recorded in
 #       data/linux/manifest.json), calibrate, train with --device cuda, evaluate, plot
 #       when gnuplot is there, print a sample, write a summary; all inside BUDGET_S.
-#   scripts/main-job-gpu.sh plots [DIR]        HERE, afterwards: unpack DIR/run.tar.gz
-#       (what `run` left in $OUT; default: the newest /work/.device download) into RUN and
+#   scripts/main-job-gpu.sh plots DIR          HERE, afterwards: unpack DIR/run.tar.gz
+#       (what `run` left in $OUT, as the device tool returned it) into RUN and
 #       draw the plots with `linmoe plot` (the GPU image has no gnuplot).
 #
 # The `run` half, step by step:
@@ -164,7 +164,7 @@ PY
 Device tool call (one H200, one call of at most 10 minutes):
   run(kind="nvidia-h200", timeout_s=600, carry=["$OUTF"],
       command="bash scripts/main-job-gpu.sh run")
-Afterwards, here: scripts/main-job-gpu.sh plots   (draws the plots from the returned run.tar.gz)
+Afterwards, here: scripts/main-job-gpu.sh plots DIR   (DIR: the returned files; draws the plots from the returned run.tar.gz)
 EOF
 }
 
@@ -472,7 +472,7 @@ PY
     if command -v gnuplot >/dev/null 2>&1; then
         x "$LM" plot "$RUN" || echo "plot failed"
     else
-        echo "no gnuplot on this machine: plots skipped here (scripts/main-job-gpu.sh plots draws them from run.tar.gz)"
+        echo "no gnuplot on this machine: plots skipped here (scripts/main-job-gpu.sh plots DIR draws them from run.tar.gz)"
         ((DRY)) || echo "skipped: no gnuplot on the GPU machine" >"$RUN/plots-status.txt"
     fi
     phase plots
@@ -625,15 +625,7 @@ PY
 # ------------------------------------------------------------------------------ plots
 do_plots() {
     local dir="${1:-}" RUN="${RUN:-runs/gpu-main}"
-    if [[ -z "$dir" ]]; then
-        # shellcheck disable=SC2012
-        dir="$(ls -dt /work/.device/*/ 2>/dev/null | while read -r d; do
-            [[ -f "$d/run.tar.gz" ]] && { echo "$d"; break; }
-            f="$(find "$d" -maxdepth 3 -name run.tar.gz -print -quit)"
-            [[ -n "$f" ]] && { dirname "$f"; break; }
-        done)"
-    fi
-    [[ -n "$dir" && -f "$dir/run.tar.gz" ]] || die "no run.tar.gz in '${dir:-(none found under /work/.device)}': give the folder of the returned files"
+    [[ -n "$dir" && -f "$dir/run.tar.gz" ]] || die "no run.tar.gz in '${dir:-(no folder given)}': give the folder of the returned files (scripts/main-job-gpu.sh plots DIR)"
     local LM="${LINMOE:-}"
     if [[ -z "$LM" ]]; then
         for c in build/linmoe build-gpu/linmoe; do [[ -x "$c" ]] && { LM="$c"; break; }; done
