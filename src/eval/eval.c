@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "linmoe/passkey.h"
+#include "eval/eval_internal.h"
 
 #define EVAL_MAX_ROWS 256
 #define EVAL_MAX_BATCH_TOKENS ((int64_t)1 << 20)
@@ -57,10 +58,7 @@ void lm_eval_balance(const int64_t *counts, int E, double *maxvio, double *min_l
 
 /* ---------------------------------------------------------------- bits per byte */
 
-typedef struct {
-    uint64_t start; /* shard index of w_0 */
-    int len;        /* tokens in the window */
-} window;
+typedef lm_eval_window window;
 
 typedef struct {
     lm_model *m;
@@ -140,25 +138,7 @@ static void stats_add(bpb_state *s, const window *w, int nb, int T) {
  * max_tokens, or any other LM_ERR_INVALID) and nb > 1, shrink the row budget and
  * score the two halves separately. */
 static lm_status run_windows(bpb_state *s, const window *w, int nb, lm_error *err) {
-    int T = 1;
-    for (int b = 0; b < nb; b++)
-        if (w[b].len > T)
-            T = w[b].len;
-    for (int b = 0; b < nb; b++) {
-        int32_t *id = s->ids + (int64_t)b * T, *lb = s->labels + (int64_t)b * T;
-        id[0] = s->eot;
-        for (int j = 0; j < w[b].len; j++) {
-            const int32_t t = lm_shard_get(s->val, w[b].start + (uint64_t)j);
-            lb[j] = t;
-            if (j + 1 < T)
-                id[j + 1] = t;
-        }
-        for (int j = w[b].len; j < T; j++) {
-            lb[j] = LM_MODEL_IGNORE;
-            if (j + 1 < T)
-                id[j + 1] = s->eot;
-        }
-    }
+    const int T = lm_eval_fill_windows(s->val, s->eot, w, nb, s->ids, s->labels);
     lm_model_batch batch = {nb, T, NULL, 0};
     double loss = 0;
     int64_t cnt = 0;
@@ -191,72 +171,71 @@ static lm_status run_windows(bpb_state *s, const window *w, int nb, lm_error *er
     return LM_OK;
 }
 
-lm_status lm_eval_bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
-                            lm_eval_bpb_result *out, lm_eval_stats *stats, lm_error *err) {
-    if (!m || !tok || !val || !out)
-        return lm_errorf(err, LM_ERR_INVALID, "eval: NULL model, tokenizer, shard or result");
-    memset(out, 0, sizeof(*out));
-    if (stats)
-        memset(stats, 0, sizeof(*stats));
+static lm_status score_cb(void *ctx, const lm_eval_window *w, int nb, lm_error *err) {
+    return run_windows((bpb_state *)ctx, w, nb, err);
+}
+
+int lm_eval_fill_windows(const lm_shard *val, int32_t eot, const lm_eval_window *w, int nb,
+                         int32_t *ids, int32_t *labels) {
+    int T = 1;
+    for (int b = 0; b < nb; b++)
+        if (w[b].len > T)
+            T = w[b].len;
+    for (int b = 0; b < nb; b++) {
+        int32_t *id = ids + (int64_t)b * T, *lb = labels + (int64_t)b * T;
+        id[0] = eot;
+        for (int j = 0; j < w[b].len; j++) {
+            const int32_t t = lm_shard_get(val, w[b].start + (uint64_t)j);
+            lb[j] = t;
+            if (j + 1 < T)
+                id[j + 1] = t;
+        }
+        for (int j = w[b].len; j < T; j++) {
+            lb[j] = LM_MODEL_IGNORE;
+            if (j + 1 < T)
+                id[j + 1] = eot;
+        }
+    }
+    return T;
+}
+
+lm_status lm_eval_bpb_walk(const lm_tokenizer *tok, const lm_shard *val, int model_vocab,
+                           int seq_len, int *rows, lm_eval_score_fn score, void *ctx,
+                           lm_eval_bpb_result *out, lm_error *err) {
     if (seq_len < 2)
         return lm_errorf(err, LM_ERR_INVALID, "eval: seq_len = %d (want >= 2)", seq_len);
     if (val->count == 0 || !val->tokens)
         return lm_errorf(err, LM_ERR_INVALID, "eval: validation shard %s is empty",
                          shard_name(val));
-    const lm_model_config *c = &lm_model_params(m)->cfg;
     const int tv = lm_tokenizer_vocab_size(tok);
     if ((int64_t)val->vocab != tv)
         return lm_errorf(err, LM_ERR_INVALID,
                          "eval: validation shard %s has vocab %u but the %s tokenizer has %d",
                          shard_name(val), val->vocab, lm_tokenizer_name(tok), tv);
-    if (tv > c->vocab_size)
+    if (tv > model_vocab)
         return lm_errorf(err, LM_ERR_INVALID,
                          "eval: the %s tokenizer's vocab %d exceeds the model's vocab_size %d",
-                         lm_tokenizer_name(tok), tv, c->vocab_size);
-
+                         lm_tokenizer_name(tok), tv, model_vocab);
     /* bytes of each token when decoded (decoding is a concatenation per token) */
     int32_t *nbytes = malloc((size_t)tv * sizeof(int32_t));
-    if (!nbytes)
+    window *pend = malloc((size_t)(*rows > 0 ? *rows : 1) * sizeof(window));
+    if (!nbytes || !pend) {
+        free(nbytes);
+        free(pend);
         return lm_errorf(err, LM_ERR_NOMEM, "eval: cannot allocate %d entries", tv);
+    }
     const int32_t eot = lm_tokenizer_eot(tok);
-    for (int32_t v = 0; v < tv; v++) {
-        char *s = NULL;
+    lm_status st = LM_OK;
+    for (int32_t v = 0; v < tv && st == LM_OK; v++) {
+        char *txt = NULL;
         size_t len = 0;
         if (v == eot) {
             nbytes[v] = 0;
             continue;
         }
-        lm_status st = lm_tokenizer_decode(tok, &v, 1, &s, &len, err);
-        if (st != LM_OK) {
-            free(nbytes);
-            return st;
-        }
-        free(s);
+        st = lm_tokenizer_decode(tok, &v, 1, &txt, &len, err);
+        free(txt);
         nbytes[v] = (int32_t)len;
-    }
-
-    bpb_state s = {0};
-    s.m = m;
-    s.val = val;
-    s.eot = eot;
-    int64_t rows = EVAL_MAX_BATCH_TOKENS / seq_len;
-    s.rows = rows < 1 ? 1 : rows > EVAL_MAX_ROWS ? EVAL_MAX_ROWS : (int)rows;
-    const int cap_rows = s.rows;
-    s.ids = malloc((size_t)cap_rows * seq_len * sizeof(int32_t));
-    s.labels = malloc((size_t)cap_rows * seq_len * sizeof(int32_t));
-    window *pend = malloc((size_t)cap_rows * sizeof(window));
-    lm_status st = LM_OK;
-    if (!s.ids || !s.labels || !pend)
-        st = lm_errorf(err, LM_ERR_NOMEM, "eval: cannot allocate a batch of %d x %d tokens",
-                       cap_rows, seq_len);
-    if (st == LM_OK && stats) {
-        st = stats_init(stats, c, err);
-        s.stats = stats;
-        if (st == LM_OK && stats->max_sources > 0) {
-            s.attn_tmp = calloc((size_t)stats->max_sources, sizeof(double));
-            if (!s.attn_tmp)
-                st = lm_errorf(err, LM_ERR_NOMEM, "eval: out of memory");
-        }
     }
     int np = 0;
     uint64_t doc_start = 0;
@@ -281,26 +260,63 @@ lm_status lm_eval_bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard
             pend[np].len = left < (uint64_t)seq_len ? (int)left : seq_len;
             np++;
             out->windows++;
-            if (np >= s.rows) {
-                st = run_windows(&s, pend, np, err);
+            if (np >= *rows) {
+                st = score(ctx, pend, np, err);
                 np = 0;
             }
         }
         doc_start = i + 1;
     }
     if (st == LM_OK && np > 0)
-        st = run_windows(&s, pend, np, err);
-    if (st == LM_OK && stats && stats->n_sublayers > 0 && s.attn_positions > 0)
-        for (int64_t j = 0; j < (int64_t)stats->n_sublayers * stats->max_sources; j++)
-            stats->attnres_weights[j] /= s.attn_positions;
+        st = score(ctx, pend, np, err);
     if (st == LM_OK && out->windows == 0)
         st = lm_errorf(err, LM_ERR_INVALID,
                        "eval: validation shard %s holds no document (only <|endoftext|>)",
                        shard_name(val));
     free(nbytes);
+    free(pend);
+    out->bytes = bytes;
+    return st;
+}
+
+lm_status lm_eval_bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
+                            lm_eval_bpb_result *out, lm_eval_stats *stats, lm_error *err) {
+    if (!m || !tok || !val || !out)
+        return lm_errorf(err, LM_ERR_INVALID, "eval: NULL model, tokenizer, shard or result");
+    memset(out, 0, sizeof(*out));
+    if (stats)
+        memset(stats, 0, sizeof(*stats));
+    const lm_model_config *c = &lm_model_params(m)->cfg;
+    bpb_state s = {0};
+    s.m = m;
+    s.val = val;
+    s.eot = lm_tokenizer_eot(tok);
+    const int64_t rows = EVAL_MAX_BATCH_TOKENS / (seq_len > 1 ? seq_len : 1);
+    s.rows = rows < 1 ? 1 : rows > EVAL_MAX_ROWS ? EVAL_MAX_ROWS : (int)rows;
+    const int cap_rows = s.rows;
+    const size_t cap_tokens = (size_t)cap_rows * (size_t)(seq_len > 1 ? seq_len : 1);
+    s.ids = malloc(cap_tokens * sizeof(int32_t));
+    s.labels = malloc(cap_tokens * sizeof(int32_t));
+    lm_status st = LM_OK;
+    if (!s.ids || !s.labels)
+        st = lm_errorf(err, LM_ERR_NOMEM, "eval: cannot allocate a batch of %d x %d tokens",
+                       cap_rows, seq_len);
+    if (st == LM_OK && stats) {
+        st = stats_init(stats, c, err);
+        s.stats = stats;
+        if (st == LM_OK && stats->max_sources > 0) {
+            s.attn_tmp = calloc((size_t)stats->max_sources, sizeof(double));
+            if (!s.attn_tmp)
+                st = lm_errorf(err, LM_ERR_NOMEM, "eval: out of memory");
+        }
+    }
+    if (st == LM_OK)
+        st = lm_eval_bpb_walk(tok, val, c->vocab_size, seq_len, &s.rows, score_cb, &s, out, err);
+    if (st == LM_OK && stats && stats->n_sublayers > 0 && s.attn_positions > 0)
+        for (int64_t j = 0; j < (int64_t)stats->n_sublayers * stats->max_sources; j++)
+            stats->attnres_weights[j] /= s.attn_positions;
     free(s.ids);
     free(s.labels);
-    free(pend);
     free(s.attn_tmp);
     if (st != LM_OK) {
         if (stats)
@@ -310,8 +326,7 @@ lm_status lm_eval_bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard
     }
     out->nll_nats = s.nll;
     out->tokens = s.tokens;
-    out->bytes = bytes;
-    out->bits_per_byte = bytes > 0 ? s.nll / log(2.0) / (double)bytes : NAN;
+    out->bits_per_byte = out->bytes > 0 ? s.nll / log(2.0) / (double)out->bytes : NAN;
     return LM_OK;
 }
 
@@ -322,7 +337,7 @@ lm_status lm_eval_bpb(lm_model *m, const lm_tokenizer *tok, const lm_shard *val,
 
 /* ---------------------------------------------------------------- passkey */
 
-static int32_t argmax(const float *x, int n) {
+int32_t lm_eval_argmax(const float *x, int n) {
     int32_t best = 0;
     for (int i = 1; i < n; i++)
         if (x[i] > x[best] || (isnan(x[best]) && !isnan(x[i])))
@@ -388,7 +403,7 @@ lm_status lm_eval_passkey(lm_model *m, lm_tokenizer *tok, const lm_shard *filler
         int ok = 1;
         int64_t prefix = 0;
         for (int64_t p = d.answer_pos; st == LM_OK && p < d.digits_end; p++) {
-            int32_t pred = argmax(logits, V);
+            int32_t pred = lm_eval_argmax(logits, V);
             if (pred != d.ids[p]) {
                 ok = 0;
                 break;

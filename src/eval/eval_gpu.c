@@ -9,15 +9,11 @@
 #include "linmoe/eval.h"
 #include "linmoe/gpu_model.h"
 #include "linmoe/passkey.h"
+#include "eval/eval_internal.h"
 
 #define GPU_EVAL_MAX_ROWS 256
 
 static const char *shard_name(const lm_shard *s) { return s && s->path ? s->path : "(unnamed)"; }
-
-typedef struct {
-    uint64_t start; /* shard index of w_0 */
-    int len;
-} gwin;
 
 typedef struct {
     lm_gpu_model *m;
@@ -29,27 +25,10 @@ typedef struct {
     int64_t tokens;
 } gstate;
 
-/* Score windows w[0 .. nb) as one [nb, T] batch (eval.c run_windows' layout). */
-static lm_status score(gstate *s, const gwin *w, int nb, lm_error *err) {
-    int T = 1;
-    for (int b = 0; b < nb; b++)
-        if (w[b].len > T)
-            T = w[b].len;
-    for (int b = 0; b < nb; b++) {
-        int32_t *id = s->ids + (int64_t)b * T, *lb = s->labels + (int64_t)b * T;
-        id[0] = s->eot;
-        for (int j = 0; j < w[b].len; j++) {
-            const int32_t t = lm_shard_get(s->val, w[b].start + (uint64_t)j);
-            lb[j] = t;
-            if (j + 1 < T)
-                id[j + 1] = t;
-        }
-        for (int j = w[b].len; j < T; j++) {
-            lb[j] = LM_MODEL_IGNORE;
-            if (j + 1 < T)
-                id[j + 1] = s->eot;
-        }
-    }
+/* Score windows w[0 .. nb) as one [nb, T] batch (lm_eval_score_fn). */
+static lm_status score(void *ctx, const lm_eval_window *w, int nb, lm_error *err) {
+    gstate *s = ctx;
+    const int T = lm_eval_fill_windows(s->val, s->eot, w, nb, s->ids, s->labels);
     lm_model_batch batch = {nb, T, NULL, 0};
     lm_status st = lm_gpu_model_eval(s->m, &batch, s->ids, s->labels, 0, s->nll, err);
     if (st != LM_OK) {
@@ -80,106 +59,30 @@ lm_status lm_eval_bpb_gpu(lm_gpu_model *m, const lm_tokenizer *tok, const lm_sha
         return lm_errorf(err, LM_ERR_INVALID,
                          "eval: seq_len = %d (want 2 .. the GPU model's max_tokens = %lld)",
                          seq_len, (long long)lm_gpu_model_max_tokens(m));
-    if (val->count == 0 || !val->tokens)
-        return lm_errorf(err, LM_ERR_INVALID, "eval: validation shard %s is empty",
-                         shard_name(val));
-    const int tv = lm_tokenizer_vocab_size(tok);
-    const lm_model_config *c = lm_gpu_model_config(m);
-    if ((int64_t)val->vocab != tv)
-        return lm_errorf(err, LM_ERR_INVALID,
-                         "eval: validation shard %s has vocab %u but the %s tokenizer has %d",
-                         shard_name(val), val->vocab, lm_tokenizer_name(tok), tv);
-    if (tv > c->vocab_size)
-        return lm_errorf(err, LM_ERR_INVALID,
-                         "eval: the %s tokenizer's vocab %d exceeds the model's vocab_size %d",
-                         lm_tokenizer_name(tok), tv, c->vocab_size);
-    const int32_t eot = lm_tokenizer_eot(tok);
-    int32_t *nbytes = malloc((size_t)tv * sizeof(int32_t));
-    if (!nbytes)
-        return lm_errorf(err, LM_ERR_NOMEM, "eval: cannot allocate %d entries", tv);
-    for (int32_t v = 0; v < tv; v++) {
-        char *txt = NULL;
-        size_t len = 0;
-        if (v == eot) {
-            nbytes[v] = 0;
-            continue;
-        }
-        lm_status st = lm_tokenizer_decode(tok, &v, 1, &txt, &len, err);
-        if (st != LM_OK) {
-            free(nbytes);
-            return st;
-        }
-        free(txt);
-        nbytes[v] = (int32_t)len;
-    }
-    int64_t rows = lm_gpu_model_max_tokens(m) / seq_len;
-    const int cap = rows < 1 ? 1 : rows > GPU_EVAL_MAX_ROWS ? GPU_EVAL_MAX_ROWS : (int)rows;
-    gstate s = {m, val, eot, NULL, NULL, NULL, 0, 0};
+    const int64_t rows = lm_gpu_model_max_tokens(m) / seq_len;
+    int cap = rows < 1 ? 1 : rows > GPU_EVAL_MAX_ROWS ? GPU_EVAL_MAX_ROWS : (int)rows;
+    gstate s = {m, val, lm_tokenizer_eot(tok), NULL, NULL, NULL, 0, 0};
     s.ids = malloc((size_t)cap * seq_len * sizeof(int32_t));
     s.labels = malloc((size_t)cap * seq_len * sizeof(int32_t));
     s.nll = malloc((size_t)cap * seq_len * sizeof(float));
-    gwin *pend = malloc((size_t)cap * sizeof(gwin));
     lm_status st = LM_OK;
-    if (!s.ids || !s.labels || !s.nll || !pend)
+    if (!s.ids || !s.labels || !s.nll)
         st = lm_errorf(err, LM_ERR_NOMEM, "eval: cannot allocate a batch of %d x %d tokens", cap,
                        seq_len);
-    int np = 0;
-    uint64_t doc_start = 0;
-    int64_t bytes = 0;
-    for (uint64_t i = 0; st == LM_OK && i <= val->count; i++) {
-        const int32_t t = i < val->count ? lm_shard_get(val, i) : eot;
-        if (t != eot) {
-            if (t < 0 || t >= tv)
-                st = lm_errorf(err, LM_ERR_INVALID,
-                               "eval: validation shard %s: token %llu = %d is outside [0, %d)",
-                               shard_name(val), (unsigned long long)i, t, tv);
-            else
-                bytes += nbytes[t];
-            continue;
-        }
-        if (i > doc_start)
-            out->documents++;
-        for (uint64_t w0 = doc_start; st == LM_OK && w0 < i; w0 += (uint64_t)seq_len) {
-            const uint64_t left = i - w0;
-            pend[np].start = w0;
-            pend[np].len = left < (uint64_t)seq_len ? (int)left : seq_len;
-            np++;
-            out->windows++;
-            if (np >= cap) {
-                st = score(&s, pend, np, err);
-                np = 0;
-            }
-        }
-        doc_start = i + 1;
-    }
-    if (st == LM_OK && np > 0)
-        st = score(&s, pend, np, err);
-    if (st == LM_OK && out->windows == 0)
-        st = lm_errorf(err, LM_ERR_INVALID,
-                       "eval: validation shard %s holds no document (only <|endoftext|>)",
-                       shard_name(val));
-    free(nbytes);
+    if (st == LM_OK)
+        st = lm_eval_bpb_walk(tok, val, lm_gpu_model_config(m)->vocab_size, seq_len, &cap, score,
+                              &s, out, err);
     free(s.ids);
     free(s.labels);
     free(s.nll);
-    free(pend);
     if (st != LM_OK) {
         memset(out, 0, sizeof(*out));
         return st;
     }
     out->nll_nats = s.sum;
     out->tokens = s.tokens;
-    out->bytes = bytes;
-    out->bits_per_byte = bytes > 0 ? s.sum / log(2.0) / (double)bytes : NAN;
+    out->bits_per_byte = out->bytes > 0 ? s.sum / log(2.0) / (double)out->bytes : NAN;
     return LM_OK;
-}
-
-static int32_t argmax(const float *x, int n) {
-    int32_t best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best] || (isnan(x[best]) && !isnan(x[i])))
-            best = i;
-    return best;
 }
 
 lm_status lm_eval_passkey_gpu(lm_gpu_model *m, lm_tokenizer *tok, const lm_shard *filler,
@@ -234,7 +137,7 @@ lm_status lm_eval_passkey_gpu(lm_gpu_model *m, lm_tokenizer *tok, const lm_shard
             int64_t prefix = 0;
             int ok = 1;
             for (int64_t j = 0; j < n_ans; j++) {
-                if (argmax(logits + j * V, V) != d.ids[d.answer_pos + j]) {
+                if (lm_eval_argmax(logits + j * V, V) != d.ids[d.answer_pos + j]) {
                     ok = 0;
                     break;
                 }
