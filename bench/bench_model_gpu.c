@@ -84,12 +84,16 @@ int lm_bench_model_gpu_run(const char *config_path, const char *json_path, int q
     }
     fprintf(stderr, "bench model cuda: %s: initialising %lld parameters\n", config_path,
             (long long)p.numel);
+    double t_setup = lm_time_sec();
     lm_params_init_weights(&p, cfg.seed);
-    fprintf(stderr, "bench model cuda: building the GPU model for %lld tokens\n", (long long)N);
+    fprintf(stderr, "bench model cuda: initialised in %.1f s; building the GPU model for %lld tokens\n",
+            lm_time_sec() - t_setup, (long long)N);
+    t_setup = lm_time_sec();
     if (lm_gpu_model_new(&gm, ctx, &p, N, 1, &e) != LM_OK) {
         fprintf(stderr, "bench model cuda: %s\n", e.msg);
         goto done;
     }
+    fprintf(stderr, "bench model cuda: built in %.1f s\n", lm_time_sec() - t_setup);
     ids = malloc(sizeof(int32_t) * (size_t)N);
     labels = malloc(sizeof(int32_t) * (size_t)N);
     uint64_t s = 0x9e3779b97f4a7c15ULL;

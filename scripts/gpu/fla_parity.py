@@ -6,7 +6,7 @@ linmoe's on the same batch within --tol (0.01) relative, in fp32 and under bf16 
         [--linmoe BIN] [--shard SHARD | --seed S] [--batch B] [--seq-len T]
         [--tokenizer auto|byte|gpt2] [--gpt2-dir data/gpt2] [--work DIR] [--threads N]
         [--device cuda] [--tol 0.01] [--bf16-tol 0.01] [--allow-eps-mismatch]
-        [--cpu-reference] [--json OUT] [--dry-run | --skip-fla]
+        [--cpu-reference] [--autotune first|full] [--json OUT] [--dry-run | --skip-fla]
 
 The batch: B documents of T tokens each, written as a linmoe token shard (LMTOKENS v1,
 include/linmoe/shard.h: every document followed by <|endoftext|>) under --work. The
@@ -283,11 +283,31 @@ def sdpa_flash_attn_varlen_func(*args, **kwargs):
                               "cu_seqlens in this check)")
 
 
-def import_fla():
+def first_config_autotune():
+    """Every Triton autotuner keeps only its first config (patched before fla is imported).
+    This check compares losses, not speed, and a fresh GPU machine otherwise compiles every
+    config of every fla kernel (minutes: Triton's cache does not survive the machine)."""
+    try:
+        from triton.runtime import autotuner
+    except ImportError:
+        return False
+    orig = autotuner.Autotuner.__init__
+
+    def init(self, fn, arg_names, configs, *args, **kwargs):
+        orig(self, fn, arg_names, list(configs)[:1], *args, **kwargs)
+
+    autotuner.Autotuner.__init__ = init
+    return True
+
+
+def import_fla(autotune="first"):
     try:
         import torch  # noqa: F401
     except ImportError as e:
         fail(f"torch is not importable: {e}")
+    if autotune == "first" and first_config_autotune():
+        print("fla_parity: Triton autotuning limited to each kernel's first config (--autotune full "
+              "restores it)")
     try:
         import fla.layers.attn as fla_attn
         from fla.models import KDAForCausalLM
@@ -328,10 +348,10 @@ def verify_weights(model, fla_dir):
         fail(f"{fla_dir}: tensors the model does not have: {extra[:5]}")
 
 
-def fla_losses(fla_dir, docs, eot, device):
+def fla_losses(fla_dir, docs, eot, device, autotune="first"):
     import torch
     import torch.nn.functional as F
-    KDAForCausalLM, attn_impl = import_fla()
+    KDAForCausalLM, attn_impl = import_fla(autotune)
     if device == "cuda" and not torch.cuda.is_available():
         fail("no CUDA device (fla's Triton kernels need one)")
     model, info = KDAForCausalLM.from_pretrained(fla_dir, output_loading_info=True)
@@ -510,6 +530,9 @@ def main():
     ap.add_argument("--allow-eps-mismatch", action="store_true",
                     help="passed to linmoe export (rms_norm_eps != 1e-5 with KDA layers)")
     ap.add_argument("--json", help="write the JSON record here")
+    ap.add_argument("--autotune", choices=("first", "full"), default="first",
+                    help="fla's Triton autotuning: each kernel's first config (default: a "
+                         "correctness check, and minutes faster) or the full search")
     ap.add_argument("--cpu-reference", action="store_true",
                     help="also compare with a plain-torch fp64 CPU restatement of fla's model "
                     "computed from the exported files (no fla needed)")
@@ -585,7 +608,7 @@ def main():
         rows.append(("reference fp64", "reference", reference_loss(fla_dir, docs, eot),
                      args.tol))
     if not args.skip_fla:
-        fl = fla_losses(fla_dir, docs, eot, args.device)
+        fl = fla_losses(fla_dir, docs, eot, args.device, args.autotune)
         rec["attention"] = fl["attention"]
         if fl["errors"]:
             rec["errors"] = fl["errors"]

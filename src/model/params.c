@@ -186,18 +186,38 @@ static uint64_t fnv1a(const char *s) {
     return h;
 }
 
+/* Value j of lm_rng_normal's stream with key `key`: it reads stream words 4j .. 4j+3,
+ * which are Philox block j (core.h), so the block is computed once (not once per word)
+ * and any j can be computed independently: the same values as the sequential stream,
+ * on any number of threads. The uniforms are lm_rng_uniform's (27 + 26 bits). */
+static double normal_at(uint64_t key, int64_t j) {
+    const double two_pi = 6.283185307179586476925286766559;
+    uint32_t w[4];
+    lm_philox4x32(key, (uint64_t)j, w);
+    const double u1 =
+        1.0 - ((double)(w[0] >> 5) * 67108864.0 + (double)(w[1] >> 6)) * (1.0 / 9007199254740992.0);
+    const double u2 =
+        ((double)(w[2] >> 5) * 67108864.0 + (double)(w[3] >> 6)) * (1.0 / 9007199254740992.0);
+    return sqrt(-2.0 * log(u1)) * cos(two_pi * u2);
+}
+
 void lm_params_init_weights(lm_params *p, uint64_t seed) {
     const lm_model_config *c = &p->cfg;
     for (int i = 0; i < p->n; i++) {
         const lm_param_info *e = &p->t[i];
         float *x = p->data + e->offset;
         lm_rng r;
-        lm_rng_init(&r, seed * 0x9E3779B97F4A7C15ULL ^ fnv1a(e->name));
+        const uint64_t key = seed * 0x9E3779B97F4A7C15ULL ^ fnv1a(e->name);
+        lm_rng_init(&r, key);
         switch (e->init) {
-        case LM_INIT_NORMAL:
-            for (int64_t j = 0; j < e->numel; j++)
-                x[j] = (float)(c->initializer_range * lm_rng_normal(&r));
+        case LM_INIT_NORMAL: {
+            const double sd = c->initializer_range;
+            const int64_t n = e->numel;
+#pragma omp parallel for schedule(static) if (n >= 65536)
+            for (int64_t j = 0; j < n; j++)
+                x[j] = (float)(sd * normal_at(key, j));
             break;
+        }
         case LM_INIT_ONES:
             for (int64_t j = 0; j < e->numel; j++)
                 x[j] = 1.0f;
