@@ -86,7 +86,8 @@ int lm_bench_model_gpu_run(const char *config_path, const char *json_path, int q
             (long long)p.numel);
     double t_setup = lm_time_sec();
     lm_params_init_weights(&p, cfg.seed);
-    fprintf(stderr, "bench model cuda: initialised in %.1f s; building the GPU model for %lld tokens\n",
+    fprintf(stderr,
+            "bench model cuda: initialised in %.1f s; building the GPU model for %lld tokens\n",
             lm_time_sec() - t_setup, (long long)N);
     t_setup = lm_time_sec();
     if (lm_gpu_model_new(&gm, ctx, &p, N, 1, &e) != LM_OK) {
