@@ -30,6 +30,7 @@ typedef struct {
     const char *config_path; /* bench model: the model config (NULL: configs/bench-cpu.json,
                                 searched upward from the working directory and the binary) */
     int no_peer;             /* bench model: skip the PyTorch reference step */
+    int recompute;           /* bench model --device cuda: activation recompute on every layer */
 } lm_bench_opts;
 
 /* `linmoe bench kda` (bench/bench_kda.c). Returns an exit code (0 ok, 1 failure). */
@@ -55,6 +56,9 @@ int lm_bench_model(const lm_bench_opts *opts);
  * above. lm_bench_model_gpu_run is the FFI entry (scripts/gpu/bench_model.py). */
 int lm_bench_model_gpu(const lm_bench_opts *opts);
 int lm_bench_model_gpu_run(const char *config_path, const char *json_path, int quick);
+/* The same with activation recompute on every layer when recompute != 0 (gpu_model.h). */
+int lm_bench_model_gpu_run_opts(const char *config_path, const char *json_path, int quick,
+                                int recompute);
 
 /* The 1-minute load average from /proc/loadavg (NAN when unreadable): printed with the
  * numbers because the machines are shared. */

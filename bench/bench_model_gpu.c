@@ -61,6 +61,11 @@ static int one_step(lm_gpu_model *gm, const lm_model_batch *b, const int32_t *id
 }
 
 int lm_bench_model_gpu_run(const char *config_path, const char *json_path, int quick) {
+    return lm_bench_model_gpu_run_opts(config_path, json_path, quick, 0);
+}
+
+int lm_bench_model_gpu_run_opts(const char *config_path, const char *json_path, int quick,
+                                int recompute) {
     lm_error e = {0};
     lm_model_config cfg;
     if (!config_path)
@@ -90,7 +95,10 @@ int lm_bench_model_gpu_run(const char *config_path, const char *json_path, int q
             "bench model cuda: initialised in %.1f s; building the GPU model for %lld tokens\n",
             lm_time_sec() - t_setup, (long long)N);
     t_setup = lm_time_sec();
-    if (lm_gpu_model_new(&gm, ctx, &p, N, 1, &e) != LM_OK) {
+    uint8_t rcl[LM_MAX_LAYERS];
+    memset(rcl, recompute ? 1 : 0, sizeof rcl);
+    const lm_gpu_model_opts go = {recompute ? rcl : NULL};
+    if (lm_gpu_model_new_opts(&gm, ctx, &p, N, 1, &go, &e) != LM_OK) {
         fprintf(stderr, "bench model cuda: %s\n", e.msg);
         goto done;
     }
@@ -152,7 +160,7 @@ int lm_bench_model_gpu_run(const char *config_path, const char *json_path, int q
            med, reps, tok_s, 100 * mfu, peak / (1 << 30), loss);
     char plan[512];
     lm_mem_plan_format(lm_gpu_model_mem_plan(gm), plan, sizeof plan);
-    printf("plan: %s\n", plan);
+    printf("plan%s: %s\n", recompute ? " (activation recompute on every layer)" : "", plan);
     double psum = 0;
     for (int k = 0; k < LM_GPU_PROF_N; k++)
         psum += prof[k];
@@ -181,6 +189,7 @@ int lm_bench_model_gpu_run(const char *config_path, const char *json_path, int q
         cJSON_AddNumberToObject(d, "copy_gbs", lim.copy_gbs);
         cJSON_AddNumberToObject(d, "peak_mem_bytes", peak);
         cJSON_AddNumberToObject(d, "loss", loss);
+        cJSON_AddBoolToObject(d, "recompute", recompute);
         cJSON *pl = cJSON_AddObjectToObject(d, "plan");
         const lm_mem_plan *mp = lm_gpu_model_mem_plan(gm);
         for (int k = 0; k < LM_MEM_N_CLASSES; k++)
@@ -208,5 +217,6 @@ done:
 }
 
 int lm_bench_model_gpu(const lm_bench_opts *opts) {
-    return lm_bench_model_gpu_run(opts->config_path, opts->json_path, opts->quick);
+    return lm_bench_model_gpu_run_opts(opts->config_path, opts->json_path, opts->quick,
+                                       opts->recompute);
 }

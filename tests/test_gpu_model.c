@@ -44,13 +44,13 @@
 
 #include "linmoe/backend.h"
 #include "linmoe/eval.h"
-#include "linmoe/shard.h"
-#include "linmoe/tokenizer.h"
 #include "linmoe/gpu_model.h"
 #include "linmoe/kda_cuda.h"
 #include "linmoe/model.h"
 #include "linmoe/model_config.h"
 #include "linmoe/params.h"
+#include "linmoe/shard.h"
+#include "linmoe/tokenizer.h"
 
 #define LOSS_TOL 0.005
 #define NLL_TOL 0.005
@@ -93,9 +93,10 @@ static void v_attn64_dense(lm_model_config *c) {
 }
 
 static const variant VARIANTS[] = {
-    {"attn64", v_attn64}, {"attn64_dense", v_attn64_dense},
-    {"tiny", v_tiny}, {"standard", v_standard}, {"full_attnres", v_full},
-    {"tied", v_tied}, {"aux_cap", v_aux},       {"dense", v_dense},
+    {"attn64", v_attn64},     {"attn64_dense", v_attn64_dense},
+    {"tiny", v_tiny},         {"standard", v_standard},
+    {"full_attnres", v_full}, {"tied", v_tied},
+    {"aux_cap", v_aux},       {"dense", v_dense},
 };
 
 static double rel_rms(const float *a, const float *ref, int64_t n, double *maxabs) {
@@ -135,10 +136,11 @@ static int compare(const variant *v, int packed) {
             for (int64_t i = 0; i < ti->numel; i++)
                 p.data[ti->offset + i] = 1.0f + 0.2f * cosf((float)(i * 3 + t));
     }
-    /* router weights of a trained scale: at the init scale (0.02) the sigmoid scores (x 10: logits of about unit size, not saturated) of
-     * the E experts lie within a few 1e-2 of each other, so bf16 rounding of the inputs
-     * (about 4e-4 on a logit) swaps near-tied selections between the devices, and one
-     * swapped token moves every gradient by percents: a chaotic comparison, not a test */
+    /* router weights of a trained scale: at the init scale (0.02) the sigmoid scores (x 10: logits
+     * of about unit size, not saturated) of the E experts lie within a few 1e-2 of each other, so
+     * bf16 rounding of the inputs (about 4e-4 on a logit) swaps near-tied selections between the
+     * devices, and one swapped token moves every gradient by percents: a chaotic comparison, not a
+     * test */
     for (int t = 0; t < p.n; t++)
         if (strstr(p.t[t].name, "mlp.gate.weight"))
             for (int64_t i = 0; i < p.t[t].numel; i++)
@@ -239,9 +241,9 @@ static int compare(const variant *v, int packed) {
         for (int64_t i = 0; i < ti->numel && zero; i++)
             zero = cg[ti->offset + i] == 0.0f;
         const int routed = strstr(ti->name, "mlp.gate.weight") || strstr(ti->name, "mlp.experts.");
-        const double tol = routed ? ROUTE_TOL
+        const double tol = routed                                              ? ROUTE_TOL
                            : cfg.first_k_dense_replace < cfg.num_hidden_layers ? GRAD_TOL_MOE
-                                                                                : GRAD_TOL;
+                                                                               : GRAD_TOL;
         const int ok = zero ? mx <= 1e-6 : r <= tol;
         if (!ok) {
             printf("  FAIL %-14s %-48s grad rel rms %.3e (max |diff| %.3e)\n", v->name, ti->name, r,
@@ -363,6 +365,124 @@ static void test_evals(void **state) {
     lm_params_free(&p);
 }
 
+/* One run of two training steps (two micro-batches each, a packed and a B = 2 one) with
+ * the recompute flags rc (NULL: none): the loss slots, the grad norms, the gradients of
+ * the second step, the parameters and the MoE biases after it, and the activation class
+ * of the plan. */
+typedef struct {
+    double loss[4], gnorm[2];
+    float *grads, *params;
+    float bias[LM_MAX_LAYERS][8];
+    int64_t acts;
+} rc_run;
+
+static void run_steps(const lm_params *p0, const uint8_t *rc, rc_run *out) {
+    lm_error e = {0};
+    lm_params p = {0};
+    assert_int_equal(lm_params_init(&p, &p0->cfg, &e), LM_OK);
+    memcpy(p.data, p0->data, sizeof(float) * (size_t)p.numel);
+    const lm_gpu_model_opts o = {rc};
+    lm_gpu_model *gm = NULL;
+    if (lm_gpu_model_new_opts(&gm, g_ctx, &p, 74, 8, &o, &e) != LM_OK)
+        fail_msg("recompute: gpu new: %s", e.msg);
+    out->acts = lm_gpu_model_mem_plan(gm)->bytes[LM_MEM_ACTS];
+    const int64_t cu[] = {0, 0, 1, 18, 18, 58, 64};
+    const lm_model_batch bs[2] = {{1, 64, cu, 7}, {2, 37, NULL, 0}};
+    int32_t ids[74], labels[74];
+    uint64_t s = 999;
+    for (int step = 0; step < 2; step++) {
+        for (int mi = 0; mi < 2; mi++) {
+            const int64_t N = (int64_t)bs[mi].B * bs[mi].T;
+            for (int64_t n = 0; n < N; n++) {
+                s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+                ids[n] = (int32_t)((s >> 33) % (uint64_t)p.cfg.vocab_size);
+                labels[n] = (n % 9 == 4) ? LM_MODEL_IGNORE
+                                         : (int32_t)((s >> 13) % (uint64_t)p.cfg.vocab_size);
+            }
+            if (lm_gpu_model_micro_step(gm, &bs[mi], ids, labels, 0.5f, mi > 0, mi, &e) != LM_OK)
+                fail_msg("recompute: micro step: %s", e.msg);
+        }
+        double loss[2], gn = 0;
+        if (lm_gpu_model_grad_norm(gm, &e) != LM_OK ||
+            lm_gpu_model_read_step(gm, 2, loss, NULL, &gn, &e) != LM_OK)
+            fail_msg("recompute: read step: %s", e.msg);
+        out->loss[2 * step] = loss[0];
+        out->loss[2 * step + 1] = loss[1];
+        out->gnorm[step] = gn;
+        if (step == 1) {
+            out->grads = malloc(sizeof(float) * (size_t)p.numel);
+            assert_int_equal(lm_gpu_model_get_grads(gm, out->grads, &e), LM_OK);
+        }
+        if (lm_gpu_model_optim_step(gm, 1e-3, 0.1, 0.9, 0.95, 1e-8, 1.0, step + 1, NULL, NULL,
+                                    &e) != LM_OK)
+            fail_msg("recompute: optim step: %s", e.msg);
+    }
+    assert_int_equal(lm_gpu_model_download(gm, &p, &e), LM_OK);
+    out->params = malloc(sizeof(float) * (size_t)p.numel);
+    memcpy(out->params, p.data, sizeof(float) * (size_t)p.numel);
+    memset(out->bias, 0, sizeof out->bias);
+    for (int i = 0; i < p.cfg.num_hidden_layers; i++) {
+        const lm_param_info *bi = NULL;
+        char name[96];
+        snprintf(name, sizeof name, "model.layers.%d.mlp.gate.e_score_correction_bias", i);
+        bi = lm_params_find(&p, name);
+        if (bi)
+            for (int64_t k = 0; k < bi->numel && k < 8; k++)
+                out->bias[i][k] = p.data[bi->offset + k];
+    }
+    lm_gpu_model_free(gm);
+    lm_params_free(&p);
+}
+
+/* Activation recompute (gpu_model.h lm_gpu_model_opts) changes memory, not numbers: two
+ * training steps with recompute on every layer, and on layers 1 and 4 only (a recomputed
+ * layer of each kind beside kept ones), give bit-identical losses, grad norms, gradients,
+ * parameters and MoE biases to the run without it, on the MoE + Block AttnRes tiny config,
+ * the standard residual and the dense variant; and the planned activations shrink. */
+static void test_recompute(void **state) {
+    (void)state;
+    const variant vs[] = {
+        {"tiny", v_tiny}, {"standard", v_standard}, {"dense", v_dense}, {"aux_cap", v_aux}};
+    for (size_t vi = 0; vi < sizeof vs / sizeof vs[0]; vi++) {
+        lm_error e = {0};
+        lm_model_config cfg;
+        assert_int_equal(lm_model_config_load(&cfg, "configs/tiny.json", NULL, 0, &e), LM_OK);
+        vs[vi].tweak(&cfg);
+        lm_params p = {0};
+        assert_int_equal(lm_params_init(&p, &cfg, &e), LM_OK);
+        lm_params_init_weights(&p, 5);
+        for (int t = 0; t < p.n; t++)
+            if (strstr(p.t[t].name, "mlp.gate.weight"))
+                for (int64_t i = 0; i < p.t[t].numel; i++)
+                    p.data[p.t[t].offset + i] *= 10.0f;
+        uint8_t all[LM_MAX_LAYERS] = {0}, some[LM_MAX_LAYERS] = {0};
+        for (int i = 0; i < cfg.num_hidden_layers; i++)
+            all[i] = 1;
+        some[0] = some[3] = 1;
+        rc_run r0, r1, r2;
+        run_steps(&p, NULL, &r0);
+        run_steps(&p, all, &r1);
+        run_steps(&p, some, &r2);
+        const rc_run *rr[2] = {&r1, &r2};
+        for (int k = 0; k < 2; k++) {
+            const rc_run *r = rr[k];
+            const int same = memcmp(r->loss, r0.loss, sizeof r0.loss) == 0 &&
+                             memcmp(r->gnorm, r0.gnorm, sizeof r0.gnorm) == 0 &&
+                             memcmp(r->grads, r0.grads, sizeof(float) * (size_t)p.numel) == 0 &&
+                             memcmp(r->params, r0.params, sizeof(float) * (size_t)p.numel) == 0 &&
+                             memcmp(r->bias, r0.bias, sizeof r0.bias) == 0;
+            printf("recompute %-9s %-9s loss %.6f / %.6f, activations %lld -> %lld bytes: %s\n",
+                   vs[vi].name, k ? "layers 1,4" : "all", r->loss[3], r0.loss[3],
+                   (long long)r0.acts, (long long)r->acts, same ? "bit-identical" : "DIFFERS");
+            assert_true(same);
+            assert_true(r->acts < r0.acts);
+        }
+        free(r0.grads), free(r1.grads), free(r2.grads);
+        free(r0.params), free(r1.params), free(r2.params);
+        lm_params_free(&p);
+    }
+}
+
 /* A config the CUDA backend cannot run is refused before any allocation, naming the key. */
 static void test_refusal(void **state) {
     (void)state;
@@ -388,6 +508,7 @@ int main(void) {
         cmocka_unit_test(test_refusal),
         cmocka_unit_test(test_evals),
         cmocka_unit_test(test_parity),
+        cmocka_unit_test(test_recompute),
     };
     const int rc = cmocka_run_group_tests(tests, NULL, NULL);
     lm_cuda_ctx_free(g_ctx);

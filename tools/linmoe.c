@@ -133,7 +133,7 @@ static void usage_op(FILE *f) {
 static void usage_bench(FILE *f) {
     fprintf(f,
             "usage: %s bench kda|moe|attnres|model|ops [--json FILE] [--threads N] [--quick]\n"
-            "          [--device cpu|cuda] [--config FILE] [--no-peer] [--ops LIST]\n"
+            "          [--device cpu|cuda] [--config FILE] [--no-peer] [--recompute] [--ops LIST]\n"
             "\n"
             "Measures the limit in the same run on the same threads, then the target:\n"
             "kda: the KDA recurrent forward, chunked forward and chunked forward+backward for\n"
@@ -177,6 +177,7 @@ static void usage_bench(FILE *f) {
             "  --config FILE  model: the model config (default: configs/bench-cpu.json, looked\n"
             "                 up from the working directory and the binary upward)\n"
             "  --no-peer      model: skip the PyTorch reference step\n"
+            "  --recompute    model --device cuda: activation recompute on every layer\n"
             "  --help         this help\n",
             g_prog);
 }
@@ -335,7 +336,7 @@ static int cmd_bench(int argc, char **argv) {
                 g_prog, target);
         return LM_EXIT_USAGE;
     }
-    lm_bench_opts o = {0, 0, NULL, NULL, 0};
+    lm_bench_opts o = {0, 0, NULL, NULL, 0, 0};
     const char *device = "cpu", *threads = NULL, *ops = NULL;
     for (int i = 2; i < argc; i++) {
         int r;
@@ -345,6 +346,10 @@ static int cmd_bench(int argc, char **argv) {
         }
         if (strcmp(argv[i], "--no-peer") == 0) {
             o.no_peer = 1;
+            continue;
+        }
+        if (strcmp(argv[i], "--recompute") == 0) {
+            o.recompute = 1;
             continue;
         }
         if ((r = flag_value(argc, argv, &i, "--json", &o.json_path)) != 0 ||
@@ -357,9 +362,9 @@ static int cmd_bench(int argc, char **argv) {
         }
         return unknown_flag("bench", argv[i]);
     }
-    if ((o.config_path || o.no_peer) && strcmp(target, "model") != 0) {
+    if ((o.config_path || o.no_peer || o.recompute) && strcmp(target, "model") != 0) {
         fprintf(stderr, "%s bench %s: %s applies only to `%s bench model`\n", g_prog, target,
-                o.config_path ? "--config" : "--no-peer", g_prog);
+                o.config_path ? "--config" : o.no_peer ? "--no-peer" : "--recompute", g_prog);
         return LM_EXIT_USAGE;
     }
     if (ops && strcmp(target, "ops") != 0) {

@@ -73,6 +73,26 @@ lm_status lm_gpu_model_plan(const lm_model_config *cfg, int64_t max_tokens, int 
  * before allocating. */
 lm_status lm_gpu_model_new(lm_gpu_model **out, lm_cuda_ctx *ctx, const lm_params *p,
                            int64_t max_tokens, int max_seqs, lm_error *err);
+
+/* Options of the _opts forms (NULL or zeroed: the defaults above).
+ *   recompute: NULL, or uint8 [num_hidden_layers], 1 = activation recompute for decoder
+ *     layer i (0-based): its mixer's and FFN's internal activations (KDA: projections,
+ *     conv outputs, gate, the op's saved tensors; attention: q, k, v, o, lse; dense FFN:
+ *     [g | u]; MoE: the experts' permuted inputs and [g | u]) are not kept per layer but
+ *     in one buffer set shared by every recomputed layer, and the backward runs the
+ *     layer's forward again from its kept input (the normed sublayer input; a MoE layer
+ *     keeps its routing, so the router's balance counts are not taken twice). The
+ *     gradients are bit-identical to those without recompute (deterministic ops); the
+ *     cost is one more forward of those layers. The memory plan counts the shared set
+ *     once (lm_gpu_model_plan_opts: compare the activation class with and without). */
+typedef struct {
+    const uint8_t *recompute;
+} lm_gpu_model_opts;
+lm_status lm_gpu_model_plan_opts(const lm_model_config *cfg, int64_t max_tokens, int max_seqs,
+                                 const lm_gpu_model_opts *o, lm_mem_plan *out, lm_error *err);
+lm_status lm_gpu_model_new_opts(lm_gpu_model **out, lm_cuda_ctx *ctx, const lm_params *p,
+                                int64_t max_tokens, int max_seqs, const lm_gpu_model_opts *o,
+                                lm_error *err);
 void lm_gpu_model_free(lm_gpu_model *m);
 const lm_mem_plan *lm_gpu_model_mem_plan(const lm_gpu_model *m);
 /* The model's config (rope_theta as last set) and its max_tokens. */

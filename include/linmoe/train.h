@@ -39,7 +39,10 @@
  *     "checkpoint_every": 0,   steps between checkpoints (0: the end only)
  *     "keep_last": 3,          checkpoints kept (0 = all)
  *     "max_bad_steps": 5,      stop after this many non-finite steps in a row (>= 1)
- *     "threads": 0             OpenMP / OpenBLAS threads (0 = default; --threads wins)
+ *     "threads": 0,            OpenMP / OpenBLAS threads (0 = default; --threads wins)
+ *     "recompute": false       activation recompute (--device cuda): true (every layer)
+ *                              or a list of 1-based layer numbers; the trainer prints the
+ *                              activation memory with and without it (gpu_model.h)
  *   },
  *   "stages": [                required, >= 1, run in order
  *     {"name": "stage0",       [A-Za-z0-9_.-], <= 63 chars
@@ -144,6 +147,8 @@ typedef struct {
     int log_every;
     int64_t eval_every, checkpoint_every;
     int keep_last, max_bad_steps, threads;
+    uint8_t recompute[LM_MAX_LAYERS]; /* 1: activation recompute for layer i (0-based; cuda) */
+    int n_recompute;
     /* stages */
     int n_stages;
     lm_train_stage *stages; /* owned */

@@ -89,9 +89,8 @@ typedef struct lm_gpu_kda_layer lm_gpu_kda_layer;
  * allocates its own). */
 size_t lm_gpu_kda_layer_bytes(const lm_kda_layer_config *c, int64_t max_tokens, int max_seqs);
 size_t lm_gpu_kda_layer_scratch_bytes(const lm_kda_layer_config *c, int64_t max_tokens);
-lm_status lm_gpu_kda_layer_new(lm_cuda_ctx *ctx, const lm_kda_layer_config *c,
-                               int64_t max_tokens, int max_seqs, void *scratch,
-                               lm_gpu_kda_layer **out, lm_error *err);
+lm_status lm_gpu_kda_layer_new(lm_cuda_ctx *ctx, const lm_kda_layer_config *c, int64_t max_tokens,
+                               int max_seqs, void *scratch, lm_gpu_kda_layer **out, lm_error *err);
 void lm_gpu_kda_layer_free(lm_gpu_kda_layer *L);
 /* out [N, d] bf16 (overwritten) from the normed input x [N, d] bf16. b->training = 1
  * saves for the backward; 0 (evaluation) may skip it. */
@@ -110,8 +109,8 @@ lm_status lm_gpu_kda_layer_backward(lm_gpu_kda_layer *L, const lm_gpu_batch *b,
  * backward lm_cuda_moe_backward, lm_cuda_router_backward, then the router's share of dx
  * (dlogits W_router) and d gate.weight. */
 typedef struct {
-    const void *gate;                                           /* bf16 [E, d] router */
-    const void *gate_proj, *up_proj, *down_proj;                /* bf16 [E,f,d],[E,f,d],[E,d,f] */
+    const void *gate;                            /* bf16 [E, d] router */
+    const void *gate_proj, *up_proj, *down_proj; /* bf16 [E,f,d],[E,f,d],[E,d,f] */
     const void *shared_gate_proj, *shared_up_proj, *shared_down_proj; /* bf16 or NULL */
 } lm_gpu_moe_weights;
 
@@ -123,10 +122,22 @@ typedef struct {
 
 typedef struct lm_gpu_moe_layer lm_gpu_moe_layer;
 
-size_t lm_gpu_moe_layer_bytes(const lm_moe_config *c, int64_t max_tokens);
-/* max_seqs: the most documents a batch may hold (rows of the sequence-wise aux loss). */
+/* Device bytes of lm_gpu_moe_layer_new for up to max_tokens tokens: the routing buffers
+ * and router state always, the experts' saved activations when own_saved and their
+ * scratch when own_scratch (0 for a bad config). lm_gpu_moe_layer_shared_bytes: the sizes
+ * of those two buffers, for a caller that shares them (the scratch between every MoE
+ * layer, since one layer runs at a time; the saved activations between the layers it
+ * recomputes). */
+size_t lm_gpu_moe_layer_bytes(const lm_moe_config *c, int64_t max_tokens, int own_saved,
+                              int own_scratch);
+lm_status lm_gpu_moe_layer_shared_bytes(const lm_moe_config *c, int64_t max_tokens,
+                                        size_t *saved_bytes, size_t *scratch_bytes, lm_error *err);
+/* max_seqs: the most documents a batch may hold (rows of the sequence-wise aux loss).
+ * shared_saved / shared_scratch: caller-owned device buffers of the shared sizes, or
+ * NULL for the layer's own. */
 lm_status lm_gpu_moe_layer_new(lm_cuda_ctx *ctx, const lm_moe_config *c, int64_t max_tokens,
-                               int max_seqs, lm_gpu_moe_layer **out, lm_error *err);
+                               int max_seqs, void *shared_saved, void *shared_scratch,
+                               lm_gpu_moe_layer **out, lm_error *err);
 void lm_gpu_moe_layer_free(lm_gpu_moe_layer *L);
 /* The layer's device router state (selection bias [E] fp32, step accumulators): the
  * model uploads the checkpoint's bias into it and downloads it for a checkpoint. */
@@ -137,6 +148,13 @@ lm_cuda_router_state *lm_gpu_moe_layer_router(lm_gpu_moe_layer *L);
 lm_status lm_gpu_moe_layer_forward(lm_gpu_moe_layer *L, const lm_gpu_batch *b,
                                    const lm_gpu_moe_weights *w, const void *x, void *out,
                                    const float **aux_loss_dev, lm_error *err);
+/* Activation recompute: the experts' forward of the last training forward again, from
+ * the routing it kept (no router work, no balance accumulation), refilling the saved
+ * activations that another layer sharing them overwrote; out [N, d] bf16 receives the
+ * same output again (bit-identical: deterministic ops). Then _backward as usual. */
+lm_status lm_gpu_moe_layer_refill(lm_gpu_moe_layer *L, const lm_gpu_batch *b,
+                                  const lm_gpu_moe_weights *w, const void *x, void *out,
+                                  lm_error *err);
 /* Backward of sum(out * dout) [+ aux_scale * aux loss] of the last training forward:
  * dx [N, d] bf16 overwritten (experts + router share); gradients accumulated. */
 lm_status lm_gpu_moe_layer_backward(lm_gpu_moe_layer *L, const lm_gpu_batch *b,

@@ -40,9 +40,11 @@
 typedef struct {
     lm_layer_kind kind;
     int moe;
+    int rc; /* activation recompute: the backward runs the layer's forward again */
     /* KDA */
     lm_kda_layer_config kc;
     lm_gpu_kda_layer *kda;
+    int kda_owner; /* 0: kda is an earlier recomputed layer's (shared saved activations) */
     lm_gpu_kda_weights kw;
     lm_gpu_kda_grads kg;
     /* attention: saved q k v o lse */
@@ -98,6 +100,9 @@ struct lm_gpu_model {
     /* layer scratch shared by the attention / dense layers */
     void *s_dO, *s_dq, *s_dk, *s_dv, *s_dh, *s_h, *s_dgu;
     void *kda_scratch; /* the KDA layers' backward scratch (one layer at a time) */
+    void *moe_scratch; /* the MoE layers' experts scratch (one layer at a time) */
+    void *moe_saved;   /* the recomputed MoE layers' saved activations, or NULL */
+    int n_rc;          /* layers with activation recompute */
     /* batch */
     int32_t *ids, *labels, *cu_dev;
     int64_t *cu_host;
@@ -302,27 +307,66 @@ static void layout(lm_gpu_model *m, size_t out[LM_MEM_N_CLASSES]) {
     m->ids = take(&ab, (size_t)N * 4);
     m->labels = take(&ab, (size_t)N * 4);
     m->cu_dev = take(&ab, (size_t)(m->max_seqs + 1) * 4);
-    size_t I_max = 0, attn_q = 0, attn_kv = 0;
+    size_t I_max = 0, attn_q = 0, attn_kv = 0, attn_h = 0;
+    /* the recomputed layers' saved activations: one set, as large as the largest layer's */
+    size_t rc_q = 0, rc_kv = 0, rc_h = 0, rc_I = 0;
+    for (int i = 0; i < m->L; i++) {
+        const gpu_layer *ly = &m->ly[i];
+        if (!ly->rc)
+            continue;
+        if (ly->kind == LM_LAYER_ATTN) {
+            const size_t cq = (size_t)ly->ac.Hq * ly->ac.Dh, ckv = (size_t)ly->ac.Hkv * ly->ac.Dh;
+            rc_q = cq > rc_q ? cq : rc_q;
+            rc_kv = ckv > rc_kv ? ckv : rc_kv;
+            rc_h = (size_t)ly->ac.Hq > rc_h ? (size_t)ly->ac.Hq : rc_h;
+        }
+        if (!ly->moe && (size_t)ly->I > rc_I)
+            rc_I = (size_t)ly->I;
+    }
+    void *rq = rc_q ? take(&ab, (size_t)N * rc_q * 2) : NULL;
+    void *rk = rc_kv ? take(&ab, (size_t)N * rc_kv * 2) : NULL;
+    void *rv = rc_kv ? take(&ab, (size_t)N * rc_kv * 2) : NULL;
+    void *ro = rc_q ? take(&ab, (size_t)N * rc_q * 2) : NULL;
+    float *rl = rc_h ? take(&ab, (size_t)N * rc_h * 4) : NULL;
+    void *rgu = rc_I ? take(&ab, (size_t)N * 2 * rc_I * 2) : NULL;
     for (int i = 0; i < m->L; i++) {
         gpu_layer *ly = &m->ly[i];
         if (ly->kind == LM_LAYER_ATTN) {
             const size_t cq = (size_t)ly->ac.Hq * ly->ac.Dh, ckv = (size_t)ly->ac.Hkv * ly->ac.Dh;
-            ly->q = take(&ab, (size_t)N * cq * 2);
-            ly->k = take(&ab, (size_t)N * ckv * 2);
-            ly->v = take(&ab, (size_t)N * ckv * 2);
-            ly->o = take(&ab, (size_t)N * cq * 2);
-            ly->lse = take(&ab, (size_t)N * ly->ac.Hq * 4);
+            if (ly->rc) {
+                ly->q = rq, ly->k = rk, ly->v = rv, ly->o = ro, ly->lse = rl;
+            } else {
+                ly->q = take(&ab, (size_t)N * cq * 2);
+                ly->k = take(&ab, (size_t)N * ckv * 2);
+                ly->v = take(&ab, (size_t)N * ckv * 2);
+                ly->o = take(&ab, (size_t)N * cq * 2);
+                ly->lse = take(&ab, (size_t)N * ly->ac.Hq * 4);
+            }
             if (cq > attn_q)
                 attn_q = cq;
             if (ckv > attn_kv)
                 attn_kv = ckv;
+            if ((size_t)ly->ac.Hq > attn_h)
+                attn_h = (size_t)ly->ac.Hq;
         }
         if (!ly->moe) {
-            ly->gu = take(&ab, (size_t)N * 2 * ly->I * 2);
+            ly->gu = ly->rc ? rgu : take(&ab, (size_t)N * 2 * ly->I * 2);
             if ((size_t)ly->I > I_max)
                 I_max = (size_t)ly->I;
         }
     }
+    (void)attn_h;
+    /* the MoE layers' experts buffers: one scratch for all, one saved set for the
+     * recomputed ones (the sizes of the layers' common config) */
+    size_t moe_saved = 0, moe_scr = 0;
+    int any_moe = 0, any_moe_rc = 0;
+    for (int i = 0; i < m->L; i++) {
+        any_moe |= m->ly[i].moe;
+        any_moe_rc |= m->ly[i].moe && m->ly[i].rc;
+    }
+    if (any_moe && lm_gpu_moe_layer_shared_bytes(&c->moe, N, &moe_saved, &moe_scr, NULL) != LM_OK)
+        moe_saved = moe_scr = 0;
+    m->moe_saved = any_moe_rc && moe_saved ? take(&ab, moe_saved) : NULL;
     /* scratch */
     m->obuf = take(&sb, (size_t)Nd * 2);
     m->G16 = take(&sb, (size_t)Nd * 2);
@@ -349,6 +393,7 @@ static void layout(lm_gpu_model *m, size_t out[LM_MEM_N_CLASSES]) {
                 kda_scr = b;
         }
     m->kda_scratch = kda_scr ? take(&sb, kda_scr) : NULL;
+    m->moe_scratch = any_moe && moe_scr ? take(&sb, moe_scr) : NULL;
     m->nll = take(&sb, (size_t)N * 4);
     m->logit_rows = take(&sb, (size_t)LM_GPU_MODEL_LOGIT_ROWS * m->V * 4);
     m->loss_sum = take(&sb, LM_GPU_MODEL_MAX_MICRO * 4);
@@ -365,7 +410,6 @@ static void layout(lm_gpu_model *m, size_t out[LM_MEM_N_CLASSES]) {
         m->metrics = (lm_router_metrics *)md;
         m->demand = md ? (double *)(md + mb) : NULL;
     }
-    (void)c;
     out[LM_MEM_PARAMS] = pb.off;
     out[LM_MEM_GRADS] = gb.off;
     out[LM_MEM_OPTIM] = ob.off;
@@ -373,9 +417,21 @@ static void layout(lm_gpu_model *m, size_t out[LM_MEM_N_CLASSES]) {
     out[LM_MEM_SCRATCH] = sb.off;
 }
 
+/* The layer whose KDA layer object layer i uses: itself, or for a recomputed layer the
+ * first recomputed KDA layer of the same config (they share its saved activations). */
+static int kda_owner_of(const lm_gpu_model *m, int i) {
+    if (!m->ly[i].rc)
+        return i;
+    for (int j = 0; j < i; j++)
+        if (m->ly[j].rc && m->ly[j].kind == LM_LAYER_KDA &&
+            memcmp(&m->ly[j].kc, &m->ly[i].kc, sizeof m->ly[i].kc) == 0)
+            return j;
+    return i;
+}
+
 /* Fills the structure of m from cfg without device memory (numel, layers, configs). */
 static lm_status shape_model(lm_gpu_model *m, const lm_model_config *cfg, int64_t max_tokens,
-                             int max_seqs, lm_error *err) {
+                             int max_seqs, const lm_gpu_model_opts *o, lm_error *err) {
     m->cfg = *cfg;
     m->L = cfg->num_hidden_layers;
     m->nsub = 2 * m->L;
@@ -393,7 +449,10 @@ static lm_status shape_model(lm_gpu_model *m, const lm_model_config *cfg, int64_
         ly->kind = cfg->kinds[i];
         ly->moe = i >= cfg->first_k_dense_replace;
         ly->I = ly->moe ? 0 : cfg->intermediate_size;
+        memset(&ly->kc, 0, sizeof ly->kc); /* compared with memcmp (kda_owner_of) */
         layer_cfgs(cfg, i, &ly->kc, &ly->ac);
+        ly->rc = o && o->recompute && o->recompute[i];
+        m->n_rc += ly->rc;
     }
     (void)err;
     return LM_OK;
@@ -404,10 +463,10 @@ static void plan_fill(lm_gpu_model *m, lm_mem_plan *out) {
     layout(m, cls);
     size_t layer_bytes = 0;
     for (int i = 0; i < m->L; i++) {
-        if (m->ly[i].kind == LM_LAYER_KDA)
+        if (m->ly[i].kind == LM_LAYER_KDA && kda_owner_of(m, i) == i)
             layer_bytes += lm_gpu_kda_layer_bytes(&m->ly[i].kc, m->max_tokens, m->max_seqs);
         if (m->ly[i].moe)
-            layer_bytes += lm_gpu_moe_layer_bytes(&m->cfg.moe, m->max_tokens);
+            layer_bytes += lm_gpu_moe_layer_bytes(&m->cfg.moe, m->max_tokens, !m->ly[i].rc, 0);
     }
     memset(out, 0, sizeof *out);
     out->B = 1;
@@ -435,11 +494,16 @@ static lm_status check_args(const lm_model_config *cfg, int64_t max_tokens, int 
 
 lm_status lm_gpu_model_plan(const lm_model_config *cfg, int64_t max_tokens, int max_seqs,
                             lm_mem_plan *out, lm_error *err) {
+    return lm_gpu_model_plan_opts(cfg, max_tokens, max_seqs, NULL, out, err);
+}
+
+lm_status lm_gpu_model_plan_opts(const lm_model_config *cfg, int64_t max_tokens, int max_seqs,
+                                 const lm_gpu_model_opts *o, lm_mem_plan *out, lm_error *err) {
     if (!cfg || !out)
         return lm_errorf(err, LM_ERR_INVALID, "gpu model: NULL config or plan");
     LM_TRY(check_args(cfg, max_tokens, max_seqs, err));
     lm_gpu_model *m = LM_CALLOC(1, sizeof *m);
-    lm_status st = shape_model(m, cfg, max_tokens, max_seqs, err);
+    lm_status st = shape_model(m, cfg, max_tokens, max_seqs, o, err);
     int64_t numel = 0;
     if (st == LM_OK)
         st = lm_params_layout_numel(cfg, &numel, err);
@@ -560,13 +624,23 @@ static int cmp_seg(const void *a, const void *b) {
 
 lm_status lm_gpu_model_new(lm_gpu_model **out, lm_cuda_ctx *ctx, const lm_params *p,
                            int64_t max_tokens, int max_seqs, lm_error *err) {
+    return lm_gpu_model_new_opts(out, ctx, p, max_tokens, max_seqs, NULL, err);
+}
+
+lm_status lm_gpu_model_new_opts(lm_gpu_model **out, lm_cuda_ctx *ctx, const lm_params *p,
+                                int64_t max_tokens, int max_seqs, const lm_gpu_model_opts *o,
+                                lm_error *err) {
     if (!out || !ctx || !p || !p->data)
         return lm_errorf(err, LM_ERR_INVALID, "gpu model: NULL output, context or parameters");
     *out = NULL;
     LM_TRY(check_args(&p->cfg, max_tokens, max_seqs, err));
     lm_gpu_model *m = LM_CALLOC(1, sizeof *m);
     m->ctx = ctx;
-    LM_TRY(shape_model(m, &p->cfg, max_tokens, max_seqs, err));
+    lm_status st0 = shape_model(m, &p->cfg, max_tokens, max_seqs, o, err);
+    if (st0 != LM_OK) {
+        free(m);
+        return st0;
+    }
     m->numel = p->numel;
     m->n_info = p->n;
     m->info = LM_MALLOC(sizeof(lm_param_info) * (size_t)p->n);
@@ -594,11 +668,18 @@ lm_status lm_gpu_model_new(lm_gpu_model **out, lm_cuda_ctx *ctx, const lm_params
     bind_weights(m);
     for (int i = 0; i < m->L && st == LM_OK; i++) {
         gpu_layer *ly = &m->ly[i];
-        if (ly->kind == LM_LAYER_KDA)
-            st = lm_gpu_kda_layer_new(ctx, &ly->kc, max_tokens, max_seqs, m->kda_scratch,
-                                      &ly->kda, err);
+        if (ly->kind == LM_LAYER_KDA) {
+            const int own = kda_owner_of(m, i);
+            ly->kda_owner = own == i;
+            if (ly->kda_owner)
+                st = lm_gpu_kda_layer_new(ctx, &ly->kc, max_tokens, max_seqs, m->kda_scratch,
+                                          &ly->kda, err);
+            else
+                ly->kda = m->ly[own].kda;
+        }
         if (st == LM_OK && ly->moe)
-            st = lm_gpu_moe_layer_new(ctx, &m->cfg.moe, max_tokens, max_seqs, &ly->ml, err);
+            st = lm_gpu_moe_layer_new(ctx, &m->cfg.moe, max_tokens, max_seqs,
+                                      ly->rc ? m->moe_saved : NULL, m->moe_scratch, &ly->ml, err);
     }
     if (st != LM_OK)
         goto fail;
@@ -634,7 +715,8 @@ void lm_gpu_model_free(lm_gpu_model *m) {
     if (!m)
         return;
     for (int i = 0; i < m->L; i++) {
-        lm_gpu_kda_layer_free(m->ly[i].kda);
+        if (m->ly[i].kda_owner)
+            lm_gpu_kda_layer_free(m->ly[i].kda);
         lm_gpu_moe_layer_free(m->ly[i].ml);
     }
     lm_cuda_adamw_plan_free(m->opt);
@@ -861,9 +943,27 @@ static lm_status sub_forward(lm_gpu_model *m, int l, const void *x, void *out, i
     return LM_OK;
 }
 
+/* Activation recompute: sublayer l's forward again from its kept input xn[l], refilling
+ * the saved activations it shares with the other recomputed layers; the output goes to
+ * obuf (free during the backward) and is not used. */
+static lm_status sub_refill(lm_gpu_model *m, int l, lm_error *err) {
+    gpu_layer *ly = &m->ly[l / 2];
+    const void *x = m->xn[l];
+    if (l % 2 == 0) {
+        if (ly->kind == LM_LAYER_KDA)
+            return lm_gpu_kda_layer_forward(ly->kda, &m->b, &ly->kw, x, m->obuf, err);
+        return attn_forward(m, ly, x, m->obuf, err);
+    }
+    if (!ly->moe)
+        return dense_forward(m, ly, x, m->obuf, err);
+    return lm_gpu_moe_layer_refill(ly->ml, &m->b, &ly->mw, x, m->obuf, err);
+}
+
 static lm_status sub_backward(lm_gpu_model *m, int l, const void *dout, void *dx, lm_error *err) {
     gpu_layer *ly = &m->ly[l / 2];
     const void *x = m->xn[l];
+    if (ly->rc)
+        LM_TRY(sub_refill(m, l, err));
     if (l % 2 == 0) {
         if (ly->kind == LM_LAYER_KDA)
             return lm_gpu_kda_layer_backward(ly->kda, &m->b, &ly->kw, x, dout, dx, &ly->kg, err);
@@ -1124,8 +1224,8 @@ lm_status lm_gpu_model_logits_rows(lm_gpu_model *m, int64_t row0, int n_rows, fl
                          (long long)row0, (long long)(row0 + n_rows), (long long)m->b.N,
                          LM_GPU_MODEL_LOGIT_ROWS);
     const uint16_t *x = (const uint16_t *)m->xfin + row0 * m->d;
-    LM_TRY(mm(m, 0, 1, n_rows, m->V, m->d, x, m->d, m->W_head, m->d, 0, m->logit_rows, m->V, 1,
-              err));
+    LM_TRY(
+        mm(m, 0, 1, n_rows, m->V, m->d, x, m->d, m->W_head, m->d, 0, m->logit_rows, m->V, 1, err));
     return lm_cuda_ctx_download(m->ctx, logits_host, m->logit_rows,
                                 sizeof(float) * (size_t)n_rows * m->V, err);
 }

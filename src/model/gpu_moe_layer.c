@@ -169,7 +169,8 @@ static lm_status check_config(const lm_moe_config *c, int64_t max_tokens, int ma
 
 /* Carve (base != NULL) or size (base NULL) the layer's buffers; returns the bytes. */
 static size_t layout(const lm_moe_config *c, int64_t max_tokens, int seq_cap,
-                     const lm_cuda_moe_sizes *sz, void *base, lm_gpu_moe_layer *L) {
+                     const lm_cuda_moe_sizes *sz, void *base, lm_gpu_moe_layer *L, int own_saved,
+                     void *shared_saved, int own_scratch, void *shared_scratch) {
     const size_t N = (size_t)max_tokens, E = (size_t)c->router.num_experts,
                  k = (size_t)c->router.num_experts_per_tok;
     const int aux = c->router.balance == LM_BAL_AUX_LOSS;
@@ -191,32 +192,58 @@ static size_t layout(const lm_moe_config *c, int64_t max_tokens, int seq_cap,
     r->n_dropped = (int32_t *)take(&cv, sizeof(int32_t) * 2);
     r->aux_loss = aux ? (float *)take(&cv, sizeof(float)) : NULL;
     r->aux_coef = aux ? (double *)take(&cv, sizeof(double) * (size_t)seq_cap * E) : NULL;
-    L->saved = take(&cv, sz->saved_bytes);
-    L->scratch = take(&cv, sz->scratch_bytes);
+    /* the experts' saved activations and scratch: the layer's own unless the caller
+     * shares one (L->saved / L->scratch set before the carving call) */
+    if (!own_saved)
+        L->saved = shared_saved;
+    else
+        L->saved = take(&cv, sz->saved_bytes);
+    if (!own_scratch)
+        L->scratch = shared_scratch;
+    else
+        L->scratch = take(&cv, sz->scratch_bytes);
     return cv.off;
 }
 
 /* Both the buffers and the router state. */
 static size_t layer_bytes(const lm_moe_config *c, int64_t max_tokens, int max_seqs,
-                          const lm_cuda_moe_sizes *sz) {
-    return layout(c, max_tokens, seq_cap_of(c, max_tokens, max_seqs), sz, NULL, NULL) +
+                          const lm_cuda_moe_sizes *sz, int own_saved, int own_scratch) {
+    return layout(c, max_tokens, seq_cap_of(c, max_tokens, max_seqs), sz, NULL, NULL, own_saved,
+                  NULL, own_scratch, NULL) +
            router_state_bytes(c->router.num_experts);
 }
 
-size_t lm_gpu_moe_layer_bytes(const lm_moe_config *c, int64_t max_tokens) {
-    /* _new's max_seqs is not an argument here: the bound max_seqs = max_tokens (every
-     * valid cu_seqlens has at most max_tokens sequences), exact for any max_seqs >=
-     * max_tokens and an upper bound otherwise (only the sequence-wise aux loss depends
-     * on it) */
-    const int max_seqs = max_tokens > 0 && max_tokens <= INT_MAX ? (int)max_tokens : 1;
+/* _new's max_seqs is not an argument of the byte counts: the bound max_seqs = max_tokens
+ * (every valid cu_seqlens has at most max_tokens sequences), exact for any max_seqs >=
+ * max_tokens and an upper bound otherwise (only the sequence-wise aux loss depends on
+ * it). */
+static int bytes_max_seqs(int64_t max_tokens) {
+    return max_tokens > 0 && max_tokens <= INT_MAX ? (int)max_tokens : 1;
+}
+
+size_t lm_gpu_moe_layer_bytes(const lm_moe_config *c, int64_t max_tokens, int own_saved,
+                              int own_scratch) {
+    const int max_seqs = bytes_max_seqs(max_tokens);
     lm_cuda_moe_sizes sz;
     if (check_config(c, max_tokens, max_seqs, &sz, NULL) != LM_OK)
         return 0;
-    return layer_bytes(c, max_tokens, max_seqs, &sz);
+    return layer_bytes(c, max_tokens, max_seqs, &sz, own_saved, own_scratch);
+}
+
+lm_status lm_gpu_moe_layer_shared_bytes(const lm_moe_config *c, int64_t max_tokens,
+                                        size_t *saved_bytes, size_t *scratch_bytes, lm_error *err) {
+    lm_cuda_moe_sizes sz;
+    LM_TRY(check_config(c, max_tokens, bytes_max_seqs(max_tokens), &sz, err));
+    if (saved_bytes)
+        *saved_bytes = align256(sz.saved_bytes);
+    if (scratch_bytes)
+        *scratch_bytes = align256(sz.scratch_bytes);
+    return LM_OK;
 }
 
 lm_status lm_gpu_moe_layer_new(lm_cuda_ctx *ctx, const lm_moe_config *c, int64_t max_tokens,
-                               int max_seqs, lm_gpu_moe_layer **out, lm_error *err) {
+                               int max_seqs, void *shared_saved, void *shared_scratch,
+                               lm_gpu_moe_layer **out, lm_error *err) {
     if (!out)
         return lm_errorf(err, LM_ERR_INVALID, "gpu moe: output layer pointer is required");
     *out = NULL;
@@ -231,7 +258,9 @@ lm_status lm_gpu_moe_layer_new(lm_cuda_ctx *ctx, const lm_moe_config *c, int64_t
     L->c = *c;
     L->max_tokens = max_tokens;
     L->seq_cap = seq_cap_of(c, max_tokens, max_seqs);
-    const size_t bytes = layout(c, max_tokens, L->seq_cap, &sz, NULL, NULL);
+    const int own_saved = shared_saved == NULL, own_scratch = shared_scratch == NULL;
+    const size_t bytes =
+        layout(c, max_tokens, L->seq_cap, &sz, NULL, NULL, own_saved, NULL, own_scratch, NULL);
     lm_error e = {0};
     lm_status s = lm_cuda_ctx_alloc(ctx, &L->mem, bytes, &e);
     if (s != LM_OK) {
@@ -239,7 +268,8 @@ lm_status lm_gpu_moe_layer_new(lm_cuda_ctx *ctx, const lm_moe_config *c, int64_t
         return lm_errorf(err, s, "gpu moe: buffers of %zu bytes for %lld tokens: %s", bytes,
                          (long long)max_tokens, e.msg);
     }
-    layout(c, max_tokens, L->seq_cap, &sz, L->mem, L);
+    layout(c, max_tokens, L->seq_cap, &sz, L->mem, L, own_saved, shared_saved, own_scratch,
+           shared_scratch);
     L->route.T_cap = (int)max_tokens;
     L->route.seq_cap = L->seq_cap;
     s = lm_cuda_router_state_init(ctx, &L->st, c->router.num_experts, &e);
@@ -369,6 +399,26 @@ lm_status lm_gpu_moe_layer_forward(lm_gpu_moe_layer *L, const lm_gpu_batch *b,
     if (aux_loss_dev && aux)
         *aux_loss_dev = L->route.aux_loss;
     return LM_OK;
+}
+
+lm_status lm_gpu_moe_layer_refill(lm_gpu_moe_layer *L, const lm_gpu_batch *b,
+                                  const lm_gpu_moe_weights *w, const void *x, void *out,
+                                  lm_error *err) {
+    if (!L)
+        return lm_errorf(err, LM_ERR_INVALID, "gpu moe: layer is required");
+    LM_TRY(check_batch(L, b, err));
+    LM_TRY(check_weights(L, w, err));
+    if (!x || !out)
+        return lm_errorf(err, LM_ERR_INVALID, "gpu moe: %s is NULL", !x ? "x" : "out");
+    if (!L->have_fwd || L->fwd_N != b->N)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "gpu moe: refill needs the training forward of this batch first");
+    lm_error e = {0};
+    const lm_cuda_moe_weights ew = expert_weights(w);
+    const lm_status s = lm_cuda_moe_forward(L->ctx, &L->c, (int)b->N, &ew, x, L->route.topk_idx,
+                                            L->route.topk_weight, L->route.counts, 1, L->saved,
+                                            L->scratch, out, NULL, &e);
+    return s == LM_OK ? LM_OK : fail(err, s, "experts forward (recompute)", &e);
 }
 
 /* ---------------------------------------------------------------- backward */

@@ -120,6 +120,40 @@ static lm_status get_bool(pctx *p, const cJSON *o, const char *prefix, const cha
     return LM_OK;
 }
 
+/* train.recompute: false (default), true (every layer) or a list of 1-based layer
+ * numbers (the convention of linear_attn_config.kda_layers). Needs the model parsed. */
+static lm_status parse_recompute(pctx *p, lm_train_config *c, const cJSON *to) {
+    memset(c->recompute, 0, sizeof c->recompute);
+    c->n_recompute = 0;
+    const cJSON *v = to ? cJSON_GetObjectItemCaseSensitive(to, "recompute") : NULL;
+    if (!v || cJSON_IsFalse(v))
+        return LM_OK;
+    const int L = c->model.num_hidden_layers;
+    if (cJSON_IsTrue(v)) {
+        for (int i = 0; i < L; i++)
+            c->recompute[i] = 1;
+        c->n_recompute = L;
+        return LM_OK;
+    }
+    if (!cJSON_IsArray(v))
+        return bad_value(p, "train.recompute", v,
+                         "must be true, false or a list of 1-based layer numbers");
+    const cJSON *e;
+    cJSON_ArrayForEach(e, v) {
+        const double x = cJSON_IsNumber(e) ? e->valuedouble : -1;
+        if (!cJSON_IsNumber(e) || x != (double)(int)x || x < 1 || x > L)
+            return bad_value(
+                p, "train.recompute", e,
+                L > 0 ? "has an entry that is not a layer number in [1, num_hidden_layers]"
+                      : "needs a model with layers");
+        if (c->recompute[(int)x - 1])
+            return bad_value(p, "train.recompute", e, "lists a layer twice");
+        c->recompute[(int)x - 1] = 1;
+        c->n_recompute++;
+    }
+    return LM_OK;
+}
+
 static lm_status get_str(pctx *p, const cJSON *o, const char *prefix, const char *key,
                          const cJSON **out) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
@@ -149,15 +183,38 @@ void lm_train_config_free(lm_train_config *c) {
 static const char *const k_top[] = {"model", "tokenizer", "tokenizer_dir", "data",
                                     "train", "stages",    "eval",          NULL};
 static const char *const k_data[] = {"train", "val", NULL};
-static const char *const k_train[] = {
-    "seed",         "batch_tokens",  "batch_size", "micro_batches",
-    "lr",           "min_lr_ratio",  "schedule",   "wsd_decay_frac",
-    "weight_decay", "beta1",         "beta2",      "eps",
-    "grad_clip",    "log_every",     "eval_every", "checkpoint_every",
-    "keep_last",    "max_bad_steps", "threads",    NULL};
-static const char *const k_stage[] = {"name",    "seq_len",          "tokens",
-                                      "lr",      "warmup_steps",     "rope_theta",
-                                      "packing", "passkey_fraction", "long_doc_fraction", "repeat_fraction", "passkey_length",
+static const char *const k_train[] = {"seed",
+                                      "batch_tokens",
+                                      "batch_size",
+                                      "micro_batches",
+                                      "lr",
+                                      "min_lr_ratio",
+                                      "schedule",
+                                      "wsd_decay_frac",
+                                      "weight_decay",
+                                      "beta1",
+                                      "beta2",
+                                      "eps",
+                                      "grad_clip",
+                                      "log_every",
+                                      "eval_every",
+                                      "checkpoint_every",
+                                      "keep_last",
+                                      "max_bad_steps",
+                                      "threads",
+                                      "recompute",
+                                      NULL};
+static const char *const k_stage[] = {"name",
+                                      "seq_len",
+                                      "tokens",
+                                      "lr",
+                                      "warmup_steps",
+                                      "rope_theta",
+                                      "packing",
+                                      "passkey_fraction",
+                                      "long_doc_fraction",
+                                      "repeat_fraction",
+                                      "passkey_length",
                                       NULL};
 static const char *const k_eval[] = {"seq_len",      "passkey_lengths", "passkey_samples",
                                      "passkey_seed", "max_val_tokens",  NULL};
@@ -423,6 +480,7 @@ static lm_status parse(lm_train_config *c, const cJSON *root, pctx *p) {
     LM_TRY(get_int32(p, to, T, "keep_last", 0, 1 << 20, &c->keep_last));
     LM_TRY(get_int32(p, to, T, "max_bad_steps", 1, 1 << 30, &c->max_bad_steps));
     LM_TRY(get_int32(p, to, T, "threads", 0, 4096, &c->threads));
+    LM_TRY(parse_recompute(p, c, to));
     /* stages */
     const cJSON *sa = cJSON_GetObjectItemCaseSensitive(root, "stages");
     if (!sa)

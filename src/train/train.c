@@ -43,6 +43,8 @@ typedef struct {
      * device (host_sync) before a checkpoint reads them */
     lm_cuda_ctx *cuda;
     lm_gpu_model *gm;
+    int64_t gpu_tokens; /* the GPU model's max_tokens and max_seqs */
+    int gpu_seqs;
     int host_stale;
     lm_adamw opt;
     int have_opt;
@@ -285,8 +287,8 @@ static lm_status run_eval(ctx *x, lm_error *err) {
     } else {
         LM_TRY(lm_eval_bpb(x->m, x->tok, &x->val_sub, c->eval_seq_len, &r, err));
         for (int i = 0; i < c->n_passkey_lengths; i++)
-            LM_TRY(lm_eval_passkey(x->m, x->tok, &x->val, c->passkey_lengths[i],
-                                   c->passkey_samples, c->passkey_seed, &pk[i], err));
+            LM_TRY(lm_eval_passkey(x->m, x->tok, &x->val, c->passkey_lengths[i], c->passkey_samples,
+                                   c->passkey_seed, &pk[i], err));
     }
     const int s = (int)x->k.stage;
     FILE *f = x->feval;
@@ -693,8 +695,10 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         }
         LM_TRY(lm_gpu_model_supports(&x->p.cfg, err));
         LM_TRY(lm_cuda_ctx_new(&x->cuda, o->device.index, err));
-        LM_TRY(lm_gpu_model_new(&x->gm, x->cuda, &x->p,
-                                max_micro > eval_tokens ? max_micro : eval_tokens, max_seqs, err));
+        const lm_gpu_model_opts go = {c->n_recompute ? c->recompute : NULL};
+        x->gpu_tokens = max_micro > eval_tokens ? max_micro : eval_tokens;
+        x->gpu_seqs = max_seqs;
+        LM_TRY(lm_gpu_model_new_opts(&x->gm, x->cuda, &x->p, x->gpu_tokens, max_seqs, &go, err));
         max_tokens = 1;
     }
     LM_TRY(lm_model_new(&x->m, &x->p, max_tokens, err));
@@ -782,6 +786,25 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         lm_mem_plan_format(x->gm ? lm_gpu_model_mem_plan(x->gm) : lm_model_plan(x->m), plan,
                            sizeof plan);
         say(x, "%s%s", x->gm ? "cuda " : "", plan);
+        if (c->n_recompute) {
+            lm_mem_plan full;
+            if (!x->gm) {
+                say(x,
+                    "train.recompute: %d layers listed, not used on the CPU (its activations "
+                    "are planned per sequence already)",
+                    c->n_recompute);
+            } else if (lm_gpu_model_plan(&x->p.cfg, x->gpu_tokens, x->gpu_seqs, &full, err) ==
+                       LM_OK) {
+                const double with = (double)lm_gpu_model_mem_plan(x->gm)->bytes[LM_MEM_ACTS];
+                const double without = (double)full.bytes[LM_MEM_ACTS];
+                say(x,
+                    "activation recompute on %d of %d layers: activations %.2f MiB (%.2f MiB "
+                    "without recompute: %.2f MiB saved, %.1f %%)",
+                    c->n_recompute, x->p.cfg.num_hidden_layers, with / (1 << 20),
+                    without / (1 << 20), (without - with) / (1 << 20),
+                    without > 0 ? 100.0 * (without - with) / without : 0.0);
+            }
+        }
     }
     if (o->resume)
         say(x, "resumed from %s at step %lld", ckdir, (long long)x->k.step);
