@@ -459,21 +459,49 @@ static void test_recompute(void **state) {
         for (int i = 0; i < cfg.num_hidden_layers; i++)
             all[i] = 1;
         some[0] = some[3] = 1;
-        rc_run r0, r1, r2;
+        rc_run r0, r1, r2, rw;
+        /* a first run grows the context's workspaces (the ops size some of their work
+         * splits by them), so that the three compared runs see the same ones */
+        run_steps(&p, NULL, &rw);
+        free(rw.grads), free(rw.params);
         run_steps(&p, NULL, &r0);
         run_steps(&p, all, &r1);
         run_steps(&p, some, &r2);
         const rc_run *rr[2] = {&r1, &r2};
         for (int k = 0; k < 2; k++) {
             const rc_run *r = rr[k];
-            const int same = memcmp(r->loss, r0.loss, sizeof r0.loss) == 0 &&
-                             memcmp(r->gnorm, r0.gnorm, sizeof r0.gnorm) == 0 &&
-                             memcmp(r->grads, r0.grads, sizeof(float) * (size_t)p.numel) == 0 &&
-                             memcmp(r->params, r0.params, sizeof(float) * (size_t)p.numel) == 0 &&
-                             memcmp(r->bias, r0.bias, sizeof r0.bias) == 0;
-            printf("recompute %-9s %-9s loss %.6f / %.6f, activations %lld -> %lld bytes: %s\n",
+            const int64_t n = p.numel;
+            const int s_loss = memcmp(r->loss, r0.loss, sizeof r0.loss) == 0;
+            const int s_gn = memcmp(r->gnorm, r0.gnorm, sizeof r0.gnorm) == 0;
+            const int s_gr = memcmp(r->grads, r0.grads, sizeof(float) * (size_t)n) == 0;
+            const int s_pa = memcmp(r->params, r0.params, sizeof(float) * (size_t)n) == 0;
+            const int s_bi = memcmp(r->bias, r0.bias, sizeof r0.bias) == 0;
+            const int same = s_loss && s_gn && s_gr && s_pa && s_bi;
+            printf("recompute %-9s %-10s loss %.6f / %.6f, activations %lld -> %lld bytes: %s\n",
                    vs[vi].name, k ? "layers 1,4" : "all", r->loss[3], r0.loss[3],
                    (long long)r0.acts, (long long)r->acts, same ? "bit-identical" : "DIFFERS");
+            if (!same) {
+                /* which part, and the first differing gradient tensor with its size */
+                printf("  loss %s, grad norm %s (%.9g / %.9g), gradients %s, parameters %s, "
+                       "biases %s\n",
+                       s_loss ? "same" : "differ", s_gn ? "same" : "differ", r->gnorm[1],
+                       r0.gnorm[1], s_gr ? "same" : "differ", s_pa ? "same" : "differ",
+                       s_bi ? "same" : "differ");
+                for (int t = 0; t < p.n && !s_gr; t++) {
+                    const lm_param_info *ti = &p.t[t];
+                    const float *a = r->grads + ti->offset, *b = r0.grads + ti->offset;
+                    if (memcmp(a, b, sizeof(float) * (size_t)ti->numel) == 0)
+                        continue;
+                    double md = 0, mb = 0;
+                    for (int64_t q = 0; q < ti->numel; q++) {
+                        md = fmax(md, fabs((double)a[q] - b[q]));
+                        mb = fmax(mb, fabs((double)b[q]));
+                    }
+                    printf("  first differing gradient: %s, max |diff| %.3g (max |g| %.3g)\n",
+                           ti->name, md, mb);
+                    break;
+                }
+            }
             assert_true(same);
             assert_true(r->acts < r0.acts);
         }
