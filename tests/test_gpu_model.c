@@ -438,7 +438,11 @@ static void run_steps(const lm_params *p0, const uint8_t *rc, rc_run *out) {
  * training steps with recompute on every layer, and on layers 1 and 4 only (a recomputed
  * layer of each kind beside kept ones), give bit-identical losses, grad norms, gradients,
  * parameters and MoE biases to the run without it, on the MoE + Block AttnRes tiny config,
- * the standard residual and the dense variant; and the planned activations shrink. */
+ * the standard residual, the dense and the aux-loss + capacity variants; and the planned
+ * activations shrink. A repeat of the run without recompute is the control (the first run
+ * on the H200 found the tiny config's "all" run not bit-identical, without saying where;
+ * the control and the per-part report tell recompute's error from the step's own
+ * non-determinism). */
 static void test_recompute(void **state) {
     (void)state;
     const variant vs[] = {
@@ -460,15 +464,16 @@ static void test_recompute(void **state) {
             all[i] = 1;
         some[0] = some[3] = 1;
         rc_run r0, r1, r2, rw;
-        /* a first run grows the context's workspaces (the ops size some of their work
-         * splits by them), so that the three compared runs see the same ones */
+        /* rw: a first run, which also grows the context's workspaces (the ops may size
+         * work splits by them); r0 repeats it, the control: a difference there is the
+         * step's own non-determinism, not recompute's */
         run_steps(&p, NULL, &rw);
-        free(rw.grads), free(rw.params);
         run_steps(&p, NULL, &r0);
         run_steps(&p, all, &r1);
         run_steps(&p, some, &r2);
-        const rc_run *rr[2] = {&r1, &r2};
-        for (int k = 0; k < 2; k++) {
+        const rc_run *rr[3] = {&rw, &r1, &r2};
+        static const char *const label[3] = {"none again", "all", "layers 1,4"};
+        for (int k = 0; k < 3; k++) {
             const rc_run *r = rr[k];
             const int64_t n = p.numel;
             const int s_loss = memcmp(r->loss, r0.loss, sizeof r0.loss) == 0;
@@ -478,8 +483,8 @@ static void test_recompute(void **state) {
             const int s_bi = memcmp(r->bias, r0.bias, sizeof r0.bias) == 0;
             const int same = s_loss && s_gn && s_gr && s_pa && s_bi;
             printf("recompute %-9s %-10s loss %.6f / %.6f, activations %lld -> %lld bytes: %s\n",
-                   vs[vi].name, k ? "layers 1,4" : "all", r->loss[3], r0.loss[3],
-                   (long long)r0.acts, (long long)r->acts, same ? "bit-identical" : "DIFFERS");
+                   vs[vi].name, label[k], r->loss[3], r0.loss[3], (long long)r0.acts,
+                   (long long)r->acts, same ? "bit-identical" : "DIFFERS");
             if (!same) {
                 /* which part, and the first differing gradient tensor with its size */
                 printf("  loss %s, grad norm %s (%.9g / %.9g), gradients %s, parameters %s, "
@@ -503,10 +508,11 @@ static void test_recompute(void **state) {
                 }
             }
             assert_true(same);
-            assert_true(r->acts < r0.acts);
+            if (k > 0)
+                assert_true(r->acts < r0.acts);
         }
-        free(r0.grads), free(r1.grads), free(r2.grads);
-        free(r0.params), free(r1.params), free(r2.params);
+        free(rw.grads), free(r0.grads), free(r1.grads), free(r2.grads);
+        free(rw.params), free(r0.params), free(r1.params), free(r2.params);
         lm_params_free(&p);
     }
 }
