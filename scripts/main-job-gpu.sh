@@ -596,8 +596,9 @@ print("device %s (%s); wall %d s of %s (phases: %s); train exit %d"
 if m:
     print("model: %.1f M parameters, %.1f M active per token" % (int(m.group(1)) / 1e6, int(m.group(2)) / 1e6))
 if ts:
-    print("training: %d steps, %d tokens in %.1f s: %.0f tokens/s, MFU %.1f %% (of the bf16 matmul rate on cuda), last loss %s"
-          % (ts["steps"], ts["tokens"], ts["train_seconds"], ts["tok_per_s"], 100 * ts["mfu"], ts["last_loss"]))
+    print("training: %d steps, %d tokens in %.1f s: %.0f tokens/s, MFU %.1f %% (of the %s), last loss %s"
+          % (ts["steps"], ts["tokens"], ts["train_seconds"], ts["tok_per_s"], 100 * ts["mfu"],
+             "bf16 matmul rate" if device == "cuda" else "sgemm rate", ts["last_loss"]))
 for e in evals:
     print("  eval after step %d (end of stage %s): bits/byte %.4f; passkey {%s}"
           % (e["step"], e.get("stage_name", e["stage"]), e["bits_per_byte"],

@@ -1154,6 +1154,66 @@ static void test_invalid(void **state) {
     c = base, c.has_lower_bound = 1, c.lower_bound = -5.0f, c.diag = LM_DIAG_AUTO;
     ok &= expect_invalid("g < lower_bound, gate none, AUTO", c, &bad, "g", "lower_bound");
 
+    /* gate parameters whose exp overflows fp32 (issue 25): A_log = 90 (exp = inf) is
+     * refused by the validator for both in-op gates; A_log = 80 with a large raw gate
+     * input overflows the softplus log-decay from finite inputs: the forwards refuse it
+     * with LM_ERR_NONFINITE naming A_log instead of returning NaN outputs */
+    {
+        float *alog = xcalloc(base.HV, sizeof(float));
+        lm_kda_inputs gi = in;
+        gi.A_log = alog;
+        gi.dt_bias = NULL;
+        for (int gsel = 0; gsel < 2; gsel++) {
+            c = base;
+            c.gate = gsel ? LM_GATE_BOUNDED : LM_GATE_SOFTPLUS;
+            c.has_lower_bound = gsel;
+            c.lower_bound = gsel ? -5.0f : 0.0f;
+            c.diag = LM_DIAG_AUTO;
+            {
+                lm_kda_config cv = c;
+                assert_int_equal(lm_kda_validate(&cv, &gi, &err), LM_OK); /* A_log = 0 is fine */
+            }
+            alog[1] = 90.0f;
+            ok &= expect_invalid(gsel ? "A_log 90, bounded gate" : "A_log 90, softplus gate", c,
+                                 &gi, "A_log", NULL);
+            alog[1] = 0.0f;
+        }
+        float *g3 = xcalloc(kc.ng, sizeof(float));
+        memcpy(g3, kc.g, sizeof(float) * kc.ng);
+        g3[kc.ng / 2] = 1e5f; /* softplus(1e5) = 1e5; times exp(80) = 5.5e34: above FLT_MAX */
+        for (int hv = 0; hv < base.HV; hv++)
+            alog[hv] = 80.0f;
+        gi.g = g3;
+        c = base;
+        c.gate = LM_GATE_SOFTPLUS;
+        c.has_lower_bound = 0;
+        c.diag = LM_DIAG_AUTO;
+        float *o = xcalloc((int64_t)c.B * c.T * c.HV * c.V, sizeof(float));
+        lm_kda_outputs out = {o, NULL};
+        lm_kda_config c1 = c, c2 = c;
+        lm_status st = lm_kda_chunk_forward(&c1, &gi, &out, &err);
+        printf("invalid %-40s chunk forward -> %d \"%s\"\n", "softplus log-decay overflow", (int)st,
+               err.msg);
+        ok &= st == LM_ERR_NONFINITE && names_field(err.msg, "A_log");
+        st = lm_kda_recurrent_forward(&c2, &gi, &out, &err);
+        printf("invalid %-40s recurrent forward -> %d \"%s\"\n", "softplus log-decay overflow",
+               (int)st, err.msg);
+        ok &= st == LM_ERR_NONFINITE && names_field(err.msg, "A_log");
+        /* the same inputs with A_log = 0 run and give finite outputs */
+        for (int hv = 0; hv < base.HV; hv++)
+            alog[hv] = 0.0f;
+        lm_kda_config c3 = c;
+        assert_int_equal(lm_kda_chunk_forward(&c3, &gi, &out, &err), LM_OK);
+        for (int64_t i = 0; i < (int64_t)c.B * c.T * c.HV * c.V; i++)
+            if (!isfinite(o[i])) {
+                ok = 0;
+                break;
+            }
+        free(o);
+        free(g3);
+        free(alog);
+    }
+
     free(q2);
     free(v2);
     free(h2);

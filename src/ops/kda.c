@@ -93,6 +93,15 @@ lm_status lm_kda_validate(lm_kda_config *c, const lm_kda_inputs *in, lm_error *e
     LM_TRY(check_finite(in->g, ng, "g", err));
     LM_TRY(check_finite(in->beta, BT * c->HV, "beta", err));
     LM_TRY(check_finite(in->A_log, c->HV, "A_log", err));
+    /* exp(A_log) scales the gate's input: beyond 88.72 it is inf in fp32, and the gate
+     * and its gradients become inf * 0 = NaN */
+    if (in->A_log && c->gate != LM_GATE_NONE)
+        for (int hv = 0; hv < c->HV; hv++)
+            if (!isfinite(expf(in->A_log[hv])))
+                return lm_errorf(err, LM_ERR_INVALID,
+                                 "kda: A_log[%d] = %g: exp(A_log) overflows fp32 (the gate's scale "
+                                 "must stay below exp(88.7))",
+                                 hv, (double)in->A_log[hv]);
     LM_TRY(check_finite(in->dt_bias, c->kind == LM_KDA ? (int64_t)c->HV * c->K : c->HV, "dt_bias", err));
     if (!c->trusted_state)
         LM_TRY(check_finite(in->initial_state, (int64_t)c->N * c->HV * c->K * c->V, "initial_state", err));
@@ -153,7 +162,7 @@ lm_status lm_kda_recurrent_forward(lm_kda_config *c, const lm_kda_inputs *in, lm
     LM_TRY(lm_kda_validate(c, in, err));
     if (!out || !out->o) return lm_errorf(err, LM_ERR_INVALID, "kda: output 'o' is required");
     lm_kda_prep p;
-    LM_TRY(lm_kda_prep_forward(c, in, &p));
+    LM_TRY(lm_kda_prep_forward(c, in, &p, err));
     const int K = c->K, V = c->V, H = c->H, HV = c->HV, grp = HV / H;
     const int ntask = c->N * HV;
 #pragma omp parallel

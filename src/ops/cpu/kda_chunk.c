@@ -328,7 +328,7 @@ lm_status lm_kda_chunk_forward(lm_kda_config *c, const lm_kda_inputs *in, lm_kda
     LM_TRY(lm_kda_validate(c, in, err));
     if (!out || !out->o) return lm_errorf(err, LM_ERR_INVALID, "kda: output 'o' is required");
     lm_kda_prep p;
-    LM_TRY(lm_kda_prep_forward(c, in, &p));
+    LM_TRY(lm_kda_prep_forward(c, in, &p, err));
     const int K = c->K, V = c->V, HV = c->HV, C = c->chunk_size, grp = c->HV / c->H;
     const int shared = lm_kda_use_shared_diag(c);
     const int ntask = c->N * HV;
@@ -562,7 +562,7 @@ lm_status lm_kda_chunk_backward(lm_kda_config *c, const lm_kda_inputs *in, lm_kd
                                  "kda backward: 'dht' has a non-finite value %g at element %lld",
                                  (double)gr->dht[i], (long long)i);
     lm_kda_prep p;
-    LM_TRY(lm_kda_prep_forward(c, in, &p));
+    LM_TRY(lm_kda_prep_forward(c, in, &p, err));
     const int K = c->K, V = c->V, HV = c->HV, C = c->chunk_size, grp = c->HV / c->H;
     const int64_t BT = (int64_t)c->B * c->T;
     const int shared = lm_kda_use_shared_diag(c);

@@ -80,7 +80,11 @@ typedef struct {
     float *gk;   /* [BT, HV, K] per-channel log-decay (GDN: broadcast over K) */
 } lm_kda_prep;
 
-lm_status lm_kda_prep_forward(const lm_kda_config *c, const lm_kda_inputs *in, lm_kda_prep *p);
+/* Errors: LM_ERR_NONFINITE when the gate's log-decay overflows fp32 for finite inputs
+ * (exp(A_log) * softplus(g + dt_bias), exp(A_log) * (g + dt_bias) with A_log near the
+ * validator's bound), naming the token row, head and A_log. */
+lm_status lm_kda_prep_forward(const lm_kda_config *c, const lm_kda_inputs *in, lm_kda_prep *p,
+                              lm_error *err);
 void lm_kda_prep_backward(const lm_kda_config *c, const lm_kda_inputs *in, const lm_kda_prep *p,
                           const float *dqs_hv, const float *dkn_hv, const float *dbeta_act,
                           const float *dgk, lm_kda_grads *gr);

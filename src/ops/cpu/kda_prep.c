@@ -97,7 +97,8 @@ void lm_kda_prep_free(lm_kda_prep *p) {
     memset(p, 0, sizeof(*p));
 }
 
-lm_status lm_kda_prep_forward(const lm_kda_config *c, const lm_kda_inputs *in, lm_kda_prep *p) {
+lm_status lm_kda_prep_forward(const lm_kda_config *c, const lm_kda_inputs *in, lm_kda_prep *p,
+                              lm_error *err) {
     memset(p, 0, sizeof(*p));
     const int64_t BT = (int64_t)c->B * c->T;
     const int H = c->H, HV = c->HV, K = c->K;
@@ -151,7 +152,10 @@ lm_status lm_kda_prep_forward(const lm_kda_config *c, const lm_kda_inputs *in, l
     const int gdn = c->kind == LM_GDN;
     const lm_gate_mode gm = c->gate;
     const float lb = c->lower_bound;
-#pragma omp parallel for schedule(static)
+    /* the first row whose log-decay is not finite (finite inputs can overflow here: a
+     * large A_log scales the gate's input), BT * HV when none */
+    int64_t bad_row = BT * HV;
+#pragma omp parallel for schedule(static) reduction(min : bad_row)
     for (int64_t row = 0; row < BT * HV; row++) {
         int hv = (int)(row % HV);
         float a = in->A_log ? expf(in->A_log[hv]) : 1.0f;
@@ -178,6 +182,21 @@ lm_status lm_kda_prep_forward(const lm_kda_config *c, const lm_kda_inputs *in, l
                 for (int d = 0; d < K; d++) gk[d] = lb * sigmoidf_(a * (x[d] + (bias ? bias[d] : 0.0f)));
             }
         }
+        if (gm != LM_GATE_NONE) {
+            float acc = 0.0f; /* inf or NaN in any channel makes the sum non-finite */
+            for (int d = 0; d < K; d++) acc += gk[d] * 0.0f;
+            if (!isfinite(acc) && row < bad_row) bad_row = row;
+        }
+    }
+    if (bad_row < BT * HV) {
+        const int hv = (int)(bad_row % HV);
+        return lm_errorf(err, LM_ERR_NONFINITE,
+                         "kda: the %s gate's log-decay overflows fp32 at token %lld, value head %d "
+                         "(A_log[%d] = %g, exp(A_log) = %g): finite inputs, but exp(A_log) times "
+                         "the gate input exceeds fp32 (keep A_log well below 88)",
+                         gm == LM_GATE_SOFTPLUS ? "softplus" : "bounded", (long long)(bad_row / HV),
+                         hv, hv, in->A_log ? (double)in->A_log[hv] : 0.0,
+                         in->A_log ? exp((double)in->A_log[hv]) : 1.0);
     }
     return LM_OK;
 }
