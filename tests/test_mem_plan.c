@@ -59,6 +59,7 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+#include <cblas.h>
 #include <cmocka.h>
 
 #include "linmoe/layers.h"
@@ -779,7 +780,33 @@ static void test_accumulate_in_place(void **state) {
     lm_params_free(&p);
 }
 
+/* OpenBLAS maps a buffer per thread the first time that many threads are inside BLAS at
+ * once (see the top comment). On a loaded 2-core machine the steps' own first such moment
+ * can come after step 1, so the buffers are mapped here first: every thread of a team of
+ * LM_MEM_PLAN_THREADS inside one sgemm at the same time, twice, then one product large
+ * enough for OpenBLAS to thread it itself. */
+static void warm_blas_buffers(void) {
+    enum { W = 256 };
+    float *a = calloc((size_t)W * W, sizeof(float)), *c = calloc((size_t)W * W, sizeof(float));
+    for (int rep = 0; rep < 2; rep++) {
+#pragma omp parallel num_threads(LM_MEM_PLAN_THREADS)
+        {
+            float *ct = calloc((size_t)W * W, sizeof(float));
+#pragma omp barrier
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, W, W, W, 1.0f, a, W, a, W, 0.0f,
+                        ct, W);
+            free(ct);
+        }
+    }
+    enum { Z = 1024 };
+    float *x = calloc((size_t)Z * Z, sizeof(float)), *y = calloc((size_t)Z * Z, sizeof(float));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Z, Z, Z, 1.0f, x, Z, x, Z, 0.0f, y, Z);
+    free(x), free(y), free(a), free(c);
+}
+
 int main(void) {
+    lm_set_num_threads(LM_MEM_PLAN_THREADS);
+    warm_blas_buffers();
     /* the tracer's first backtrace() loads the unwinder (allocates): now, not counted */
     if (getenv("LM_MEM_PLAN_TRACE")) {
         void *bt[4];
