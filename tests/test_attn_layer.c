@@ -398,7 +398,7 @@ static void kv_init(kvbuf *c, int64_t Tmax) {
     c->n = IB * Tmax * CKV;
     c->buf = malloc((size_t)(2 * c->n) * sizeof(float));
     lm_poison_f32(c->buf, 2 * c->n);
-    c->kv = (lm_attn_layer_cache){c->buf, c->buf + c->n, Tmax};
+    c->kv = (lm_attn_layer_cache){c->buf, c->buf + c->n, Tmax, NULL};
 }
 
 /* Run the IB rows of x [IB, L, D] through infer in pieces of len[0..np) tokens at

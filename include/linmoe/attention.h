@@ -72,6 +72,9 @@ typedef struct {
     lm_attn_position position;  /* NOPE (default) or ROPE */
     double rope_theta;          /* RoPE base; default 10000; used with ROPE only */
     lm_attention_workspace *ws; /* NULL: scratch is allocated and freed per call */
+    const int64_t *pos_rows;    /* cache_write / decode with T = 1: [B] position of each row
+                                   (rows of one batch at different positions: serving);
+                                   NULL: every row at the call's `pos` */
 } lm_attention_config;
 
 /* Fill defaults: scale = D^-0.5, causal, NoPE, rope_theta = 10000, no cu_seqlens. */
@@ -117,9 +120,10 @@ lm_status lm_attention_backward(lm_attention_config *c, const lm_attention_input
  * D, position, rope_theta; the layer's own config with T set to their count).
  * k, v [B,T,Hkv,D]; k_cache, v_cache [B,Tmax,Hkv,D], caller-owned, positions outside
  * pos..pos+T-1 untouched. Used after a prefill (T = prompt length, pos = 0) and
- * before each decode step (T = 1, pos = step). All rows of the batch share `pos`.
+ * before each decode step (T = 1, pos = step). All rows of the batch share `pos`, unless
+ * c->pos_rows gives each row its own (then T must be 1 and `pos` is not read).
  * Errors (LM_ERR_INVALID): the config checks of lm_attention_validate, k and v
- * finite, cu_seqlens NULL, pos >= 0 and pos + T <= Tmax. */
+ * finite, cu_seqlens NULL, pos >= 0 and pos + T <= Tmax (for every row's position). */
 lm_status lm_attention_cache_write(lm_attention_config *c, int64_t Tmax, int64_t pos,
                                    const float *k, const float *v, float *k_cache, float *v_cache,
                                    lm_error *err);
@@ -133,7 +137,9 @@ lm_status lm_attention_cache_write(lm_attention_config *c, int64_t Tmax, int64_t
  * query heads of its group. The cache is not scanned for finiteness (its writer
  * checked what it stored). The softmax sums are accumulated in fp64, so a decode at
  * position 65536 stays within 1e-6 of an fp64 reference. Errors (LM_ERR_INVALID): the
- * config checks of lm_attention_validate, q finite, 0 <= pos < Tmax, cu_seqlens NULL. */
+ * config checks of lm_attention_validate, q finite, 0 <= pos < Tmax, cu_seqlens NULL.
+ * With c->pos_rows, row b's query is at position pos_rows[b] and attends over 0 ..
+ * pos_rows[b] (`pos` is not read): the same result per row as a decode of that row alone. */
 lm_status lm_attention_decode(lm_attention_config *c, int64_t Tmax, int64_t pos, const float *q,
                               const float *k_cache, const float *v_cache, float *o, float *lse,
                               lm_error *err);

@@ -114,11 +114,15 @@ typedef struct {
     float *k_cache, *v_cache; /* [B, Tmax, Hkv, Dh]; keys stored RoPE-rotated by their
                                  position (lm_attention_cache_write), values as is */
     int64_t Tmax;             /* positions the cache holds, >= 1 */
+    const int64_t *pos_rows;  /* NULL, or [B]: each row's own position for a decode step
+                                 (T = 1; the call's pos is then not read): rows of one
+                                 batch at different positions (serving) */
 } lm_attn_layer_cache;
 
 /* Inference (prefill and decode, no backward): out = layer(x) for T >= 1 new tokens of
  * each of B rows at positions pos .. pos+T-1 (the same pos for every row; positions
- * 0 .. pos-1 are already in kv). The layer does not advance pos; the caller does.
+ * 0 .. pos-1 are already in kv), or, with kv->pos_rows and T = 1, one token per row at
+ * that row's own position. The layer does not advance positions; the caller does.
  *   x, out  [B, T, d] fp32 (out must not alias x)
  *   kv      the cache; positions pos .. pos+T-1 are written, the others untouched
  *   ctx     scratch only (the same grow-only buffers as the forward)

@@ -192,22 +192,37 @@ double lm_model_train_flops_per_token(const lm_model_config *c, int T);
 
 /* Per-sequence inference state for B rows of up to max_len tokens: per KDA layer the
  * conv states [3][B, H*Dh, W-1] and the recurrent state [B, H, Dh, Dh] fp32, per
- * attention layer the K/V cache [B, max_len, Hkv, D] (RoPE-rotated keys). All rows
- * advance together (same position). */
+ * attention layer the K/V cache [B, max_len, Hkv, D] (RoPE-rotated keys). Each row has
+ * its own position (tokens consumed): a prefill (T > 1) needs the rows at one position,
+ * a decode step (T = 1) takes rows at any positions, so a server keeps one row per
+ * sequence (a slot): it prefills a new sequence through a view of its row, resets a
+ * finished sequence's row, and decodes all rows in one batched step. */
 typedef struct lm_model_cache lm_model_cache;
 lm_status lm_model_cache_new(lm_model_cache **out, const lm_model *m, int B, int64_t max_len,
                              lm_error *err);
 void lm_model_cache_free(lm_model_cache *c);
 /* Back to position 0 (states zeroed). */
 void lm_model_cache_reset(lm_model_cache *c);
-/* Tokens consumed so far per row. */
+/* Tokens consumed so far by row 0 (lm_model_cache_row_pos: by `row`, 0 outside). */
 int64_t lm_model_cache_pos(const lm_model_cache *c);
+int64_t lm_model_cache_row_pos(const lm_model_cache *c, int row);
+/* Row `row` back to position 0: its KDA conv and recurrent states zeroed (its KV cache
+ * rows need no clearing: only positions below the row's are read). On a view: its row. */
+void lm_model_cache_reset_row(lm_model_cache *c, int row);
+/* A cache of B = 1 over row `row` of c (no copy: the view's states are that row's, and
+ * its position is the row's), for prefilling one sequence while the other rows keep
+ * theirs; lm_model_cache_free frees only the view. c must outlive it and not be a view.
+ * Errors: LM_ERR_INVALID (row outside [0, B), m not c's model). */
+lm_status lm_model_cache_view(lm_model_cache **out, lm_model_cache *c, const lm_model *m, int row,
+                              lm_error *err);
 
 /* Feed T new tokens per row (ids [B, T]) through the model, updating the cache:
  * T > 1 is a prefill (chunked KDA with the cached state as initial state; attention
  * over the cache), T = 1 a decode step (recurrent KDA, one conv step, cached
  * attention). MoE without capacity. logits: [B, T, V] for every new token, or with
- * last_only = 1 [B, V] for the last one; may be NULL. Errors: position + T > max_len,
+ * last_only = 1 [B, V] for the last one; may be NULL. Rows at different positions:
+ * T must be 1 (each row's token at its own position). Errors: a row's position + T >
+ * max_len, rows at different positions with T > 1,
  * T * B > the model's max_tokens, bad ids. On error the cache is left unusable
  * (reset it). */
 lm_status lm_model_infer(lm_model *m, lm_model_cache *c, const int32_t *ids, int T,

@@ -356,10 +356,18 @@ lm_status lm_attn_layer_infer(const lm_attn_layer_config *c, int B, int T, int64
     if (kv->Tmax < 1)
         return lm_errorf(err, LM_ERR_INVALID, "attn_layer infer: kv.Tmax = %lld must be >= 1",
                          (long long)kv->Tmax);
+    if (kv->pos_rows) {
+        if (T != 1)
+            return lm_errorf(err, LM_ERR_INVALID,
+                             "attn_layer infer: kv.pos_rows (a position per row) needs T = 1, "
+                             "got T = %d",
+                             T);
+        pos = 1; /* not read below: the ops take every row's own position */
+    }
     if (pos < 0)
         return lm_errorf(err, LM_ERR_INVALID, "attn_layer infer: pos = %lld must be >= 0",
                          (long long)pos);
-    if (pos > kv->Tmax - T)
+    if (!kv->pos_rows && pos > kv->Tmax - T)
         return lm_errorf(err, LM_ERR_INVALID,
                          "attn_layer infer: pos + T = %lld + %d exceeds kv.Tmax = %lld",
                          (long long)pos, T, (long long)kv->Tmax);
@@ -396,6 +404,7 @@ lm_status lm_attn_layer_infer(const lm_attn_layer_config *c, int B, int T, int64
     const lm_attn_layer_batch b = {B, T, NULL, 0};
     lm_attention_config ac;
     attn_cfg(c, &b, ctx, &ac);
+    ac.pos_rows = kv->pos_rows;
     LM_TRY(lm_attention_cache_write(&ac, kv->Tmax, pos, ctx->k, ctx->v, kv->k_cache, kv->v_cache,
                                     err));
 
@@ -406,6 +415,7 @@ lm_status lm_attn_layer_infer(const lm_attn_layer_config *c, int B, int T, int64
         lm_attention_config a1;
         const lm_attn_layer_batch b1 = {B, 1, NULL, 0};
         attn_cfg(c, &b1, ctx, &a1);
+        a1.pos_rows = kv->pos_rows;
         for (int t = 0; t < T; t++) {
             /* decode takes q [B, 1, Hq, Dh] contiguous: with T > 1 the rows of token t
              * are gathered (into the backward's free dq / d_o scratch) and o scattered */

@@ -637,11 +637,17 @@ typedef struct {
 
 struct lm_model_cache {
     int B;
-    int64_t max_len, pos;
+    int64_t max_len;
+    int64_t pos;              /* the rows' common position during an infer call */
+    int64_t *pos_row;         /* [B] tokens consumed per row (a view: its parent's entry) */
     lm_kda_layer_state *ks;   /* [L] */
     lm_attn_layer_cache *kv;  /* [L] */
-    float *buf;
+    float *buf;               /* owned, NULL for a view */
     int64_t buf_floats;
+    lm_model_cache *parent;   /* a view of one row of parent, or NULL */
+    int row;                  /* the view's row in parent */
+    int L;
+    int64_t conv_n, st_n, kv_n; /* floats per row: a conv state, a recurrent state, K or V */
 };
 
 /* Run sublayer l on xn (normed input) into out. */
@@ -1077,6 +1083,11 @@ lm_status lm_model_cache_new(lm_model_cache **out, const lm_model *m, int B, int
                          (long long)total);
     }
     k->buf_floats = total;
+    k->L = m->L;
+    k->pos_row = LM_CALLOC((size_t)B, sizeof(int64_t));
+    k->conv_n = C * Wm;
+    k->st_n = (int64_t)c->kda_num_heads * c->kda_head_dim * c->kda_head_dim;
+    k->kv_n = max_len * (int64_t)c->num_key_value_heads * c->head_dim;
     float *q = k->buf;
     for (int i = 0; i < m->L; i++) {
         if (c->kinds[i] == LM_LAYER_KDA) {
@@ -1103,19 +1114,89 @@ lm_status lm_model_cache_new(lm_model_cache **out, const lm_model *m, int B, int
 
 void lm_model_cache_free(lm_model_cache *c) {
     if (!c) return;
-    free(c->buf);
+    if (!c->parent) {
+        free(c->buf);
+        free(c->pos_row);
+    }
     free(c->ks);
     free(c->kv);
     free(c);
 }
 
+lm_status lm_model_cache_view(lm_model_cache **out, lm_model_cache *c, const lm_model *m, int row,
+                              lm_error *err) {
+    if (!out)
+        return lm_errorf(err, LM_ERR_INVALID, "model cache view: NULL output");
+    *out = NULL;
+    if (!c || !m || c->parent || c->L != m->L)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "model cache view: needs a model and a cache of it (not a view)");
+    if (row < 0 || row >= c->B)
+        return lm_errorf(err, LM_ERR_INVALID, "model cache view: row = %d outside [0, %d)", row,
+                         c->B);
+    lm_model_cache *v = LM_CALLOC(1, sizeof(*v));
+    v->B = 1;
+    v->max_len = c->max_len;
+    v->L = c->L;
+    v->conv_n = c->conv_n;
+    v->st_n = c->st_n;
+    v->kv_n = c->kv_n;
+    v->parent = c;
+    v->row = row;
+    v->pos_row = c->pos_row + row;
+    v->ks = LM_CALLOC((size_t)c->L, sizeof(lm_kda_layer_state));
+    v->kv = LM_CALLOC((size_t)c->L, sizeof(lm_attn_layer_cache));
+    for (int i = 0; i < c->L; i++) {
+        if (c->ks[i].state) {
+            v->ks[i].conv_q = c->ks[i].conv_q + row * c->conv_n;
+            v->ks[i].conv_k = c->ks[i].conv_k + row * c->conv_n;
+            v->ks[i].conv_v = c->ks[i].conv_v + row * c->conv_n;
+            v->ks[i].state = c->ks[i].state + row * c->st_n;
+        }
+        if (c->kv[i].k_cache) {
+            v->kv[i].k_cache = c->kv[i].k_cache + row * c->kv_n;
+            v->kv[i].v_cache = c->kv[i].v_cache + row * c->kv_n;
+            v->kv[i].Tmax = c->max_len;
+        }
+    }
+    *out = v;
+    return LM_OK;
+}
+
+void lm_model_cache_reset_row(lm_model_cache *c, int row) {
+    if (!c) return;
+    if (c->parent) { /* a view: its one row */
+        row = c->row;
+        c = c->parent;
+    }
+    if (row < 0 || row >= c->B) return;
+    for (int i = 0; i < c->L; i++) {
+        if (!c->ks[i].state) continue; /* a KV cache needs no clearing: only positions
+                                           below the row's are read */
+        memset(c->ks[i].conv_q + row * c->conv_n, 0, sizeof(float) * (size_t)c->conv_n);
+        memset(c->ks[i].conv_k + row * c->conv_n, 0, sizeof(float) * (size_t)c->conv_n);
+        memset(c->ks[i].conv_v + row * c->conv_n, 0, sizeof(float) * (size_t)c->conv_n);
+        memset(c->ks[i].state + row * c->st_n, 0, sizeof(float) * (size_t)c->st_n);
+    }
+    c->pos_row[row] = 0;
+}
+
 void lm_model_cache_reset(lm_model_cache *c) {
     if (!c) return;
+    if (c->parent) {
+        lm_model_cache_reset_row(c, 0);
+        return;
+    }
     memset(c->buf, 0, (size_t)c->buf_floats * sizeof(float));
+    memset(c->pos_row, 0, sizeof(int64_t) * (size_t)c->B);
     c->pos = 0;
 }
 
-int64_t lm_model_cache_pos(const lm_model_cache *c) { return c ? c->pos : 0; }
+int64_t lm_model_cache_pos(const lm_model_cache *c) { return c ? c->pos_row[0] : 0; }
+
+int64_t lm_model_cache_row_pos(const lm_model_cache *c, int row) {
+    return c && row >= 0 && row < c->B ? c->pos_row[row] : 0;
+}
 
 lm_status lm_model_infer(lm_model *m, lm_model_cache *c, const int32_t *ids, int T,
                          int last_only, float *logits, lm_error *err) {
@@ -1126,17 +1207,36 @@ lm_status lm_model_infer(lm_model *m, lm_model_cache *c, const int32_t *ids, int
         return lm_errorf(err, LM_ERR_INVALID,
                          "model infer: B*T = %lld tokens > the model's max_tokens = %lld",
                          (long long)N, (long long)m->max_tokens);
-    if (c->pos + T > c->max_len)
+    if (c->L != m->L)
+        return lm_errorf(err, LM_ERR_INVALID, "model infer: the cache is not of this model");
+    /* the rows' positions: all equal (one pos for the layers), or differing, which a
+     * decode step (T = 1) takes row by row (kv.pos_rows) */
+    int same = 1;
+    for (int b = 0; b < c->B; b++) {
+        if (c->pos_row[b] + T > c->max_len)
+            return lm_errorf(err, LM_ERR_INVALID,
+                             "model infer: row %d: position %lld + %d new tokens > cache max_len "
+                             "= %lld",
+                             b, (long long)c->pos_row[b], T, (long long)c->max_len);
+        same &= c->pos_row[b] == c->pos_row[0];
+    }
+    if (!same && T != 1)
         return lm_errorf(err, LM_ERR_INVALID,
-                         "model infer: position %lld + %d new tokens > cache max_len = %lld",
-                         (long long)c->pos, T, (long long)c->max_len);
+                         "model infer: rows at different positions take one token at a time "
+                         "(T = %d): prefill a row through lm_model_cache_view",
+                         T);
     LM_TRY(check_ids(m, ids, N, "ids", 0, err));
     m->have_fwd = 0; /* the saved training activations are overwritten */
     memcpy(m->ids, ids, (size_t)N * sizeof(int32_t));
+    c->pos = c->pos_row[0];
+    for (int i = 0; i < c->L; i++)
+        c->kv[i].pos_rows = same ? NULL : c->pos_row;
     fwd_mode fm = {c->B, T, NULL, 0, 0, c};
     LM_TRY(run_forward(m, &fm, m->ids, err));
     m->N = N;
-    c->pos += T;
+    for (int b = 0; b < c->B; b++)
+        c->pos_row[b] += T;
+    c->pos = c->pos_row[0];
     if (!logits) return LM_OK;
     if (!last_only) {
         write_logits(m, N, logits);

@@ -418,11 +418,23 @@ static lm_status validate_cache(lm_attention_config *c, int64_t Tmax, int64_t po
     if (Tmax < 1)
         return lm_errorf(err, LM_ERR_INVALID, "attention: %s: Tmax = %lld must be >= 1", what,
                          (long long)Tmax);
-    if (pos < 0 || pos > Tmax - need)
+    if (c->pos_rows) {
+        if (c->T != 1)
+            return lm_errorf(err, LM_ERR_INVALID,
+                             "attention: %s: pos_rows (a position per row) needs T = 1, got T = %d",
+                             what, c->T);
+        for (int b = 0; b < c->B; b++)
+            if (c->pos_rows[b] < 0 || c->pos_rows[b] > Tmax - 1)
+                return lm_errorf(err, LM_ERR_INVALID,
+                                 "attention: %s: pos_rows[%d] = %lld does not fit a cache of "
+                                 "Tmax = %lld positions",
+                                 what, b, (long long)c->pos_rows[b], (long long)Tmax);
+    } else if (pos < 0 || pos > Tmax - need) {
         return lm_errorf(err, LM_ERR_INVALID,
                          "attention: %s: pos = %lld with %lld token(s) does not fit a cache of "
                          "Tmax = %lld positions",
                          what, (long long)pos, (long long)need, (long long)Tmax);
+    }
     if ((int64_t)c->B * Tmax * c->Hkv * c->D > ((int64_t)1 << 40))
         return lm_errorf(err, LM_ERR_INVALID,
                          "attention: %s: cache too large (B*Tmax*Hkv*D > 2^40)", what);
@@ -447,14 +459,15 @@ lm_status lm_attention_cache_write(lm_attention_config *c, int64_t Tmax, int64_t
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t b = r / T, t = r % T;
-        const size_t src = (size_t)(r * Hkv) * D, dst = (size_t)((b * Tmax + pos + t) * Hkv) * D;
+        const int64_t at = c->pos_rows ? c->pos_rows[b] : pos + t;
+        const size_t src = (size_t)(r * Hkv) * D, dst = (size_t)((b * Tmax + at) * Hkv) * D;
         memcpy(v_cache + dst, v + src, sizeof(float) * (size_t)Hkv * D);
         if (!rope) {
             memcpy(k_cache + dst, k + src, sizeof(float) * (size_t)Hkv * D);
             continue;
         }
         float cs[512], sn[512];
-        lm_attn_rope_factors(theta, D, pos + t, cs, sn);
+        lm_attn_rope_factors(theta, D, at, cs, sn);
         for (int g = 0; g < Hkv; g++)
             lm_attn_rope_rotate(k + src + (size_t)g * D, k_cache + dst + (size_t)g * D, D, cs, sn,
                                 0);
@@ -477,7 +490,13 @@ lm_status lm_attention_decode(lm_attention_config *c, int64_t Tmax, int64_t pos,
                          "attention: decode: q, k_cache, v_cache and o are required");
     const int B = c->B, Hq = c->Hq, Hkv = c->Hkv, D = c->D, grp = Hq / Hkv;
     LM_TRY(check_finite(q, (int64_t)B * Hq * D, "q", err));
-    const int64_t L = pos + 1; /* keys 0..pos */
+    /* keys 0..pos (0..pos_rows[b] per row): the scratch holds the longest row's scores */
+    int64_t L = pos + 1;
+    if (c->pos_rows) {
+        L = 1;
+        for (int b = 0; b < B; b++)
+            L = c->pos_rows[b] + 1 > L ? c->pos_rows[b] + 1 : L;
+    }
     const int nt = omp_get_max_threads();
     /* per thread (in floats, a multiple of 16 so every piece stays 8-byte aligned):
      * accumulators [64, D] in fp64 (a long cache sums 2^16+ terms, which fp32 rounds to
@@ -485,14 +504,23 @@ lm_status lm_attention_decode(lm_attention_config *c, int64_t Tmax, int64_t pos,
     const size_t per =
         (2 * 64 * (size_t)D + (size_t)grp * ((size_t)D + (size_t)L) + 15) & ~(size_t)15;
     float *buf = scratch_get(c->ws, sizeof(float) * per * (size_t)nt);
-    float cs[512], sn[512];
-    if (c->position == LM_POS_ROPE)
-        lm_attn_rope_factors(c->rope_theta, D, pos, cs, sn);
+    float cs0[512], sn0[512];
+    if (c->position == LM_POS_ROPE && !c->pos_rows)
+        lm_attn_rope_factors(c->rope_theta, D, pos, cs0, sn0);
     const float scale = c->scale;
     const int rope = c->position == LM_POS_ROPE;
+    const int64_t Lmax = L;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int task = 0; task < B * Hkv; task++) {
         const int b = task / Hkv, g = task % Hkv;
+        /* this row's keys 0..L-1 and, with per-row positions, its own rotation */
+        const int64_t L = c->pos_rows ? c->pos_rows[b] + 1 : Lmax;
+        float csr[512], snr[512];
+        const float *cs = cs0, *sn = sn0;
+        if (rope && c->pos_rows) {
+            lm_attn_rope_factors(c->rope_theta, D, c->pos_rows[b], csr, snr);
+            cs = csr, sn = snr;
+        }
         double *acc = (double *)(buf + per * (size_t)omp_get_thread_num());
         float *qt = (float *)(acc + 64 * (size_t)D), *s = qt + (size_t)grp * D;
         for (int j = 0; j < grp; j++) {
