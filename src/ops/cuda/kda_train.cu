@@ -915,8 +915,9 @@ __device__ __forceinline__ float gate_bwd_t(float lb, float x, float bias, float
     }
     if (GATE == LM_GATE_BOUNDED) {
         const float z = x + bias;
-        const float sg = sigmoidf_(ga * z);
-        const float dz = dg * lb * sg * (1.0f - sg) * ga;
+        /* 1 - sigmoid(u) as sigmoid(-u): the difference cancels as the gate saturates */
+        const float sg = sigmoidf_(ga * z), sgm = sigmoidf_(-ga * z);
+        const float dz = dg * lb * sg * sgm * ga;
         dAl += dz * z;
         return dz;
     }
