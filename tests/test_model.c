@@ -609,7 +609,7 @@ static void test_slots(void **state) {
         fill_ids(seq[b], MAXLEN, V, 1000 + (uint64_t)uses++);                                      \
         lm_model_cache_reset_row(kc, (b));                                                         \
         lm_model_cache *vw;                                                                        \
-        assert_int_equal(lm_model_cache_view(&vw, kc, m, (b), &err), LM_OK);                       \
+        assert_int_equal(lm_model_cache_view(&vw, kc, m, (b), 1, &err), LM_OK);                       \
         assert_int_equal(                                                                          \
             lm_model_infer(m, vw, seq[b], plen[b], 1, got + (size_t)(b) * (STEPS + 1) * V, &err),  \
             LM_OK);                                                                                \
@@ -654,6 +654,103 @@ static void test_slots(void **state) {
            checked, B, STEPS, worst);
     assert_true(checked >= 100);
     free(got), free(want), free(step);
+    lm_model_cache_free(kc);
+    lm_model_free(m);
+    lm_params_free(&p);
+}
+
+/* Serving with the active sequences packed at the front (model.h lm_model_cache_view of
+ * rows 0 .. n-1, lm_model_cache_copy_row to retire one): sequences arrive at random
+ * (prompts of 1-20 tokens, 1-8 decode steps), each step decodes only the n active rows,
+ * and a finished sequence's row is refilled with the last active row's state. Every
+ * sequence's logits equal those of its run alone (same bar as test_slots). */
+static void test_slots_packed(void **state) {
+    (void)state;
+    lm_model_config cfg;
+    load_tiny(&cfg);
+    lm_error err = {0};
+    lm_params p;
+    assert_int_equal(lm_params_init(&p, &cfg, &err), LM_OK);
+    randomize(&p, 29);
+    enum { B = 4, MAXLEN = 40, MAXSTEPS = 8 };
+    const int V = cfg.vocab_size;
+    lm_model *m;
+    assert_int_equal(lm_model_new(&m, &p, B * MAXLEN, &err), LM_OK);
+    lm_model_cache *kc;
+    assert_int_equal(lm_model_cache_new(&kc, m, B, MAXLEN, &err), LM_OK);
+    typedef struct {
+        int32_t seq[MAXLEN];
+        int plen, steps, done;
+        float *got; /* [(MAXSTEPS + 1), V] */
+    } active;
+    active act[B];
+    for (int b = 0; b < B; b++)
+        act[b].got = malloc(sizeof(float) * (size_t)(MAXSTEPS + 1) * V);
+    float *want = malloc(sizeof(float) * (size_t)(MAXSTEPS + 1) * V);
+    float *step = malloc(sizeof(float) * (size_t)B * V);
+    int n = 0, started = 0, finished = 0;
+    double worst = 0;
+    uint64_t rs = 7;
+#define RND(k) (rs = rs * 6364136223846793005ULL + 1442695040888963407ULL, (int)((rs >> 33) % (k)))
+    while (finished < 150) {
+        /* arrivals: into row n, prefilled through a one-row view */
+        while (n < B && (n == 0 || RND(3) == 0)) {
+            active *a = &act[n];
+            a->plen = 1 + RND(20);
+            a->steps = 1 + RND(MAXSTEPS);
+            a->done = 0;
+            fill_ids(a->seq, MAXLEN, V, 5000 + (uint64_t)started++);
+            lm_model_cache_reset_row(kc, n);
+            lm_model_cache *vw;
+            assert_int_equal(lm_model_cache_view(&vw, kc, m, n, 1, &err), LM_OK);
+            assert_int_equal(lm_model_infer(m, vw, a->seq, a->plen, 1, a->got, &err), LM_OK);
+            lm_model_cache_free(vw);
+            n++;
+        }
+        /* one decode step of the n active rows (rows 0 .. n-1, at their own positions) */
+        int32_t nxt[B];
+        for (int b = 0; b < n; b++)
+            nxt[b] = act[b].seq[act[b].plen + act[b].done];
+        lm_model_cache *front;
+        assert_int_equal(lm_model_cache_view(&front, kc, m, 0, n, &err), LM_OK);
+        assert_int_equal(lm_model_infer(m, front, nxt, 1, 1, step, &err), LM_OK);
+        lm_model_cache_free(front);
+        for (int b = 0; b < n; b++) {
+            act[b].done++;
+            memcpy(act[b].got + (size_t)act[b].done * V, step + (size_t)b * V,
+                   sizeof(float) * (size_t)V);
+        }
+        /* retirements: compare, then move the last active row into the freed one */
+        for (int b = n - 1; b >= 0; b--) {
+            active *a = &act[b];
+            if (a->done < a->steps)
+                continue;
+            alone(m, V, a->seq, a->plen, a->steps, want);
+            const int64_t cnt = (int64_t)(a->steps + 1) * V;
+            double *w64 = lm_to_f64(want, cnt);
+            const lm_cmp c = lm_compare_f32(a->got, w64, cnt, 2 * TOL_FWD_F32);
+            free(w64);
+            worst = c.rel_rms > worst ? c.rel_rms : worst;
+            if (!c.pass)
+                fail_msg("packed slots: sequence in row %d (prompt %d, %d steps): rel RMS %.3g", b,
+                         a->plen, a->steps, c.rel_rms);
+            finished++;
+            if (b != n - 1) {
+                assert_int_equal(lm_model_cache_copy_row(kc, b, n - 1, &err), LM_OK);
+                float *g = a->got;
+                *a = act[n - 1];
+                act[n - 1].got = g;
+            }
+            n--;
+        }
+    }
+#undef RND
+    printf("packed slots: %d sequences through %d rows (arrivals at random, retired rows "
+           "refilled by copy_row): worst rel RMS %.3g vs each run alone\n",
+           finished, B, worst);
+    for (int b = 0; b < B; b++)
+        free(act[b].got);
+    free(want), free(step);
     lm_model_cache_free(kc);
     lm_model_free(m);
     lm_params_free(&p);
@@ -861,6 +958,7 @@ int main(void) {
         cmocka_unit_test(test_packing),
         cmocka_unit_test(test_inference),
         cmocka_unit_test(test_slots),
+        cmocka_unit_test(test_slots_packed),
         cmocka_unit_test(test_threads),
         cmocka_unit_test(test_fd_tiny),
         cmocka_unit_test(test_fd_standard_full_tied),

@@ -207,14 +207,21 @@ void lm_model_cache_reset(lm_model_cache *c);
 int64_t lm_model_cache_pos(const lm_model_cache *c);
 int64_t lm_model_cache_row_pos(const lm_model_cache *c, int row);
 /* Row `row` back to position 0: its KDA conv and recurrent states zeroed (its KV cache
- * rows need no clearing: only positions below the row's are read). On a view: its row. */
+ * rows need no clearing: only positions below the row's are read). On a view: the
+ * view's row `row`. */
 void lm_model_cache_reset_row(lm_model_cache *c, int row);
-/* A cache of B = 1 over row `row` of c (no copy: the view's states are that row's, and
- * its position is the row's), for prefilling one sequence while the other rows keep
- * theirs; lm_model_cache_free frees only the view. c must outlive it and not be a view.
- * Errors: LM_ERR_INVALID (row outside [0, B), m not c's model). */
+/* A cache of B = nrows over rows row .. row+nrows-1 of c (no copy: the view's states and
+ * positions are those rows'); lm_model_cache_free frees only the view. c must outlive it
+ * and not be a view. With one row: prefill a new sequence while the others keep their
+ * state. With rows 0 .. n-1: decode the n active sequences of a server that keeps them
+ * packed at the front (retiring row i: lm_model_cache_copy_row(c, i, n-1)), so idle rows
+ * cost nothing. Errors: LM_ERR_INVALID (rows outside [0, B), m not c's model). */
 lm_status lm_model_cache_view(lm_model_cache **out, lm_model_cache *c, const lm_model *m, int row,
-                              lm_error *err);
+                              int nrows, lm_error *err);
+/* Row src's state (KDA conv and recurrent states, the KV cache up to its position) and
+ * position into row dst of c (not a view). Errors: LM_ERR_INVALID for rows outside
+ * [0, B). */
+lm_status lm_model_cache_copy_row(lm_model_cache *c, int dst, int src, lm_error *err);
 
 /* Feed T new tokens per row (ids [B, T]) through the model, updating the cache:
  * T > 1 is a prefill (chunked KDA with the cached state as initial state; attention

@@ -1124,18 +1124,19 @@ void lm_model_cache_free(lm_model_cache *c) {
 }
 
 lm_status lm_model_cache_view(lm_model_cache **out, lm_model_cache *c, const lm_model *m, int row,
-                              lm_error *err) {
+                              int nrows, lm_error *err) {
     if (!out)
         return lm_errorf(err, LM_ERR_INVALID, "model cache view: NULL output");
     *out = NULL;
     if (!c || !m || c->parent || c->L != m->L)
         return lm_errorf(err, LM_ERR_INVALID,
                          "model cache view: needs a model and a cache of it (not a view)");
-    if (row < 0 || row >= c->B)
-        return lm_errorf(err, LM_ERR_INVALID, "model cache view: row = %d outside [0, %d)", row,
-                         c->B);
+    if (row < 0 || nrows < 1 || row > c->B - nrows)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "model cache view: rows %d .. %d outside the cache's [0, %d)", row,
+                         row + nrows - 1, c->B);
     lm_model_cache *v = LM_CALLOC(1, sizeof(*v));
-    v->B = 1;
+    v->B = nrows;
     v->max_len = c->max_len;
     v->L = c->L;
     v->conv_n = c->conv_n;
@@ -1165,8 +1166,9 @@ lm_status lm_model_cache_view(lm_model_cache **out, lm_model_cache *c, const lm_
 
 void lm_model_cache_reset_row(lm_model_cache *c, int row) {
     if (!c) return;
-    if (c->parent) { /* a view: its one row */
-        row = c->row;
+    if (c->parent) { /* a view: its row `row` */
+        if (row < 0 || row >= c->B) return;
+        row += c->row;
         c = c->parent;
     }
     if (row < 0 || row >= c->B) return;
@@ -1181,10 +1183,39 @@ void lm_model_cache_reset_row(lm_model_cache *c, int row) {
     c->pos_row[row] = 0;
 }
 
+lm_status lm_model_cache_copy_row(lm_model_cache *c, int dst, int src, lm_error *err) {
+    if (!c || c->parent)
+        return lm_errorf(err, LM_ERR_INVALID, "model cache copy_row: needs a cache (not a view)");
+    if (dst < 0 || dst >= c->B || src < 0 || src >= c->B)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "model cache copy_row: rows %d <- %d outside [0, %d)", dst, src, c->B);
+    if (dst == src) return LM_OK;
+    const int64_t pos = c->pos_row[src];
+    for (int i = 0; i < c->L; i++) {
+        if (c->ks[i].state) {
+            float *p[4] = {c->ks[i].conv_q, c->ks[i].conv_k, c->ks[i].conv_v, c->ks[i].state};
+            for (int j = 0; j < 4; j++) {
+                const int64_t n = j < 3 ? c->conv_n : c->st_n;
+                memcpy(p[j] + dst * n, p[j] + src * n, sizeof(float) * (size_t)n);
+            }
+        }
+        if (c->kv[i].k_cache) {
+            /* positions 0 .. pos-1 of the row: [Tmax, Hkv, D] per row, the first pos */
+            const int64_t per = c->kv_n / c->max_len, n = pos * per;
+            memcpy(c->kv[i].k_cache + dst * c->kv_n, c->kv[i].k_cache + src * c->kv_n,
+                   sizeof(float) * (size_t)n);
+            memcpy(c->kv[i].v_cache + dst * c->kv_n, c->kv[i].v_cache + src * c->kv_n,
+                   sizeof(float) * (size_t)n);
+        }
+    }
+    c->pos_row[dst] = pos;
+    return LM_OK;
+}
+
 void lm_model_cache_reset(lm_model_cache *c) {
     if (!c) return;
     if (c->parent) {
-        lm_model_cache_reset_row(c, 0);
+        for (int r = 0; r < c->B; r++) lm_model_cache_reset_row(c, r);
         return;
     }
     memset(c->buf, 0, (size_t)c->buf_floats * sizeof(float));
