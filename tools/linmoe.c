@@ -9,6 +9,7 @@
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 
 #include "bench.h"
@@ -447,7 +448,28 @@ static int cmd_help(int argc, char **argv) {
     return LM_EXIT_OK;
 }
 
+/* OpenBLAS chose generic kernels on a CPU it does not know (core.h lm_blas_better_coretype):
+ * run this program again with OPENBLAS_CORETYPE set, once. A user's own OPENBLAS_CORETYPE
+ * is left alone; LINMOE_NO_BLAS_REEXEC=1 turns this off. Returns only when not re-executed. */
+static void blas_coretype_reexec(char **argv) {
+    if (getenv("OPENBLAS_CORETYPE") || getenv("LINMOE_NO_BLAS_REEXEC"))
+        return;
+    const char *want = lm_blas_better_coretype();
+    if (!want)
+        return;
+    fprintf(stderr,
+            "%s: OpenBLAS chose its %s kernels for this CPU (a model it does not know); "
+            "running again with OPENBLAS_CORETYPE=%s\n",
+            g_prog, lm_blas_corename(), want);
+    setenv("OPENBLAS_CORETYPE", want, 1);
+    setenv("LINMOE_NO_BLAS_REEXEC", "1", 1);
+    execv("/proc/self/exe", argv);
+    /* exec failed: go on with the generic kernels */
+    unsetenv("OPENBLAS_CORETYPE");
+}
+
 int main(int argc, char **argv) {
+    blas_coretype_reexec(argv);
     if (argc < 2) {
         usage_main(stderr);
         return LM_EXIT_USAGE;

@@ -180,6 +180,15 @@ void lm_sgemm(int transA, int transB, int M, int N, int K, float alpha, const fl
               const float *B, int ldb, float beta, float *C, int ldc);
 void lm_blas_set_threads(int n);
 int lm_blas_get_threads(void);
+/* The kernel family OpenBLAS chose when it loaded ("Haswell", "SkylakeX", "Prescott", ...).
+ * lm_blas_better_coretype: when that is a generic pre-AVX family on a CPU with AVX-512
+ * (or AVX2 + FMA), the family to ask for instead ("SkylakeX", "Haswell"), else NULL.
+ * OpenBLAS releases older than the CPU model (Debian 12's 0.3.21 on Sapphire / Emerald
+ * Rapids Xeons) fall back to Prescott (SSE3): sgemm 54 GFLOP/s on 2 cores of an Emerald
+ * Rapids Xeon against 156 with SkylakeX kernels. OpenBLAS reads OPENBLAS_CORETYPE once,
+ * when it loads, so only a new process can switch (the CLI re-executes itself). */
+const char *lm_blas_corename(void);
+const char *lm_blas_better_coretype(void);
 
 #ifdef __cplusplus
 }

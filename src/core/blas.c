@@ -3,9 +3,40 @@
 
 #include <cblas.h>
 
+#include <stdlib.h>
+#include <string.h>
+
 /* Declared by OpenBLAS's cblas.h; repeated here for CBLAS headers that omit them. */
 void openblas_set_num_threads(int num_threads);
 int openblas_get_num_threads(void);
+char *openblas_get_corename(void);
+
+const char *lm_blas_corename(void) {
+    const char *n = openblas_get_corename();
+    return n ? n : "unknown";
+}
+
+const char *lm_blas_better_coretype(void) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    /* the pre-AVX cores OpenBLAS falls back to for a CPU model it does not know */
+    static const char *const generic[] = {"Prescott", "Core2",   "Penryn", "Dunnington",
+                                          "Nehalem",  "Atom",    "Katmai", "Coppermine",
+                                          "Northwood", "Banias", "unknown"};
+    const char *core = lm_blas_corename();
+    int is_generic = 0;
+    for (size_t i = 0; i < sizeof generic / sizeof generic[0]; i++)
+        is_generic |= strcmp(core, generic[i]) == 0;
+    if (!is_generic)
+        return NULL;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        return "SkylakeX";
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return "Haswell";
+#endif
+    return NULL;
+}
 
 void lm_sgemm(int transA, int transB, int M, int N, int K, float alpha, const float *A, int lda,
               const float *B, int ldb, float beta, float *C, int ldc) {
