@@ -19,8 +19,8 @@ const char *lm_blas_corename(void) {
 const char *lm_blas_better_coretype(void) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     /* the pre-AVX cores OpenBLAS falls back to for a CPU model it does not know */
-    static const char *const generic[] = {"Prescott", "Core2",   "Penryn", "Dunnington",
-                                          "Nehalem",  "Atom",    "Katmai", "Coppermine",
+    static const char *const generic[] = {"Prescott",  "Core2",  "Penryn", "Dunnington",
+                                          "Nehalem",   "Atom",   "Katmai", "Coppermine",
                                           "Northwood", "Banias", "unknown"};
     const char *core = lm_blas_corename();
     int is_generic = 0;
