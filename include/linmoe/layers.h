@@ -48,7 +48,8 @@ extern "C" {
  *   weight    [D] fp32, or NULL (no gain: weight = 1)
  *   rstd      [N] fp32 output or NULL: the statistic, saved for the backward
  *   eps       > 0, finite
- * Errors: LM_ERR_INVALID for N < 0, D < 1, eps, a missing tensor, non-finite values. */
+ * Errors: LM_ERR_INVALID for N < 0, D < 1, eps, a missing tensor; LM_ERR_NONFINITE for
+ * non-finite values (core.h). */
 lm_status lm_rmsnorm_forward(int64_t N, int D, float eps, const float *x, const float *weight,
                              float *y, float *rstd, lm_error *err);
 
@@ -149,7 +150,7 @@ lm_status lm_short_conv_config_validate(lm_short_conv_config *c, lm_error *err);
  *   final_state    [N, C, W-1] output or NULL; may alias initial_state (updated in place)
  * Errors: LM_ERR_INVALID for dims, W outside 1..LM_SHORT_CONV_MAX_W, activation,
  * cu_seqlens (B == 1, starts at 0, non-decreasing, ends at T), missing or aliased
- * tensors, non-finite values. Sets c->N. */
+ * tensors; LM_ERR_NONFINITE for non-finite values (core.h). Sets c->N. */
 lm_status lm_short_conv_forward(lm_short_conv_config *c, const float *x, const float *weight,
                                 const float *initial_state, float *y, float *final_state,
                                 lm_error *err);
