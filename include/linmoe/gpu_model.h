@@ -81,9 +81,10 @@ lm_status lm_gpu_model_new(lm_gpu_model **out, lm_cuda_ctx *ctx, const lm_params
  *     [g | u]; MoE: the experts' permuted inputs and [g | u]) are not kept per layer but
  *     in one buffer set shared by every recomputed layer, and the backward runs the
  *     layer's forward again from its kept input (the normed sublayer input; a MoE layer
- *     keeps its routing, so the router's balance counts are not taken twice). The
- *     gradients are bit-identical to those without recompute (deterministic ops); the
- *     cost is one more forward of those layers. The memory plan counts the shared set
+ *     keeps its routing, so the router's balance counts are not taken twice). With
+ *     deterministic ops the gradients should be bit-identical to those without recompute;
+ *     tests/test_gpu_model.c test_recompute checks that (its status: docs/perf-notes.md,
+ *     GPU model). The cost is one more forward of those layers. The memory plan counts the shared set
  *     once (lm_gpu_model_plan_opts: compare the activation class with and without). */
 typedef struct {
     const uint8_t *recompute;

@@ -102,7 +102,6 @@ struct lm_gpu_model {
     void *kda_scratch; /* the KDA layers' backward scratch (one layer at a time) */
     void *moe_scratch; /* the MoE layers' experts scratch (one layer at a time) */
     void *moe_saved;   /* the recomputed MoE layers' saved activations, or NULL */
-    int n_rc;          /* layers with activation recompute */
     /* batch */
     int32_t *ids, *labels, *cu_dev;
     int64_t *cu_host;
@@ -307,7 +306,7 @@ static void layout(lm_gpu_model *m, size_t out[LM_MEM_N_CLASSES]) {
     m->ids = take(&ab, (size_t)N * 4);
     m->labels = take(&ab, (size_t)N * 4);
     m->cu_dev = take(&ab, (size_t)(m->max_seqs + 1) * 4);
-    size_t I_max = 0, attn_q = 0, attn_kv = 0, attn_h = 0;
+    size_t I_max = 0, attn_q = 0, attn_kv = 0;
     /* the recomputed layers' saved activations: one set, as large as the largest layer's */
     size_t rc_q = 0, rc_kv = 0, rc_h = 0, rc_I = 0;
     for (int i = 0; i < m->L; i++) {
@@ -346,8 +345,6 @@ static void layout(lm_gpu_model *m, size_t out[LM_MEM_N_CLASSES]) {
                 attn_q = cq;
             if (ckv > attn_kv)
                 attn_kv = ckv;
-            if ((size_t)ly->ac.Hq > attn_h)
-                attn_h = (size_t)ly->ac.Hq;
         }
         if (!ly->moe) {
             ly->gu = ly->rc ? rgu : take(&ab, (size_t)N * 2 * ly->I * 2);
@@ -355,7 +352,6 @@ static void layout(lm_gpu_model *m, size_t out[LM_MEM_N_CLASSES]) {
                 I_max = (size_t)ly->I;
         }
     }
-    (void)attn_h;
     /* the MoE layers' experts buffers: one scratch for all, one saved set for the
      * recomputed ones (the sizes of the layers' common config) */
     size_t moe_saved = 0, moe_scr = 0;
@@ -452,7 +448,6 @@ static lm_status shape_model(lm_gpu_model *m, const lm_model_config *cfg, int64_
         memset(&ly->kc, 0, sizeof ly->kc); /* compared with memcmp (kda_owner_of) */
         layer_cfgs(cfg, i, &ly->kc, &ly->ac);
         ly->rc = o && o->recompute && o->recompute[i];
-        m->n_rc += ly->rc;
     }
     (void)err;
     return LM_OK;

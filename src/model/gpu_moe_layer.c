@@ -192,8 +192,8 @@ static size_t layout(const lm_moe_config *c, int64_t max_tokens, int seq_cap,
     r->n_dropped = (int32_t *)take(&cv, sizeof(int32_t) * 2);
     r->aux_loss = aux ? (float *)take(&cv, sizeof(float)) : NULL;
     r->aux_coef = aux ? (double *)take(&cv, sizeof(double) * (size_t)seq_cap * E) : NULL;
-    /* the experts' saved activations and scratch: the layer's own unless the caller
-     * shares one (L->saved / L->scratch set before the carving call) */
+    /* the experts' saved activations and scratch: carved here when the layer owns them,
+     * else the caller's shared buffers (own_* without a buffer: sizing only) */
     if (!own_saved)
         L->saved = shared_saved;
     else

@@ -183,39 +183,19 @@ void lm_train_config_free(lm_train_config *c) {
 static const char *const k_top[] = {"model", "tokenizer", "tokenizer_dir", "data",
                                     "train", "stages",    "eval",          NULL};
 static const char *const k_data[] = {"train", "val", NULL};
-static const char *const k_train[] = {"seed",
-                                      "batch_tokens",
-                                      "batch_size",
-                                      "micro_batches",
-                                      "lr",
-                                      "min_lr_ratio",
-                                      "schedule",
-                                      "wsd_decay_frac",
-                                      "weight_decay",
-                                      "beta1",
-                                      "beta2",
-                                      "eps",
-                                      "grad_clip",
-                                      "log_every",
-                                      "eval_every",
-                                      "checkpoint_every",
-                                      "keep_last",
-                                      "max_bad_steps",
-                                      "threads",
-                                      "recompute",
-                                      NULL};
-static const char *const k_stage[] = {"name",
-                                      "seq_len",
-                                      "tokens",
-                                      "lr",
-                                      "warmup_steps",
-                                      "rope_theta",
-                                      "packing",
-                                      "passkey_fraction",
-                                      "long_doc_fraction",
-                                      "repeat_fraction",
-                                      "passkey_length",
-                                      NULL};
+/* clang-format off */
+static const char *const k_train[] = {
+    "seed",         "batch_tokens",  "batch_size", "micro_batches",
+    "lr",           "min_lr_ratio",  "schedule",   "wsd_decay_frac",
+    "weight_decay", "beta1",         "beta2",      "eps",
+    "grad_clip",    "log_every",     "eval_every", "checkpoint_every",
+    "keep_last",    "max_bad_steps", "threads",    "recompute",
+    NULL};
+static const char *const k_stage[] = {
+    "name",     "seq_len",          "tokens",            "lr",
+    "warmup_steps", "rope_theta",   "packing",           "passkey_fraction",
+    "long_doc_fraction", "repeat_fraction", "passkey_length", NULL};
+/* clang-format on */
 static const char *const k_eval[] = {"seq_len",      "passkey_lengths", "passkey_samples",
                                      "passkey_seed", "max_val_tokens",  NULL};
 
