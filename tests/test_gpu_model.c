@@ -485,6 +485,20 @@ static void test_recompute(void **state) {
             printf("recompute %-9s %-10s loss %.6f / %.6f, activations %lld -> %lld bytes: %s\n",
                    vs[vi].name, label[k], r->loss[3], r0.loss[3], (long long)r0.acts,
                    (long long)r->acts, same ? "bit-identical" : "DIFFERS");
+            /* non-finite gradients of the second step (a finite loss with a non-finite
+             * gradient is a bug of its own): the first tensors holding any */
+            int shown = 0;
+            for (int t = 0; t < p.n && shown < 4; t++) {
+                const lm_param_info *ti = &p.t[t];
+                int64_t bad = 0;
+                for (int64_t q = 0; q < ti->numel; q++)
+                    bad += !isfinite(r->grads[ti->offset + q]);
+                if (bad) {
+                    printf("  non-finite gradient: %s, %lld of %lld\n", ti->name, (long long)bad,
+                           (long long)ti->numel);
+                    shown++;
+                }
+            }
             if (!same) {
                 /* which part, and the first differing gradient tensor with its size */
                 printf("  loss %s, grad norm %s (%.9g / %.9g), gradients %s, parameters %s, "
@@ -505,6 +519,27 @@ static void test_recompute(void **state) {
                     printf("  first differing gradient: %s, max |diff| %.3g (max |g| %.3g)\n",
                            ti->name, md, mb);
                     break;
+                }
+                printf("  grad norms %.9g %.9g / %.9g %.9g\n", r->gnorm[0], r->gnorm[1],
+                       r0.gnorm[0], r0.gnorm[1]);
+                for (int t = 0, shown_p = 0; t < p.n && !s_pa && shown_p < 4; t++) {
+                    const lm_param_info *ti = &p.t[t];
+                    const float *a = r->params + ti->offset, *b = r0.params + ti->offset;
+                    int64_t nd = 0, nn = 0;
+                    double md = 0;
+                    for (int64_t q = 0; q < ti->numel; q++) {
+                        if (memcmp(a + q, b + q, sizeof(float)) == 0)
+                            continue;
+                        nd++;
+                        nn += !isfinite(a[q]) || !isfinite(b[q]);
+                        md = fmax(md, fabs((double)a[q] - b[q]));
+                    }
+                    if (nd) {
+                        printf("  differing parameters: %s, %lld of %lld (%lld non-finite), max "
+                               "|diff| %.3g\n",
+                               ti->name, (long long)nd, (long long)ti->numel, (long long)nn, md);
+                        shown_p++;
+                    }
                 }
             }
             assert_true(same);
@@ -544,6 +579,11 @@ int main(void) {
         cmocka_unit_test(test_parity),
         cmocka_unit_test(test_recompute),
     };
+    /* LM_TEST_FILTER: run the tests whose names match (cmocka's pattern, e.g.
+     * "test_recompute"), for a sanitizer run of one test on the GPU machine */
+    const char *filter = getenv("LM_TEST_FILTER");
+    if (filter && *filter)
+        cmocka_set_test_filter(filter);
     const int rc = cmocka_run_group_tests(tests, NULL, NULL);
     lm_cuda_ctx_free(g_ctx);
     return rc;

@@ -42,7 +42,8 @@ failure is printed and kept in the JSON. A peer that cannot run (import error, O
 kernel that does not compile) prints its reason and the script goes on.
 
 usage: bench_model.py [--configs A.json,B.json] [--peers fla,twin] [--twin-all] [--quick]
-                      [--no-compile] [--skip-linmoe] [--json FILE] [--lib LIB.so] [--dry-run]
+                      [--no-compile] [--twin-attnres auto|fla|torch] [--autotune full|first|pinned:F]
+                      [--skip-linmoe] [--json FILE] [--lib LIB.so] [--dry-run]
 Output: a table (one row per config and implementation: ms/step, tokens/s, MFU, peak GiB)
 and $OUT/bench_model.json (else /tmp/bench_model.json): {"bench": "model", ..., "records":
 [linmoe's records and the peers'], "comparisons": [...]}, rewritten after every row.
@@ -204,12 +205,14 @@ def fla_kwargs(raw, T):
     }, None
 
 
-def twin_variants(raw, compile_ok):
-    """(attnres_fla, compile) in the order the twin tries them."""
+def twin_variants(raw, compile_ok, attnres="auto"):
+    """(attnres_fla, compile) in the order the twin tries them; attnres "fla" / "torch"
+    keeps only that AttnRes implementation (--twin-attnres)."""
     ar = raw.get("residual", "standard") != "standard"
+    ars = {"auto": (True, False), "fla": (True,), "torch": (False,)}[attnres] if ar else (True,)
     out = []
     for comp in ((True, False) if compile_ok else (False,)):
-        for fla_ar in ((True, False) if ar else (True,)):
+        for fla_ar in ars:
             out.append((fla_ar, comp))
     return out
 
@@ -445,7 +448,7 @@ def run_fla(torch, raw, ids_list, B, T, reps, attn_impl):
     return rec
 
 
-def run_twin(torch, cfg_path, ids_list, B, T, reps, compile_ok):
+def run_twin(torch, cfg_path, ids_list, B, T, reps, compile_ok, attnres="auto"):
     rec = {"impl": "twin (PyTorch + fla)", "attempts": []}
     base = used_bytes(torch)
     try:
@@ -457,7 +460,7 @@ def run_twin(torch, cfg_path, ids_list, B, T, reps, compile_ok):
     except Exception as e:  # noqa: BLE001
         rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         return rec
-    for attnres_fla, comp in twin_variants(raw, compile_ok):
+    for attnres_fla, comp in twin_variants(raw, compile_ok, attnres):
         impl = TM.Impl(fla=True, attnres_fla=attnres_fla, compile=comp)
         desc = impl.describe(cfg)
         short = "twin (" + ("torch.compile" if impl.compile else "eager") + (
@@ -542,7 +545,7 @@ def print_plan(a, cfgs):
         else:
             print(f"  fla KDAForCausalLM: not mapped ({why})")
         if "twin" in peers:
-            for ar, comp in twin_variants(raw, not a.no_compile):
+            for ar, comp in twin_variants(raw, not a.no_compile, a.twin_attnres):
                 print(f"  twin variant: {'torch.compile' if comp else 'eager'}, AttnRes "
                       f"{'fla fused_attnres' if ar else 'torch'}"
                       if raw.get("residual", "standard") != "standard" else
@@ -558,6 +561,14 @@ def main():
                     help="also run the twin on the configs fla's model takes")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="the twin without torch.compile")
+    ap.add_argument("--twin-attnres", choices=("auto", "fla", "torch"), default="auto",
+                    help="the twin's AttnRes: fla's fused_attnres, torch, or fla then torch")
+    ap.add_argument("--autotune", default="full",
+                    help="Triton autotuning of the peers' kernels (scripts/gpu/triton_pin.py): "
+                         "full (every config, what a user gets; minutes on a fresh machine), "
+                         "first (each kernel's first config), pinned:FILE (the configs fla's "
+                         "autotuner selected in an earlier run, e.g. "
+                         "docs/perf/h200-2026-12-02c/triton_best.json)")
     ap.add_argument("--skip-linmoe", action="store_true")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_model.json"))
@@ -589,6 +600,10 @@ def main():
     torch.cuda.init()
     sys.path.insert(0, os.path.join(ROOT, "peers", "fla"))  # fla's source, git-ignored
     sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
+    import triton_pin
+    how = triton_pin.patch(a.autotune)
+    if how:
+        print(f"bench_model: {how}")
     attn_impl = "-"
     if "fla" in a.peers or "twin" in a.peers:
         try:
@@ -610,6 +625,7 @@ def main():
     reps = 2 if a.quick else 5
     dev = torch.cuda.get_device_name(0)
     out = {"bench": "model", "device": dev, "torch": torch.__version__, "reps": reps,
+           "triton_autotune": a.autotune,
            "warmup": WARMUP, "attention_for_fla": attn_impl, "records": [], "comparisons": []}
     torch_rate = [None]
 
@@ -657,7 +673,7 @@ def main():
             if peer == "fla":
                 rec = run_fla(torch, raw, ids, B, T, reps, attn_impl)
             else:
-                rec = run_twin(torch, path, ids, B, T, reps, not a.no_compile)
+                rec = run_twin(torch, path, ids, B, T, reps, not a.no_compile, a.twin_attnres)
             cleanup(torch)  # what the run's frames held, now released
             rec.update({"config": name, "B": B, "T": T, "wall_s": time.time() - t0})
             if not rec.get("error"):

@@ -8,9 +8,10 @@
  *     (bf16) goes down with dx = RMSNorm'(dxn) + G in one op per sublayer;
  *   AttnRes (model.h; reference/attnres_ctx.md §4.2): the sources are e and the block
  *     sums run[l] (bf16), h_l = AR(sources) (lm_cuda_attnres_forward_ptrs), xn_l =
- *     RMSNorm(h_l); backward: fp32 accumulators for the embedding, every completed block
- *     and the running part (the AR backward adds into them), cast to bf16 before the
- *     sublayer that reads them.
+ *     RMSNorm(h_l); backward: bf16 gradient accumulators for the embedding, every
+ *     completed block and the running part (the AR backward adds into them in fp32 and
+ *     rounds once per contribution, as the standard path's G is rounded once per
+ *     sublayer), read directly by the sublayer below them.
  * The mixers and FFNs: the attention layer and the dense SwiGLU here (attn_layer.h,
  * layers.h math), the KDA layer and the MoE layer in gpu_kda_layer.c / gpu_moe_layer.c
  * (src/model/gpu_internal.h). The head: RMSNorm, then the fused LM head +
@@ -96,7 +97,9 @@ struct lm_gpu_model {
     float *rstd[NSUB_MAX], *rstd_fin;
     /* backward */
     void *G16, *dxn, *dh;
-    float *G32, *dE32, *dB32[NSUB_MAX];
+    /* AttnRes: the gradients of the running sum, the embedding and each block sum, bf16
+     * (the precision of the standard residual's gradient stream G16) */
+    void *Gr16, *dE16, *dB16[NSUB_MAX];
     /* layer scratch shared by the attention / dense layers */
     void *s_dO, *s_dq, *s_dk, *s_dv, *s_dh, *s_h, *s_dgu;
     void *kda_scratch; /* the KDA layers' backward scratch (one layer at a time) */
@@ -369,10 +372,10 @@ static void layout(lm_gpu_model *m, size_t out[LM_MEM_N_CLASSES]) {
     m->dxn = take(&sb, (size_t)Nd * 2);
     m->dh = take(&sb, (size_t)Nd * 2);
     if (m->attnres) {
-        m->G32 = take(&sb, (size_t)Nd * 4);
-        m->dE32 = take(&sb, (size_t)Nd * 4);
+        m->Gr16 = take(&sb, (size_t)Nd * 2);
+        m->dE16 = take(&sb, (size_t)Nd * 2);
         for (int j = 0; j < m->nblocks; j++)
-            m->dB32[j] = take(&sb, (size_t)Nd * 4);
+            m->dB16[j] = take(&sb, (size_t)Nd * 2);
     }
     m->s_dO = take(&sb, (size_t)N * attn_q * 2);
     m->s_dq = take(&sb, (size_t)N * attn_q * 2);
@@ -1108,53 +1111,54 @@ static lm_status run_backward(lm_gpu_model *m, lm_error *err) {
     PROF(m, LM_GPU_PROF_NORM,
          lm_cuda_rmsnorm_backward(m->ctx, N, d, eps, m->hfin, m->norm_fin, m->rstd_fin, m->dxfin,
                                   NULL, m->dh, m->g_norm_fin, err));
-    LM_TRY(lm_cuda_ctx_memset(m->ctx, m->dE32, 0, (size_t)Nd * 4, err));
-    LM_TRY(lm_cuda_ctx_memset(m->ctx, m->G32, 0, (size_t)Nd * 4, err));
+    LM_TRY(lm_cuda_ctx_memset(m->ctx, m->dE16, 0, (size_t)Nd * 2, err));
+    LM_TRY(lm_cuda_ctx_memset(m->ctx, m->Gr16, 0, (size_t)Nd * 2, err));
     for (int j = 0; j < m->nblocks; j++)
-        LM_TRY(lm_cuda_ctx_memset(m->ctx, m->dB32[j], 0, (size_t)Nd * 4, err));
-    float *Gp = m->G32; /* dL/d run[l]: the running part's accumulator */
+        LM_TRY(lm_cuda_ctx_memset(m->ctx, m->dB16[j], 0, (size_t)Nd * 2, err));
+    /* dL/d run[l]: the running part's accumulator. The accumulators are bf16, added in
+     * fp32 and rounded once per contribution (cuda_attnres.h), as the standard residual's
+     * gradient stream is: an fp32 read-modify-write of every source at every sublayer
+     * was most of Block AttnRes's cost (docs/perf-notes.md). */
+    void *Gp = m->Gr16;
     int ns = ar_sources(m, m->nsub, sidx);
     for (int j = 0; j < ns; j++) {
         srcs[j] = sidx[j] < 0 ? m->e : m->run[sidx[j]];
-        dsrc[j] = sidx[j] < 0 ? m->dE32 : sidx[j] == m->nsub - 1 ? Gp : m->dB32[sidx[j] / m->S];
+        dsrc[j] = sidx[j] < 0 ? m->dE16 : sidx[j] == m->nsub - 1 ? Gp : m->dB16[sidx[j] / m->S];
     }
     lm_attnres_config ac;
     ar_config(m, &ac, ns);
     ac.accumulate = 1;
     PROF(m, LM_GPU_PROF_ATTNRES,
          lm_cuda_attnres_backward_ptrs(m->ctx, &ac, srcs, m->arq_fin, m->arn_fin, m->dh, dsrc,
-                                       LM_F32, m->arq_fin_g, m->arn_fin_g, err));
+                                       LM_BF16, m->arq_fin_g, m->arn_fin_g, err));
     for (int l = m->nsub - 1; l >= 0; l--) {
         gpu_layer *ly = &m->ly[l / 2];
         /* a block's last sublayer (not the model's last) takes its block's gradient */
         if (l != m->nsub - 1 && l % m->S == m->S - 1)
-            Gp = m->dB32[l / m->S];
-        PROF(m, LM_GPU_PROF_ATTNRES, lm_cuda_f32_to_bf16(m->ctx, Nd, Gp, m->G16, err));
-        PROF(m, sub_class(m, l),
-             prefix(sub_backward(m, l, m->G16, m->dxn, err), l, "backward", err));
+            Gp = m->dB16[l / m->S];
+        PROF(m, sub_class(m, l), prefix(sub_backward(m, l, Gp, m->dxn, err), l, "backward", err));
         PROF(m, LM_GPU_PROF_NORM,
              lm_cuda_rmsnorm_backward(m->ctx, N, d, eps, m->hp[l], ly->norm_w[l % 2], m->rstd[l],
                                       m->dxn, NULL, m->dh, ly->norm_g[l % 2], err));
         ns = ar_sources(m, l, sidx);
         if (ns == 1) {
-            PROF(m, LM_GPU_PROF_ATTNRES, lm_cuda_acc_bf16_f32(m->ctx, Nd, m->dh, m->dE32, err));
+            PROF(m, LM_GPU_PROF_ATTNRES, lm_cuda_add_bf16(m->ctx, Nd, m->dE16, m->dh, m->dE16, err));
             continue;
         }
         for (int j = 0; j < ns; j++) {
             srcs[j] = sidx[j] < 0 ? m->e : m->run[sidx[j]];
-            dsrc[j] = sidx[j] < 0                           ? m->dE32
+            dsrc[j] = sidx[j] < 0                           ? m->dE16
                       : (l % m->S != 0 && sidx[j] == l - 1) ? Gp
-                                                            : m->dB32[sidx[j] / m->S];
+                                                            : m->dB16[sidx[j] / m->S];
         }
         ar_config(m, &ac, ns);
         ac.accumulate = 1;
         PROF(m, LM_GPU_PROF_ATTNRES,
              lm_cuda_attnres_backward_ptrs(m->ctx, &ac, srcs, ly->arq[l % 2], ly->arn[l % 2], m->dh,
-                                           dsrc, LM_F32, ly->arq_g[l % 2], ly->arn_g[l % 2], err));
+                                           dsrc, LM_BF16, ly->arq_g[l % 2], ly->arn_g[l % 2], err));
     }
-    PROF(m, LM_GPU_PROF_ATTNRES, lm_cuda_f32_to_bf16(m->ctx, Nd, m->dE32, m->G16, err));
     PROF(m, LM_GPU_PROF_EMBED,
-         lm_cuda_embedding_backward(m->ctx, N, m->V, d, m->ids, m->G16, m->g_emb, err));
+         lm_cuda_embedding_backward(m->ctx, N, m->V, d, m->ids, m->dE16, m->g_emb, err));
     return LM_OK;
 }
 
