@@ -4,7 +4,9 @@
  *
  *  - grid: T = 63, 500, 1000, 1500; D = 60, 64, 100, 128; GVA (HV = 2H, 4H); varlen
  *    with segments of length 0, 1 and 15; chunk 16 / 32 / 64; scale 1, 0.1 and
- *    K^-0.5; gates masked to -1000 (softplus / none path); gates saturated at the
+ *    K^-0.5; gates masked to -1000 (softplus / none path) and to huge finite values
+ *    (-1e9 .. -3e38, and softplus inputs of 1e30: a full reset, kda.h
+ *    LM_KDA_LOG_DECAY_FLOOR); gates saturated at the
  *    bound (bounded path, diag SHARED); g = 0 exactly; in-op l2norm and beta sigmoid
  *    on and off; gate none / softplus / bounded with and without A_log / dt_bias.
  *    Per case: chunked forward (o, final_state <= TOL_FWD_F32), recurrent forward
@@ -46,9 +48,12 @@ typedef enum {
     G_MASK1000,    /* none: logsigmoid(randn)/gnorm, mask_p set to -1000, 5% exactly 0 */
     G_CLAMP_BOUND, /* none: max(lb, gnorm*logsigmoid(randn)) (many exactly at lb), 5% 0 */
     G_ZERO,        /* none: g = 0 everywhere */
+    G_MASKHUGE,    /* none: logsigmoid(randn)/gnorm, mask_p set to a huge finite log-decay
+                      (-1e9, -1e20, -1e30, -3e38 in turn: masks), 5% exactly 0 */
     G_RAW,         /* softplus/bounded: raw randn*gnorm; mask_p set to +1000 (softplus:
                       g ~ -1000 e^{A_log}; bounded: g = lb, saturated), 5% set to -1000
                       (bounded: g -> 0) */
+    G_RAWHUGE,     /* softplus: raw randn*gnorm, mask_p set to +1e30 (g ~ -1e30 e^{A_log}) */
 } g_dist;
 
 typedef struct {
@@ -190,8 +195,17 @@ static void kcase_init(const grid_case *gc, kcase *kc) {
         case G_ZERO:
             gv = 0.0;
             break;
+        case G_MASKHUGE: {
+            static const double huge[] = {-1e9, -1e20, -1e30, -3e38};
+            gv = u[i] < gc->mask_p ? huge[i % 4]
+                                   : (u[i] < gc->mask_p + 0.05 ? 0.0 : logsig(x) / gc->gnorm);
+            break;
+        }
         case G_RAW:
             gv = u[i] < gc->mask_p ? 1000.0 : (u[i] > 0.95 ? -1000.0 : x * gc->gnorm);
+            break;
+        case G_RAWHUGE:
+            gv = u[i] < gc->mask_p ? 1e30 : x * gc->gnorm;
             break;
         }
         kc->g64[i] = gv;
@@ -512,6 +526,10 @@ static grid_case GRID[] = {
     {"kda varlen T63 D100 bounded gva2 c16",  KDA, GBD, 1, 1, 1, -5, AUTO,   1, 1, 1, 63,   1, 2, 100, CU_63, 6, 16, 0,   G_RAW,        1,  0.3, 1, 1, 0, 19},
     {"kda varlen T500 D128 softplus c32",     KDA, GSP, 1, 1, 0, 0,  AUTO,   1, 0, 1, 500,  1, 1, 128, CU_500, 6, 32, 0.1f, G_RAW,      1,  0.2, 0, 1, 0, 20},
     {"kda varlen T1000 D60 bounded SHARED",   KDA, GBD, 0, 0, 1, -5, SHARED, 0, 1, 1, 1000, 1, 1, 60,  CU_1000, 6, 64, 1.0f, G_RAW,    1,  0.5, 1, 1, 1, 21},
+    {"kda T200 D64 none masked-huge c16",     KDA, GN,  0, 0, 0, 0,  AUTO,   1, 1, 1, 200,  2, 2, 64,  NULL, 0, 16, 0,    G_MASKHUGE,   1,  0.05,1, 1, 0, 22},
+    {"kda T200 D64 none masked-huge c64",     KDA, GN,  0, 0, 0, 0,  AUTO,   1, 1, 1, 200,  1, 1, 64,  NULL, 0, 64, 0,    G_MASKHUGE,   1,  0.02,1, 1, 0, 23},
+    {"kda T200 D64 softplus A huge input",    KDA, GSP, 1, 1, 0, 0,  AUTO,   1, 1, 1, 200,  1, 1, 64,  NULL, 0, 64, 0,    G_RAWHUGE,    1,  0.03,1, 1, 0, 24},
+    {"gdn T200 D64 none masked-huge c32",     GDN, GN,  0, 0, 0, 0,  AUTO,   1, 1, 1, 200,  2, 2, 64,  NULL, 0, 32, 0,    G_MASKHUGE,   1,  0.05,1, 1, 0, 42},
     {"gdn T63 D64 none",                      GDN, GN,  0, 0, 0, 0,  AUTO,   1, 0, 1, 63,   1, 1, 64,  NULL, 0, 64, 0,    G_LOGSIG,     1,  0,   0, 1, 0, 31},
     {"gdn T500 D60 softplus A bias",          GDN, GSP, 1, 1, 0, 0,  AUTO,   1, 1, 2, 500,  3, 3, 60,  NULL, 0, 64, 0,    G_RAW,        1,  0,   1, 1, 0, 32},
     {"gdn T1000 D100 none masked-1000",       GDN, GN,  0, 0, 0, 0,  AUTO,   0, 1, 1, 1000, 2, 2, 100, NULL, 0, 64, 1.0f, G_MASK1000,   1,  0.5, 0, 1, 1, 33},

@@ -45,6 +45,16 @@ typedef enum { LM_KDA = 0, LM_GDN = 1 } lm_kda_kind;
  * Absent A_log means exp(A_log) = 1; absent dt_bias means 0. */
 typedef enum { LM_GATE_NONE = 0, LM_GATE_SOFTPLUS = 1, LM_GATE_BOUNDED = 2 } lm_gate_mode;
 
+/* Log-decays below this floor (gate NONE inputs, or softplus gates of huge inputs; a
+ * mask such as -1e30) are computed as the floor: e^-128 = 2.6e-56 is below fp32's
+ * smallest subnormal, so every product spanning such a token is exactly 0 in fp32
+ * and the state is fully reset there, as in the exact recurrence (exp(-1e30) = 0),
+ * while the chunk's cumulative sums stay small enough to subtract exactly (left as
+ * they are, -1e30 + g in a cumulative sum loses g and every later decay inside the
+ * chunk; fp32 sums on the GPU already lose them at -1e9). The gradient with respect
+ * to such a g is exactly 0, as it is in the exact recurrence. */
+#define LM_KDA_LOG_DECAY_FLOOR (-128.0f)
+
 /* Diagonal-tile path of the chunked kernels (reference/kda.md §3.1-3.3):
  *   AUTO    SHARED when the log-decay is bounded (gate BOUNDED, or NONE with
  *           lower_bound given and every g >= lower_bound), SAFE otherwise.

@@ -187,6 +187,11 @@ lm_status lm_kda_prep_forward(const lm_kda_config *c, const lm_kda_inputs *in, l
             for (int d = 0; d < K; d++) acc += gk[d] * 0.0f;
             if (!isfinite(acc) && row < bad_row) bad_row = row;
         }
+        /* a huge finite log-decay is a full reset: the floor (kda.h) keeps it one (after
+         * the check above: an overflow to -inf stays an error) */
+        if (gm != LM_GATE_BOUNDED)
+            for (int d = 0; d < K; d++)
+                gk[d] = gk[d] < LM_KDA_LOG_DECAY_FLOOR ? LM_KDA_LOG_DECAY_FLOOR : gk[d];
     }
     if (bad_row < BT * HV) {
         const int hv = (int)(bad_row % HV);
