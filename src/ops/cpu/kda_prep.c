@@ -265,9 +265,12 @@ void lm_kda_prep_backward(const lm_kda_config *c, const lm_kda_inputs *in, const
         lm_kda_fp_leave(fp);
     }
     if (gr->dbeta) {
+        /* sigma'(x) = sigma(x) sigma(-x): b (1 - b) cancels as beta saturates (0 from x = 17
+         * on in fp32), as the bounded gate's did */
         for (int64_t i = 0; i < BT * HV; i++) {
-            float b = p->beta[i];
-            gr->dbeta[i] = c->use_beta_sigmoid_in_kernel ? dbeta_act[i] * b * (1.0f - b) : dbeta_act[i];
+            const float x = in->beta[i];
+            gr->dbeta[i] = c->use_beta_sigmoid_in_kernel ? dbeta_act[i] * p->beta[i] * sigmoidf_(-x)
+                                                         : dbeta_act[i];
         }
     }
 
