@@ -15,7 +15,7 @@
  *    the reference runs on the rounded values promoted back to fp64.
  *  - decode: chained T=1 (and T=5) recurrent calls with the state updated in place
  *    equal the chunked prefill (o and state within 1e-5).
- *  - causality: inputs at positions >= t change no output before t (1e-6 relative);
+ *  - causality: inputs at positions >= t change no output before t (bit for bit);
  *    upstream gradients before t change no input gradient at >= t; one packed
  *    sequence does not leak into another.
  *  - invalid input: each bad field gives a non-OK status and a message naming it.
@@ -33,9 +33,11 @@
 #include "kda_ref_f32.h"
 #include "test_util.h"
 
-/* Causality: outputs before t may differ only by rounding (the shared diagonal tile
- * takes its factors relative to the tile midpoint, which later tokens can move). */
-#define TOL_CAUSAL 1e-6
+/* Causality is bit-exact (the shared diagonal tile takes its factors relative to the
+ * tile's first row, so no row depends on a later token, not even in its rounding):
+ * outputs before t, and gradients at >= t from upstream gradients before t, do not
+ * change at all. */
+#define TOL_CAUSAL 0.0
 
 static int quick_mode(void) {
     const char *s = getenv("LINMOE_TEST_QUICK");
@@ -843,6 +845,99 @@ static int causality_case(const grid_case *gc, int t) {
     return ok;
 }
 
+/* Bit-exact causality of prefill (issue 25: the shared diagonal tile took its factors
+ * relative to the tile midpoint, so a later token's gate moved earlier rows' rounding).
+ * For a B = 1 case and a split t: (1) the gates at >= t changed: o before t identical
+ * bit for bit (chunked forward and lm_kda_forward); (2) every input and do at >= t
+ * changed: o and dq before t identical (dq_r depends on tokens <= r and do_r only);
+ * (3) the prefix [0, t) run alone (appending tokens): o and dq identical. */
+static int exact_causality_case(const grid_case *gc, int t) {
+    kcase kc, kg, kp;
+    kcase_init(gc, &kc);
+    kcase_init(gc, &kg);
+    kcase_init(gc, &kp);
+    const lm_kda_config *c = &kc.c;
+    assert_int_equal(c->B, 1);
+    const int T = c->T, H = c->H, HV = c->HV, K = c->K, V = c->V, GK = kc.GK;
+    const double glo =
+        c->gate == LM_GATE_NONE ? (c->has_lower_bound ? c->lower_bound : -3.0) : -3.0;
+    const double ghi = c->gate == LM_GATE_NONE ? 0.0 : 3.0;
+    perturb_from(kg.g, 1, T, (int64_t)HV * GK, t, 904, glo, ghi);
+    perturb_from(kp.g, 1, T, (int64_t)HV * GK, t, 904, glo, ghi);
+    perturb_from(kp.q, 1, T, (int64_t)H * K, t, 901, 0.0, 1.0);
+    perturb_from(kp.k, 1, T, (int64_t)H * K, t, 902, 0.0, 1.0);
+    perturb_from(kp.v, 1, T, (int64_t)HV * V, t, 903, -1.0, 1.0);
+    perturb_from(kp.beta, 1, T, HV, t, 905, 0.05, 0.95);
+    perturb_from(kp.dO, 1, T, (int64_t)HV * V, t, 906, -1.0, 1.0);
+    lm_error err = {0};
+    const size_t no = sizeof(float) * (size_t)t * HV * V, nq = sizeof(float) * (size_t)t * H * K;
+    opres r0, r1, r2;
+    opres_alloc(&kc, &r0);
+    opres_alloc(&kc, &r1);
+    opres_alloc(&kc, &r2);
+    int ok = 1;
+    for (int path = FWD_CHUNK; path <= FWD_AUTO; path += FWD_AUTO - FWD_CHUNK) {
+        assert_int_equal(op_forward(&kc, path, r0.o, NULL, &err), LM_OK);
+        assert_int_equal(op_forward(&kg, path, r1.o, NULL, &err), LM_OK);
+        assert_int_equal(op_forward(&kp, path, r2.o, NULL, &err), LM_OK);
+        const int gate_ok = memcmp(r0.o, r1.o, no) == 0, all_ok = memcmp(r0.o, r2.o, no) == 0;
+        printf(
+            "%s t=%d %s: o before t bit-identical with later gates changed: %s, with every later "
+            "input changed: %s\n",
+            gc->name, t, path == FWD_CHUNK ? "chunk" : "lm_kda_forward", gate_ok ? "yes" : "NO",
+            all_ok ? "yes" : "NO");
+        ok &= gate_ok && all_ok;
+    }
+    assert_int_equal(op_backward(&kc, &r0, &err), LM_OK);
+    assert_int_equal(op_backward(&kp, &r2, &err), LM_OK);
+    const int dq_ok = memcmp(r0.dq, r2.dq, nq) == 0;
+    printf("%s t=%d: dq before t bit-identical with every later input and do changed: %s\n",
+           gc->name, t, dq_ok ? "yes" : "NO");
+    ok &= dq_ok;
+    /* the prefix alone: the same arrays, T = t (B = 1: the prefix is contiguous) */
+    kcase kt = kc;
+    kt.c.T = t;
+    kt.nq = (int64_t)t * H * K, kt.nv = (int64_t)t * HV * V, kt.ng = (int64_t)t * HV * GK;
+    kt.nb = (int64_t)t * HV;
+    kt.dht = NULL;
+    kcase kf = kc;
+    kf.dht = NULL;
+    assert_int_equal(op_forward(&kt, FWD_CHUNK, r1.o, NULL, &err), LM_OK);
+    assert_int_equal(op_backward(&kf, &r0, &err), LM_OK);
+    assert_int_equal(op_backward(&kt, &r1, &err), LM_OK);
+    assert_int_equal(op_forward(&kc, FWD_CHUNK, r0.o, NULL, &err), LM_OK);
+    const int po = memcmp(r0.o, r1.o, no) == 0, pq = memcmp(r0.dq, r1.dq, nq) == 0;
+    printf("%s t=%d: the prefix run alone: o %s, dq %s\n", gc->name, t,
+           po ? "bit-identical" : "DIFFERS", pq ? "bit-identical" : "DIFFERS");
+    ok &= po && pq;
+    opres_free(&r0);
+    opres_free(&r1);
+    opres_free(&r2);
+    kcase_free(&kc);
+    kcase_free(&kg);
+    kcase_free(&kp);
+    return ok;
+}
+
+static void test_causality_exact(void **state) {
+    (void)state;
+    /* clang-format off */
+    static const grid_case cases[] = {
+        /* name                              kind gate A  b  lb  lbv  diag  l2 sig  B  T    H  HV  D   cu  ncu ch  scale gd            gnorm mask unif h0 heavy seed */
+        {"exact kda bounded AUTO c64",       KDA, GBD, 1, 1, 1, -5, AUTO,   1, 1, 1, 150, 1, 2, 64, NULL, 0, 64, 0, G_RAW,         1, 0.2, 1, 1, 0, 81},
+        {"exact kda none at bound c16",      KDA, GN,  0, 0, 1, -5, SHARED, 0, 0, 1, 100, 1, 1, 64, NULL, 0, 16, 0, G_CLAMP_BOUND, 6, 0,   1, 1, 0, 82},
+        {"exact gdn bounded c32",            GDN, GBD, 1, 1, 1, -5, AUTO,   1, 1, 1, 120, 2, 2, 60, NULL, 0, 32, 0, G_RAW,         1, 0.2, 1, 1, 0, 83},
+        {"exact kda softplus (safe) c64",    KDA, GSP, 1, 1, 0, 0,  AUTO,   1, 1, 1, 150, 1, 1, 64, NULL, 0, 64, 0, G_RAW,         1, 0.1, 1, 1, 0, 84},
+    };
+    /* clang-format on */
+    static const int ts[] = {1, 5, 9, 24, 40, 70, 99};
+    int ok = 1;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++)
+            ok &= exact_causality_case(&cases[i], ts[j]);
+    assert_true(ok);
+}
+
 static void test_causality(void **state) {
     (void)state;
     static const grid_case cases[] = {
@@ -1518,7 +1613,7 @@ static void test_invalid(void **state) {
 
 int main(void) {
     enum { NG = sizeof GRID / sizeof GRID[0] };
-    struct CMUnitTest tests[NG + 7];
+    struct CMUnitTest tests[NG + 8];
     int n = 0;
     tests[n++] = (struct CMUnitTest)cmocka_unit_test(test_invalid);
     tests[n++] = (struct CMUnitTest)cmocka_unit_test(test_gate_saturation);
@@ -1526,6 +1621,7 @@ int main(void) {
     tests[n++] = (struct CMUnitTest)cmocka_unit_test(test_collinear_keys);
     tests[n++] = (struct CMUnitTest)cmocka_unit_test(test_decode);
     tests[n++] = (struct CMUnitTest)cmocka_unit_test(test_causality);
+    tests[n++] = (struct CMUnitTest)cmocka_unit_test(test_causality_exact);
     tests[n++] = (struct CMUnitTest)cmocka_unit_test(test_varlen_independence);
     for (int i = 0; i < NG; i++) {
         tests[n] = (struct CMUnitTest)cmocka_unit_test_prestate(run_grid_case, &GRID[i]);
