@@ -614,6 +614,43 @@ static int same_model(const lm_model_config *a, const lm_model_config *b) {
     return eq;
 }
 
+/* --resume with a config: the one the run was started with (saved in the checkpoint) and
+ * the new one must describe the same run up to this step (lm_train_config_resume_check);
+ * safe changes are said, and the steps done must account for exactly the tokens the
+ * checkpoint counted under the new config (the budget stays exact). */
+static lm_status check_resume(ctx *x, const lm_train_config *c, const char *ckdir, lm_error *err) {
+    char *text = NULL;
+    LM_TRY(lm_train_checkpoint_config(ckdir, &text, err));
+    lm_train_config was;
+    memset(&was, 0, sizeof was);
+    char label[PATHMAX + 128];
+    snprintf(label, sizeof label, "%s/train_state.safetensors (train_config)", ckdir);
+    lm_status st = lm_train_config_parse(&was, text, label, err);
+    free(text);
+    char log[4096];
+    if (st == LM_OK)
+        st = lm_train_config_resume_check(&was, c, x->k.step, log, sizeof log, err);
+    lm_train_config_free(&was);
+    LM_TRY(st);
+    for (char *line = log, *nl; *line; line = nl + 1) {
+        nl = strchr(line, '\n');
+        if (!nl)
+            break;
+        *nl = '\0';
+        say(x, "resume: %s (changed in %s, applied)", line, c->source);
+    }
+    int64_t tokens = 0;
+    for (int64_t i = 0; i < x->k.step; i++)
+        tokens += c->stages[lm_train_stage_of(c, i)].step_tokens;
+    if (tokens != x->k.tokens)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "%s/train_state.safetensors: %lld tokens after %lld steps, but %s gives "
+                         "%lld for those steps",
+                         ckdir, (long long)x->k.tokens, (long long)x->k.step, c->source,
+                         (long long)tokens);
+    return LM_OK;
+}
+
 static lm_status setup(ctx *x, const lm_train_config *c, lm_error *err) {
     const lm_train_options *o = x->o;
     const int threads = o->threads > 0 ? o->threads : c->threads;
@@ -735,6 +772,7 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
     lm_loader_get_state(x->ld, &ls);
     if (o->resume) {
         LM_TRY(lm_train_state_load(ckdir, &x->p, &x->opt, x->m, &x->k, &ls, err));
+        LM_TRY(check_resume(x, c, ckdir, err));
         if (x->k.stage >= c->n_stages)
             return lm_errorf(err, LM_ERR_INVALID, "%s: stage %lld but %s has %d stages", ckdir,
                              (long long)x->k.stage, c->source, c->n_stages);
