@@ -432,20 +432,21 @@ static void test_writer(void **state) {
 }
 
 /* A header written the way other writers may (no padding, unaligned data, keys in
- * any order, holes between tensors, empty tensors inside another's range). */
+ * any order, an empty tensor at a boundary). Holes, overlaps and trailing bytes are
+ * refused (as by the reference implementation): see bad_cases. */
 static void test_foreign_layout(void **state) {
     (void)state;
     const char *json = "{\"b\":{\"shape\":[2],\"dtype\":\"F32\",\"data_offsets\":[0,8]},"
                        "\"__metadata__\":{\"format\":\"pt\"},"
-                       "\"a\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[12,20]},"
-                       "\"z\":{\"dtype\":\"BF16\",\"shape\":[0],\"data_offsets\":[4,4]}}";
+                       "\"a\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[8,16]},"
+                       "\"z\": {\"dtype\":\"BF16\",\"shape\":[0],\"data_offsets\":[8,8]}}";
     size_t n;
-    uint8_t *b = mk(json, 20, &n);
+    uint8_t *b = mk(json, 16, &n);
     assert_true(strlen(json) % 8 != 0);
     float fv[2] = {1.25f, -3.5f};
     int64_t iv = -123456789012345;
     memcpy(b + 8 + strlen(json), fv, 8);
-    memcpy(b + 8 + strlen(json) + 12, &iv, 8);
+    memcpy(b + 8 + strlen(json) + 8, &iv, 8);
     lm_safetensors st;
     lm_error err = {LM_OK, ""};
     lm_status s = lm_st_parse(b, n, "foreign", &st, &err);
@@ -589,6 +590,56 @@ static const bad_case bad_cases[] = {
      "\"small\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
      16,
      {"'big'", "overlaps", NULL}},
+    {"integer above 2^53, exactly",
+     "{\"w\":{\"dtype\":\"F32\",\"shape\":[9007199254740993],\"data_offsets\":[0,4]}}",
+     4,
+     {"'w'", "9007199254740993 x 4", "36028797018963972 bytes", NULL}},
+    {"offset 2^64-1, exactly",
+     "{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,18446744073709551615]}}",
+     4,
+     {"'w'", "end 18446744073709551615", NULL}},
+    {"offset 2^64, exactly",
+     "{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,18446744073709551616]}}",
+     4,
+     {"'w'", "[0,18446744073709551616]", "not a pair of non-negative integers", NULL}},
+    {"metadata number, as written",
+     "{\"__metadata__\":{\"a\":12345678901234567890},"
+     "\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+     4,
+     {"'a'", "value 12345678901234567890 is not a string", NULL}},
+    {"dim in exponent form",
+     "{\"w\":{\"dtype\":\"F32\",\"shape\":[1e0],\"data_offsets\":[0,4]}}",
+     4,
+     {"'w'", "1e0", NULL}},
+    {"gap between tensors",
+     "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+     "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,12]}}",
+     12,
+     {"'b'", "gap of 4 bytes", "'a'", NULL}},
+    {"gap before the first",
+     "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
+     8,
+     {"'a'", "gap of 4 bytes", "start", NULL}},
+    {"trailing data bytes",
+     "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+     5,
+     {"1 trailing bytes", "after the last tensor", NULL}},
+    {"data without tensors", "{\"__metadata__\":{}}", 3, {"3 trailing bytes", NULL}},
+    {"empty tensor inside another",
+     "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+     "\"z\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[4,4]}}",
+     8,
+     {"'z'", "overlaps", "'a'", NULL}},
+    {"checksums not an object",
+     "{\"__metadata__\":{\"linmoe.crc32c\":\"5\"},"
+     "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+     4,
+     {"linmoe.crc32c", "not a JSON object", NULL}},
+    {"checksum missing for a tensor",
+     "{\"__metadata__\":{\"linmoe.crc32c\":\"{\\\"b\\\":\\\"00000000\\\"}\"},"
+     "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+     4,
+     {"'a'", "no valid checksum", NULL}},
     {"overlap identical",
      "{\"p\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
      "\"q\":{\"dtype\":\"I32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
@@ -815,6 +866,104 @@ static void test_mutations(void **state) {
     free(raw);
 }
 
+/* ---------------------------------------------------------------- checksums */
+
+/* lm_st_read of `path` with stderr captured into `errbuf` */
+static lm_status read_capturing_stderr(const char *path, lm_safetensors *st, lm_error *err,
+                                       char *errbuf, size_t n) {
+    char cap[128];
+    path_in_dir(cap, sizeof cap, "stderr.txt");
+    fflush(stderr);
+    int saved = dup(2);
+    FILE *f = fopen(cap, "w");
+    assert_non_null(f);
+    dup2(fileno(f), 2);
+    lm_status s = lm_st_read(path, st, err);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    fclose(f);
+    size_t len;
+    uint8_t *t = read_file(cap, &len);
+    snprintf(errbuf, n, "%.*s", (int)len, t ? (const char *)t : "");
+    free(t);
+    return s;
+}
+
+/* CRC-32C against RFC 3720 B.4's vectors; every file the writer makes carries a
+ * checksum per tensor; a flipped byte anywhere in a tensor is a clear error naming the
+ * tensor; a file without checksums loads with one line on stderr saying so. */
+static void test_checksums(void **state) {
+    (void)state;
+    uint8_t z[32], ff[32], inc[32];
+    for (int i = 0; i < 32; i++)
+        z[i] = 0, ff[i] = 0xff, inc[i] = (uint8_t)i;
+    assert_int_equal(lm_crc32c(0, "123456789", 9), 0xE3069283u);
+    assert_int_equal(lm_crc32c(0, z, 32), 0x8A9136AAu);
+    assert_int_equal(lm_crc32c(0, ff, 32), 0x62A8AB43u);
+    assert_int_equal(lm_crc32c(0, inc, 32), 0x46DD794Eu);
+    assert_int_equal(lm_crc32c(lm_crc32c(0, inc, 13), inc + 13, 19), 0x46DD794Eu);
+    /* a file with two tensors */
+    lm_st_writer w;
+    lm_error err = {LM_OK, ""};
+    float v[6] = {1, 2, 3, 4, 5, 6};
+    int64_t sh[1] = {6}, sh2[1] = {3};
+    lm_st_writer_init(&w);
+    assert_int_equal(lm_st_writer_add(&w, "w", LM_F32, 1, sh, v, &err), LM_OK);
+    assert_int_equal(lm_st_writer_add(&w, "u", LM_I64, 1, sh2, (int64_t[]){7, 8, 9}, &err), LM_OK);
+    assert_int_equal(lm_st_writer_meta(&w, "format", "pt", &err), LM_OK);
+    char path[128];
+    path_in_dir(path, sizeof path, "crc.safetensors");
+    assert_int_equal(lm_st_writer_save(&w, path, &err), LM_OK);
+    lm_st_writer_free(&w);
+    lm_safetensors st;
+    char errs[1024];
+    assert_int_equal(read_capturing_stderr(path, &st, &err, errs, sizeof errs), LM_OK);
+    assert_int_equal(st.n_checksums, 2);
+    assert_null(lm_st_meta(&st, "linmoe.crc32c")); /* checked, then not the caller's */
+    assert_string_equal(lm_st_meta(&st, "format"), "pt");
+    assert_string_equal(errs, "");
+    lm_st_free(&st);
+    /* flip each byte of the data section in turn: every flip is caught, naming the tensor */
+    size_t n;
+    uint8_t *raw = read_file(path, &n);
+    assert_non_null(raw);
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--)
+        hlen = hlen << 8 | raw[i];
+    const size_t data0 = 8 + (size_t)hlen;
+    assert_int_equal(n - data0, 24 + 24);
+    int caught = 0;
+    for (size_t at = data0; at < n; at++) {
+        raw[at] ^= 0x10;
+        lm_status s = lm_st_parse(raw, n, "flipped.safetensors", &st, &err);
+        raw[at] ^= 0x10;
+        const char *tensor = at - data0 < 24 ? "'w'" : "'u'";
+        if (at == data0)
+            printf("flipped byte -> %s\n", err.msg);
+        if (s == LM_ERR_FORMAT && strstr(err.msg, "flipped.safetensors") &&
+            strstr(err.msg, tensor) && strstr(err.msg, "checksum mismatch"))
+            caught++;
+        lm_st_free(&st);
+    }
+    assert_int_equal(caught, (int)(n - data0));
+    free(raw);
+    /* a file without checksums (another writer): loads, and says so on stderr */
+    const char *json = "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}";
+    uint8_t *b = mk(json, 4, &n);
+    path_in_dir(path, sizeof path, "foreign.safetensors");
+    assert_int_equal(write_file(path, b, n), 0);
+    free(b);
+    assert_int_equal(read_capturing_stderr(path, &st, &err, errs, sizeof errs), LM_OK);
+    printf("no checksums -> stderr: %s", errs);
+    assert_int_equal(st.n_checksums, 0);
+    assert_non_null(strstr(errs, "foreign.safetensors"));
+    assert_non_null(strstr(errs, "no tensor checksums"));
+    assert_non_null(strchr(errs, '\n'));
+    assert_true(strchr(errs, '\n') == errs + strlen(errs) - 1); /* one line */
+    lm_st_free(&st);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip_all_dtypes),
@@ -824,6 +973,7 @@ int main(void) {
         cmocka_unit_test(test_bad_lengths),
         cmocka_unit_test(test_bad_files),
         cmocka_unit_test(test_mutations),
+        cmocka_unit_test(test_checksums),
     };
     return cmocka_run_group_tests(tests, setup_dir, teardown_dir);
 }

@@ -538,6 +538,140 @@ static void test_config_errors(void **state) {
     cJSON_Delete(j);
 }
 
+/* ---------------------------------------------------------------- resume with a changed config */
+
+/* The test config edited by `edit` (NULL: as is), parsed under the label "edited.json". */
+static void load_edited(lm_train_config *c, void (*edit)(cJSON *)) {
+    char *text = read_file(g_cfg, NULL);
+    cJSON *j = cJSON_Parse(text);
+    free(text);
+    if (edit)
+        edit(j);
+    char *t = cJSON_Print(j);
+    cJSON_Delete(j);
+    lm_error err = {0};
+    lm_status st = lm_train_config_parse(c, t, "edited.json", &err);
+    free(t);
+    if (st != LM_OK)
+        fprintf(stderr, "%s\n", err.msg);
+    assert_int_equal(st, LM_OK);
+}
+
+/* resume `run` with the edited config; max_steps 0 = to the end */
+static lm_status resume_edited(const char *run, void (*edit)(cJSON *), int64_t max_steps,
+                               lm_train_summary *s, lm_error *err) {
+    lm_train_config c;
+    load_edited(&c, edit);
+    lm_train_options o;
+    lm_train_options_default(&o);
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s/%s", g_dir, run);
+    o.run_dir = dir;
+    o.resume = 1;
+    o.max_steps = max_steps;
+    o.quiet = 1;
+    lm_status st = lm_train_run(&c, &o, s, err);
+    lm_train_config_free(&c);
+    return st;
+}
+
+static void expect_resume_refused(const char *run, void (*edit)(cJSON *), const char *field,
+                                  const char *was, const char *now) {
+    lm_error err = {0};
+    lm_train_summary s;
+    lm_status st = resume_edited(run, edit, 0, &s, &err);
+    fprintf(stderr, "resume refused: %s\n", err.msg);
+    assert_int_equal(st, LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, field));
+    char a[64], b[64];
+    snprintf(a, sizeof a, "from %s to %s", was, now);
+    snprintf(b, sizeof b, "%s", a);
+    assert_non_null(strstr(err.msg, b));
+}
+
+static void r_seed(cJSON *j) {
+    cJSON_ReplaceItemInObject(obj(j, "train"), "seed", cJSON_CreateNumber(2));
+}
+static void r_batch(cJSON *j) {
+    cJSON_ReplaceItemInObject(obj(j, "train"), "batch_tokens", cJSON_CreateNumber(2048));
+}
+static void r_micro(cJSON *j) {
+    cJSON_ReplaceItemInObject(obj(j, "train"), "micro_batches", cJSON_CreateNumber(1));
+}
+static void r_seq0(cJSON *j) {
+    cJSON_ReplaceItemInObject(stage(j, 0), "seq_len", cJSON_CreateNumber(128));
+}
+static void r_mix0(cJSON *j) {
+    cJSON_ReplaceItemInObject(stage(j, 0), "long_doc_fraction", cJSON_CreateNumber(0.5));
+}
+static void r_rope1(cJSON *j) {
+    cJSON_ReplaceItemInObject(stage(j, 1), "rope_theta", cJSON_CreateNumber(20000));
+}
+static void r_tok0(cJSON *j) {
+    cJSON_ReplaceItemInObject(stage(j, 0), "tokens", cJSON_CreateNumber(16 * 1024));
+}
+static void r_one_stage(cJSON *j) { cJSON_DeleteItemFromArray(obj(j, "stages"), 1); }
+static void r_tok1_short(cJSON *j) {
+    cJSON_ReplaceItemInObject(stage(j, 1), "tokens", cJSON_CreateNumber(3 * 1024));
+}
+/* the safe ones: learning rate, eval cadence, the current stage's budget extended */
+static void r_safe(cJSON *j) {
+    cJSON_ReplaceItemInObject(obj(j, "train"), "lr", cJSON_CreateNumber(0.001));
+    cJSON_ReplaceItemInObject(obj(j, "train"), "eval_every", cJSON_CreateNumber(7));
+    cJSON_ReplaceItemInObject(stage(j, 1), "tokens", cJSON_CreateNumber(30 * 1024));
+}
+
+/* --resume with a changed config (issue 25): unsafe changes refused, naming the field and
+ * both values; safe ones applied and listed; the run ends at exactly its new budget. */
+static void test_resume_changed_config(void **state) {
+    (void)state;
+    /* the check itself: what is listed */
+    lm_train_config a, b;
+    load_edited(&a, NULL);
+    load_edited(&b, r_safe);
+    char log[2048];
+    lm_error err = {0};
+    assert_int_equal(lm_train_config_resume_check(&a, &b, 20, log, sizeof log, &err), LM_OK);
+    fprintf(stderr, "safe changes at step 20:\n%s", log);
+    assert_non_null(strstr(log, "train.lr: 0.003 -> 0.001\n"));
+    assert_non_null(strstr(log, "train.eval_every: 0 -> 7\n"));
+    assert_non_null(strstr(log, "stages[1] (long).tokens: 25600 -> 30720\n"));
+    assert_non_null(strstr(log, "total: 40 -> 45 steps\n"));
+    lm_train_config_free(&b);
+    /* a stage not started yet may change (logged); once started it may not */
+    load_edited(&b, r_rope1);
+    assert_int_equal(lm_train_config_resume_check(&a, &b, 15, log, sizeof log, &err), LM_OK);
+    assert_non_null(strstr(log, "stages[1]"));
+    assert_int_equal(lm_train_config_resume_check(&a, &b, 16, log, sizeof log, &err),
+                     LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "stages[1] (long).rope_theta changed from 40000 to 20000"));
+    lm_train_config_free(&b);
+    lm_train_config_free(&a);
+
+    /* end to end: 20 steps (5 into the long stage), then resumes */
+    train_ok("R", 0, 20, 0);
+    expect_resume_refused("R", r_seed, "train.seed", "1", "2");
+    expect_resume_refused("R", r_batch, "train.batch_tokens", "1024", "2048");
+    expect_resume_refused("R", r_micro, "train.micro_batches", "2", "1");
+    expect_resume_refused("R", r_seq0, "stages[0] (short).seq_len", "64", "128");
+    expect_resume_refused("R", r_mix0, "stages[0] (short).long_doc_fraction", "0", "0.5");
+    expect_resume_refused("R", r_rope1, "stages[1] (long).rope_theta", "40000", "20000");
+    expect_resume_refused("R", r_tok0, "stages[0] (short).tokens", "15360", "16384");
+    expect_resume_refused("R", r_one_stage, "number of stages", "2", "1");
+    expect_resume_refused("R", r_tok1_short, "stages[1] (long).tokens", "25600", "3072");
+    /* nothing was changed by the refusals: the run still resumes as it was, and with the
+     * safe changes ends at exactly the new budget */
+    lm_train_summary s;
+    assert_int_equal(resume_edited("R", r_safe, 0, &s, &err), LM_OK);
+    assert_int_equal(s.steps_done, 45);
+    assert_int_equal(s.tokens, 15 * 1024 + 30 * 1024);
+    char **lines;
+    const int n = log_lines("R", &lines);
+    assert_int_equal(n, 45);
+    assert_non_null(strstr(lines[44], "\"tokens\":46080,"));
+    free_lines(lines, n);
+}
+
 static void test_nan_guard(void **state) {
     (void)state;
     lm_train_config c;
@@ -562,6 +696,9 @@ static void test_nan_guard(void **state) {
     assert_non_null(strstr(lines[2], "\"grad_norm\":null"));
     assert_non_null(strstr(lines[2], "\"skipped\":1"));
     assert_non_null(strstr(lines[3], "\"skipped\":0"));
+    /* the run's rates are over the 4 steps that were done */
+    assert_true(isfinite(s.tokens_per_s) && s.tokens_per_s > 0);
+    assert_true(s.mfu > 0 && s.mfu < 1);
     /* a skipped step changes nothing but the data position: step 4 of this run sees
      * the weights of step 2, so its loss differs from the straight run's step 4 */
     char **la;
@@ -624,7 +761,29 @@ static void test_nonfinite_status(void **state) {
     fprintf(stderr, "expected error: %s\n", err.msg);
     assert_non_null(strstr(err.msg, "5 non-finite steps in a row"));
     assert_non_null(strstr(err.msg, "at step 5"));
+    /* the same with err = NULL, which train.h allows (issue 25: the model's and the
+     * trainer's message wrapping read err->msg) */
+    snprintf(dir, sizeof dir, "%s/N0", g_dir);
+    o.quiet = 0; /* the step's message is said */
+    o.progress = 0;
+    assert_int_equal(lm_train_run(&c, &o, &s, NULL), LM_ERR_INVALID);
+    o.quiet = 1;
     lm_train_config_free(&c);
+    /* those steps returned early: no tokens/s or MFU for them (issue 25: they logged
+     * rates of a step that did no work, MFU far above 100 %) */
+    {
+        char p[512];
+        path_of(p, sizeof p, "N", "log.jsonl");
+        char *text = read_file(p, NULL);
+        assert_non_null(text);
+        int nl = 0;
+        for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n"), nl++) {
+            assert_non_null(strstr(line, "\"skipped\": 1"));
+            assert_non_null(strstr(line, "\"tok_per_s\": null, \"mfu\": null"));
+        }
+        assert_int_equal(nl, 5);
+        free(text);
+    }
 
     memset(&err, 0, sizeof err);
     assert_int_equal(edited_cfg(e_eps_inf, &c, &err), LM_ERR_INVALID);
@@ -668,13 +827,10 @@ static void test_cli(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_resume_bit_exact),
-        cmocka_unit_test(test_checkpoint_failure),
-        cmocka_unit_test(test_corrupt_checkpoint),
-        cmocka_unit_test(test_config_errors),
-        cmocka_unit_test(test_nan_guard),
-        cmocka_unit_test(test_nonfinite_status),
-        cmocka_unit_test(test_cli),
+        cmocka_unit_test(test_resume_bit_exact),      cmocka_unit_test(test_checkpoint_failure),
+        cmocka_unit_test(test_corrupt_checkpoint),    cmocka_unit_test(test_config_errors),
+        cmocka_unit_test(test_resume_changed_config), cmocka_unit_test(test_nan_guard),
+        cmocka_unit_test(test_nonfinite_status),      cmocka_unit_test(test_cli),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

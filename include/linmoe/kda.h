@@ -45,11 +45,24 @@ typedef enum { LM_KDA = 0, LM_GDN = 1 } lm_kda_kind;
  * Absent A_log means exp(A_log) = 1; absent dt_bias means 0. */
 typedef enum { LM_GATE_NONE = 0, LM_GATE_SOFTPLUS = 1, LM_GATE_BOUNDED = 2 } lm_gate_mode;
 
+/* Log-decays below this floor (gate NONE inputs, or softplus gates of huge inputs; a
+ * mask such as -1e30) are computed as the floor: e^-128 = 2.6e-56 is below fp32's
+ * smallest subnormal, so every product spanning such a token is exactly 0 in fp32
+ * and the state is fully reset there, as in the exact recurrence (exp(-1e30) = 0),
+ * while the chunk's cumulative sums stay small enough to subtract exactly (left as
+ * they are, -1e30 + g in a cumulative sum loses g and every later decay inside the
+ * chunk; fp32 sums on the GPU already lose them at -1e9). The gradient with respect
+ * to such a g is exactly 0, as it is in the exact recurrence. */
+#define LM_KDA_LOG_DECAY_FLOOR (-128.0f)
+
 /* Diagonal-tile path of the chunked kernels (reference/kda.md §3.1-3.3):
  *   AUTO    SHARED when the log-decay is bounded (gate BOUNDED, or NONE with
  *           lower_bound given and every g >= lower_bound), SAFE otherwise.
  *   SHARED  16x16 diagonal tiles by one matmul with factors relative to the tile's
- *           midpoint (magnitudes <= exp(8*|lower_bound|) <= e^40).
+ *           first row (magnitudes <= exp(15*|lower_bound|) <= e^75, inside fp32's
+ *           range), so that no output row depends on a later token even in its
+ *           rounding: prefill is bit-exactly causal (appending tokens never changes
+ *           earlier outputs; the midpoint used before moved them by ~3e-8).
  *   SAFE    per-pair exp(G_r - G_i) (never overflows, any gate). */
 typedef enum { LM_DIAG_AUTO = 0, LM_DIAG_SHARED = 1, LM_DIAG_SAFE = 2 } lm_kda_diag;
 

@@ -8,8 +8,18 @@
  * not {"dtype","shape","data_offsets"}; unknown dtype; negative or non-integer
  * shape dims; offsets not a pair of non-negative integers with begin <= end;
  * offsets past the data section; shape x dtype size != end - begin (with 64-bit
- * overflow checks); overlapping byte ranges between tensors; duplicate names.
+ * overflow checks); duplicate names; byte ranges that do not tile the data section
+ * exactly (sorted by offsets each tensor begins where the previous one ends, the first
+ * at 0, the last at the end of the file: gaps, overlaps and trailing bytes are refused,
+ * as by the reference implementation's Metadata::validate).
  * `__metadata__` must be an object of string -> string.
+ *
+ * Checksums: every file lm_st_writer_save writes has `__metadata__["linmoe.crc32c"]`,
+ * a JSON object text {"tensor name": "8 hex digits", ...} of each tensor's CRC-32C
+ * (lm_crc32c). On read, when present, every tensor must have one and match (else
+ * LM_ERR_FORMAT naming the tensor: the file is corrupt); the key is then removed from
+ * the metadata the caller sees and n_checksums is set. lm_st_read says so on stderr
+ * (one line) when a file with tensors has no checksums (files from other writers).
  *
  * Supported dtypes: F32, F64, BF16, F16, I32, I64, U8.
  * What this module does not do: memory mapping, lazy loading, endianness other
@@ -41,7 +51,12 @@ typedef struct {
     int n_entries;
     char **meta_keys, **meta_vals; /* __metadata__, owned */
     int n_meta;
+    int n_checksums;          /* tensors verified by their stored CRC-32C (all, or 0) */
 } lm_safetensors;
+
+/* CRC-32C (Castagnoli; RFC 3720 B.4) of n bytes, continuing from `crc` (0 to start):
+ * lm_crc32c(0, "123456789", 9) == 0xE3069283. */
+uint32_t lm_crc32c(uint32_t crc, const void *data, size_t n);
 
 /* Read and validate `path`. On error `out` is left empty (safe to lm_st_free). */
 lm_status lm_st_read(const char *path, lm_safetensors *out, lm_error *err);

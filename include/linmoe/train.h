@@ -169,6 +169,21 @@ lm_status lm_train_config_parse(lm_train_config *c, const char *json, const char
 lm_status lm_train_config_load(lm_train_config *c, const char *path, lm_error *err);
 void lm_train_config_free(lm_train_config *c);
 
+/* Resuming a run at global step `step` (steps done) with the config `now` when it was
+ * started (and last checkpointed) with `was`. Changes that would make the resumed run
+ * another run are refused: LM_ERR_INVALID, the message names the field and both values
+ * (tokenizer, data.train, train.seed, batch_tokens / batch_size, micro_batches, and for
+ * every stage that has started: its name, seq_len, data mix, passkey_length,
+ * rope_theta, the token budget of a completed stage, a budget below what the current
+ * stage has already trained; a started stage dropped). Everything else is safe and
+ * applied (learning rates and the schedule, optimizer scalars, warm-up, the current
+ * stage's budget, stages not started yet, added stages, eval / checkpoint / log
+ * cadence, evals, threads): one line per change ("train.lr: 0.003 -> 0.001") is written
+ * into `log` (newline-separated, NUL-terminated; may be NULL). The model section is
+ * compared by the trainer against the checkpoint itself. */
+lm_status lm_train_config_resume_check(const lm_train_config *was, const lm_train_config *now,
+                                       int64_t step, char *log, size_t log_size, lm_error *err);
+
 /* Stage of global step `step` (0-based; steps past the end map to the last). */
 int lm_train_stage_of(const lm_train_config *c, int64_t step);
 /* Learning rate of global step `step` (formula above). */

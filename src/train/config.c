@@ -3,7 +3,10 @@
  * include/linmoe/train.h. */
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -622,4 +625,246 @@ double lm_train_lr(const lm_train_config *c, int64_t step) {
     if (D == 1)
         return m;
     return P + (m - P) * (double)(i - d0 + 1) / (double)D;
+}
+
+/* ---------------------------------------------------------------- resume with a changed config */
+
+typedef struct {
+    const lm_train_config *was, *now;
+    int64_t step;
+    char *log;
+    size_t size, used;
+    lm_error *err;
+} rctx;
+
+static void rlog(rctx *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void rlog(rctx *r, const char *fmt, ...) {
+    if (!r->log || r->used + 1 >= r->size)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(r->log + r->used, r->size - r->used, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        return;
+    r->used += (size_t)n;
+    if (r->used >= r->size)
+        r->used = r->size - 1;
+    if (r->used + 1 < r->size) {
+        r->log[r->used++] = '\n';
+        r->log[r->used] = '\0';
+    }
+}
+
+static lm_status runsafe(rctx *r, const char *field, const char *a, const char *b,
+                         const char *why) {
+    return lm_errorf(r->err, LM_ERR_INVALID,
+                     "%s: cannot resume at step %lld with %s changed from %s to %s (the run was "
+                     "started with %s): %s; restore the old value or start a new run directory",
+                     r->now->source, (long long)r->step, field, a, b, r->was->source, why);
+}
+
+/* doubles printed so that different values print differently */
+static void fmt_num(char *buf, size_t n, double v) {
+    snprintf(buf, n, "%g", v);
+    if (strtod(buf, NULL) != v)
+        snprintf(buf, n, "%.17g", v);
+}
+
+static lm_status cmp_num(rctx *r, const char *field, double a, double b, const char *unsafe_why) {
+    if (a == b || (isnan(a) && isnan(b)))
+        return LM_OK;
+    char sa[40], sb[40];
+    fmt_num(sa, sizeof sa, a);
+    fmt_num(sb, sizeof sb, b);
+    if (unsafe_why)
+        return runsafe(r, field, sa, sb, unsafe_why);
+    rlog(r, "%s: %s -> %s", field, sa, sb);
+    return LM_OK;
+}
+
+static lm_status cmp_int(rctx *r, const char *field, uint64_t a, uint64_t b, int is_signed,
+                         const char *unsafe_why) {
+    if (a == b)
+        return LM_OK;
+    char sa[32], sb[32];
+    if (is_signed) {
+        snprintf(sa, sizeof sa, "%lld", (long long)a);
+        snprintf(sb, sizeof sb, "%lld", (long long)b);
+    } else {
+        snprintf(sa, sizeof sa, "%llu", (unsigned long long)a);
+        snprintf(sb, sizeof sb, "%llu", (unsigned long long)b);
+    }
+    if (unsafe_why)
+        return runsafe(r, field, sa, sb, unsafe_why);
+    rlog(r, "%s: %s -> %s", field, sa, sb);
+    return LM_OK;
+}
+#define CMP_I(r, f, a, b, why) cmp_int(r, f, (uint64_t)(int64_t)(a), (uint64_t)(int64_t)(b), 1, why)
+
+static lm_status cmp_str(rctx *r, const char *field, const char *a, const char *b,
+                         const char *unsafe_why) {
+    const char *x = a ? a : "(default)", *y = b ? b : "(default)";
+    if (strcmp(x, y) == 0)
+        return LM_OK;
+    char qa[PATH_MAX + 4], qb[PATH_MAX + 4];
+    snprintf(qa, sizeof qa, "'%s'", x);
+    snprintf(qb, sizeof qb, "'%s'", y);
+    if (unsafe_why)
+        return runsafe(r, field, qa, qb, unsafe_why);
+    rlog(r, "%s: %s -> %s", field, qa, qb);
+    return LM_OK;
+}
+
+static void fmt_list(char *buf, size_t n, const int *v, int cnt) {
+    size_t u = 0;
+    buf[0] = '\0';
+    u += (size_t)snprintf(buf, n, "[");
+    for (int i = 0; i < cnt && u + 16 < n; i++)
+        u += (size_t)snprintf(buf + u, n - u, "%s%d", i ? ", " : "", v[i]);
+    snprintf(buf + u, n - u, "]");
+}
+
+lm_status lm_train_config_resume_check(const lm_train_config *was, const lm_train_config *now,
+                                       int64_t step, char *log, size_t log_size, lm_error *err) {
+    rctx r = {was, now, step, log, log_size, 0, err};
+    if (log && log_size)
+        log[0] = '\0';
+    static const char *DATA = "the data order would no longer be the run's";
+    static const char *STEPS = "the global steps would no longer map to the run's stages and "
+                               "token counts";
+    LM_TRY(cmp_str(&r, "tokenizer", was->tokenizer, now->tokenizer, "the token ids would change"));
+    LM_TRY(cmp_str(&r, "tokenizer_dir", was->tokenizer_dir, now->tokenizer_dir,
+                   "the token ids would change"));
+    LM_TRY(cmp_str(&r, "data.train", was->train_path, now->train_path, DATA));
+    LM_TRY(cmp_int(&r, "train.seed", was->seed, now->seed, 0, DATA));
+    LM_TRY(CMP_I(&r, "train.batch_tokens", was->batch_tokens, now->batch_tokens, STEPS));
+    LM_TRY(CMP_I(&r, "train.batch_size", was->batch_size, now->batch_size, STEPS));
+    LM_TRY(CMP_I(&r, "train.micro_batches", was->micro_batches, now->micro_batches,
+                 "each step's batch would be split and summed differently"));
+    /* stages: those that have started must be the same stages; the ones after may change */
+    for (int i = 0; i < was->n_stages; i++) {
+        const lm_train_stage *a = &was->stages[i];
+        if (a->first_step >= step)
+            break; /* not started: everything from here on may change */
+        char f[LM_TRAIN_NAME_MAX + 64];
+        if (i >= now->n_stages) {
+            char sa[16], sb[16];
+            snprintf(sa, sizeof sa, "%d", was->n_stages);
+            snprintf(sb, sizeof sb, "%d", now->n_stages);
+            return runsafe(&r, "the number of stages", sa, sb,
+                           "a stage that has started would be dropped");
+        }
+        const lm_train_stage *b = &now->stages[i];
+        const int done = step >= a->first_step + a->steps; /* completed */
+        snprintf(f, sizeof f, "stages[%d].name", i);
+        LM_TRY(cmp_str(&r, f, a->name, b->name, "a stage that has started cannot be replaced"));
+#define STAGE_FIELD(key, expr, why)                                                                \
+    do {                                                                                           \
+        snprintf(f, sizeof f, "stages[%d] (%s).%s", i, a->name, key);                              \
+        LM_TRY(cmp_num(&r, f, (double)(a->expr), (double)(b->expr), why));                         \
+    } while (0)
+#define STAGE_INT(key, expr, why)                                                                  \
+    do {                                                                                           \
+        snprintf(f, sizeof f, "stages[%d] (%s).%s", i, a->name, key);                              \
+        LM_TRY(CMP_I(&r, f, a->expr, b->expr, why));                                               \
+    } while (0)
+        STAGE_INT("seq_len", seq_len, STEPS);
+        STAGE_INT("packing", packing, DATA);
+        STAGE_FIELD("passkey_fraction", passkey_fraction, DATA);
+        STAGE_FIELD("long_doc_fraction", long_doc_fraction, DATA);
+        STAGE_FIELD("repeat_fraction", repeat_fraction, DATA);
+        STAGE_INT("passkey_length", passkey_length, DATA);
+        STAGE_FIELD("rope_theta", rope_theta, "the model was trained with the old RoPE base");
+        if (done) {
+            STAGE_INT("tokens", tokens, "the stage is complete: its token budget is spent");
+        } else {
+            const int64_t in_stage = step - a->first_step;
+            if (b->steps < in_stage) {
+                char sa[32], sb[32], why[160];
+                snprintf(sa, sizeof sa, "%lld", (long long)a->tokens);
+                snprintf(sb, sizeof sb, "%lld", (long long)b->tokens);
+                snprintf(why, sizeof why, "%lld tokens of the stage are already trained",
+                         (long long)(in_stage * a->step_tokens));
+                snprintf(f, sizeof f, "stages[%d] (%s).tokens", i, a->name);
+                return runsafe(&r, f, sa, sb, why);
+            }
+            STAGE_INT("tokens", tokens, NULL);
+        }
+        STAGE_FIELD("lr", lr, NULL);
+        STAGE_INT("warmup_steps", warmup_steps, NULL);
+#undef STAGE_FIELD
+#undef STAGE_INT
+    }
+    /* stages that have not started yet: logged as a change of plan */
+    for (int i = 0; i < was->n_stages || i < now->n_stages; i++) {
+        if (i < was->n_stages && was->stages[i].first_step < step)
+            continue;
+        if (i >= now->n_stages) {
+            rlog(&r, "stages[%d] (%s): dropped (not started)", i, was->stages[i].name);
+        } else if (i >= was->n_stages) {
+            rlog(&r, "stages[%d] (%s): added (seq_len %d, %lld tokens)", i, now->stages[i].name,
+                 now->stages[i].seq_len, (long long)now->stages[i].tokens);
+        } else {
+            const lm_train_stage *a = &was->stages[i], *b = &now->stages[i];
+            if (strcmp(a->name, b->name) != 0 || a->seq_len != b->seq_len ||
+                a->tokens != b->tokens || a->lr != b->lr || a->warmup_steps != b->warmup_steps ||
+                a->rope_theta != b->rope_theta || a->packing != b->packing ||
+                a->passkey_fraction != b->passkey_fraction ||
+                a->long_doc_fraction != b->long_doc_fraction ||
+                a->repeat_fraction != b->repeat_fraction || a->passkey_length != b->passkey_length)
+                rlog(&r,
+                     "stages[%d]: '%s' (seq_len %d, %lld tokens) -> '%s' (seq_len %d, %lld "
+                     "tokens; not started)",
+                     i, a->name, a->seq_len, (long long)a->tokens, b->name, b->seq_len,
+                     (long long)b->tokens);
+        }
+    }
+    /* the rest only changes how the remaining steps are run, evaluated or logged */
+    static const struct {
+        const char *key;
+        size_t off;
+    } dbl[] = {
+        {"train.lr", offsetof(lm_train_config, lr)},
+        {"train.min_lr_ratio", offsetof(lm_train_config, min_lr_ratio)},
+        {"train.wsd_decay_frac", offsetof(lm_train_config, wsd_decay_frac)},
+        {"train.weight_decay", offsetof(lm_train_config, weight_decay)},
+        {"train.beta1", offsetof(lm_train_config, beta1)},
+        {"train.beta2", offsetof(lm_train_config, beta2)},
+        {"train.eps", offsetof(lm_train_config, eps)},
+        {"train.grad_clip", offsetof(lm_train_config, grad_clip)},
+    };
+    for (size_t i = 0; i < sizeof dbl / sizeof dbl[0]; i++)
+        LM_TRY(cmp_num(&r, dbl[i].key,
+                       *(const double *)(const void *)((const char *)was + dbl[i].off),
+                       *(const double *)(const void *)((const char *)now + dbl[i].off), NULL));
+    if (was->schedule != now->schedule)
+        rlog(&r, "train.schedule: %s -> %s", was->schedule == LM_SCHED_WSD ? "wsd" : "cosine",
+             now->schedule == LM_SCHED_WSD ? "wsd" : "cosine");
+    LM_TRY(CMP_I(&r, "train.log_every", was->log_every, now->log_every, NULL));
+    LM_TRY(CMP_I(&r, "train.eval_every", was->eval_every, now->eval_every, NULL));
+    LM_TRY(CMP_I(&r, "train.checkpoint_every", was->checkpoint_every, now->checkpoint_every, NULL));
+    LM_TRY(CMP_I(&r, "train.keep_last", was->keep_last, now->keep_last, NULL));
+    LM_TRY(CMP_I(&r, "train.max_bad_steps", was->max_bad_steps, now->max_bad_steps, NULL));
+    LM_TRY(CMP_I(&r, "train.threads", was->threads, now->threads, NULL));
+    if (was->n_recompute != now->n_recompute ||
+        memcmp(was->recompute, now->recompute, sizeof was->recompute) != 0)
+        rlog(&r, "train.recompute: %d -> %d layers", was->n_recompute, now->n_recompute);
+    LM_TRY(cmp_str(&r, "data.val", was->val_path, now->val_path, NULL));
+    LM_TRY(CMP_I(&r, "eval.seq_len", was->eval_seq_len, now->eval_seq_len, NULL));
+    if (was->n_passkey_lengths != now->n_passkey_lengths ||
+        memcmp(was->passkey_lengths, now->passkey_lengths,
+               sizeof(int) * (size_t)was->n_passkey_lengths) != 0) {
+        char sa[256], sb[256];
+        fmt_list(sa, sizeof sa, was->passkey_lengths, was->n_passkey_lengths);
+        fmt_list(sb, sizeof sb, now->passkey_lengths, now->n_passkey_lengths);
+        rlog(&r, "eval.passkey_lengths: %s -> %s", sa, sb);
+    }
+    LM_TRY(CMP_I(&r, "eval.passkey_samples", was->passkey_samples, now->passkey_samples, NULL));
+    LM_TRY(cmp_int(&r, "eval.passkey_seed", was->passkey_seed, now->passkey_seed, 0, NULL));
+    LM_TRY(CMP_I(&r, "eval.max_val_tokens", was->max_val_tokens, now->max_val_tokens, NULL));
+    if (was->total_steps != now->total_steps)
+        rlog(&r, "total: %lld -> %lld steps", (long long)was->total_steps,
+             (long long)now->total_steps);
+    return LM_OK;
 }

@@ -223,7 +223,7 @@ static lm_status apply_stage(ctx *x, int s, lm_error *err) {
     lm_status r = lm_loader_set_stage(x->ld, &ls, err);
     if (r != LM_OK) {
         char buf[sizeof err->msg];
-        snprintf(buf, sizeof buf, "%s", err->msg);
+        snprintf(buf, sizeof buf, "%s", err ? err->msg : "");
         return lm_errorf(err, r, "%s: stage '%s' (stages[%d]): %s", x->c->source, st->name, s, buf);
     }
     if (x->gm)
@@ -572,7 +572,7 @@ static lm_status open_shard(ctx *x, lm_shard *s, const char *path, const char *k
         r = lm_shard_validate(s, err);
     if (r != LM_OK) {
         char buf[sizeof err->msg];
-        snprintf(buf, sizeof buf, "%s", err->msg);
+        snprintf(buf, sizeof buf, "%s", err ? err->msg : "");
         return lm_errorf(err, r, "%s: %s (%s): %s", x->c->source, key, path, buf);
     }
     if ((int)s->vocab != lm_tokenizer_vocab_size(x->tok))
@@ -612,6 +612,43 @@ static int same_model(const lm_model_config *a, const lm_model_config *b) {
     free(s);
     free(t);
     return eq;
+}
+
+/* --resume with a config: the one the run was started with (saved in the checkpoint) and
+ * the new one must describe the same run up to this step (lm_train_config_resume_check);
+ * safe changes are said, and the steps done must account for exactly the tokens the
+ * checkpoint counted under the new config (the budget stays exact). */
+static lm_status check_resume(ctx *x, const lm_train_config *c, const char *ckdir, lm_error *err) {
+    char *text = NULL;
+    LM_TRY(lm_train_checkpoint_config(ckdir, &text, err));
+    lm_train_config was;
+    memset(&was, 0, sizeof was);
+    char label[PATHMAX + 128];
+    snprintf(label, sizeof label, "%s/train_state.safetensors (train_config)", ckdir);
+    lm_status st = lm_train_config_parse(&was, text, label, err);
+    free(text);
+    char log[4096];
+    if (st == LM_OK)
+        st = lm_train_config_resume_check(&was, c, x->k.step, log, sizeof log, err);
+    lm_train_config_free(&was);
+    LM_TRY(st);
+    for (char *line = log, *nl; *line; line = nl + 1) {
+        nl = strchr(line, '\n');
+        if (!nl)
+            break;
+        *nl = '\0';
+        say(x, "resume: %s (changed in %s, applied)", line, c->source);
+    }
+    int64_t tokens = 0;
+    for (int64_t i = 0; i < x->k.step; i++)
+        tokens += c->stages[lm_train_stage_of(c, i)].step_tokens;
+    if (tokens != x->k.tokens)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "%s/train_state.safetensors: %lld tokens after %lld steps, but %s gives "
+                         "%lld for those steps",
+                         ckdir, (long long)x->k.tokens, (long long)x->k.step, c->source,
+                         (long long)tokens);
+    return LM_OK;
 }
 
 static lm_status setup(ctx *x, const lm_train_config *c, lm_error *err) {
@@ -722,7 +759,7 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         lm_passkey_doc_free(&d);
         if (r != LM_OK) {
             char buf[sizeof err->msg];
-            snprintf(buf, sizeof buf, "%s", err->msg);
+            snprintf(buf, sizeof buf, "%s", err ? err->msg : "");
             return lm_errorf(err, r, "%s: eval.passkey_lengths[%d] = %d: %s", c->source, i,
                              c->passkey_lengths[i], buf);
         }
@@ -735,6 +772,7 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
     lm_loader_get_state(x->ld, &ls);
     if (o->resume) {
         LM_TRY(lm_train_state_load(ckdir, &x->p, &x->opt, x->m, &x->k, &ls, err));
+        LM_TRY(check_resume(x, c, ckdir, err));
         if (x->k.stage >= c->n_stages)
             return lm_errorf(err, LM_ERR_INVALID, "%s: stage %lld but %s has %d stages", ckdir,
                              (long long)x->k.stage, c->source, c->n_stages);
@@ -818,7 +856,7 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
     }
     const int64_t start_step = x->k.step;
     double t_train = 0, flops_sum = 0;
-    int64_t tok_run = 0;
+    int64_t tok_run = 0, n_timed = 0; /* over the steps that were not skipped */
     if (x->k.step >= stop)
         say(x, "nothing to do: step %lld already reached", (long long)x->k.step);
     while (x->k.step < stop) {
@@ -832,12 +870,17 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         step_result r;
         memset(&r, 0, sizeof r);
         LM_TRY(x->gm ? train_step_gpu(x, s, &r, err) : train_step(x, s, &r, err));
-        const double tok_s = (double)st->step_tokens / r.seconds;
+        /* a skipped step did not do the step's work (a failing forward returns early):
+         * no rate for it (null in the log), and it stays out of the run's rates */
         const double fpt = lm_model_train_flops_per_token(&x->p.cfg, st->seq_len);
-        const double mfu = fpt * tok_s / x->ref_flops;
-        t_train += r.seconds;
-        tok_run += st->step_tokens;
-        flops_sum += fpt * (double)st->step_tokens;
+        const double tok_s = r.skipped ? NAN : (double)st->step_tokens / r.seconds;
+        const double mfu = r.skipped ? NAN : fpt * tok_s / x->ref_flops;
+        if (!r.skipped) {
+            t_train += r.seconds;
+            tok_run += st->step_tokens;
+            flops_sum += fpt * (double)st->step_tokens;
+            n_timed++;
+        }
         log_step(x, s, &r, tok_s, mfu);
         x->last_loss = r.loss;
         if (r.skipped && x->k.bad_streak >= c->max_bad_steps)
@@ -851,7 +894,7 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
             say(x, "step %lld skipped: non-finite loss or gradient (%lld in a row)",
                 (long long)x->k.step, (long long)x->k.bad_streak);
         if (!x->quiet) {
-            const double avg = t_train / (double)(x->k.step - start_step);
+            const double avg = n_timed > 0 ? t_train / (double)n_timed : NAN;
             char eta[32];
             fmt_dur(eta, sizeof eta, avg * (double)(stop - x->k.step));
             if (x->live) {
@@ -859,16 +902,18 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
                     stderr,
                     "\r\033[Kstep %lld/%lld | stage %d %s (%d) | loss %.4f | %.0f tok/s | ETA %s",
                     (long long)x->k.step, (long long)stop, s, st->name, st->seq_len, r.loss,
-                    tok_run / t_train, eta);
+                    t_train > 0 ? tok_run / t_train : 0.0, eta);
                 fflush(stderr);
                 x->line_open = 1;
+            } else if (r.skipped) {
+                /* said above; no loss, norm or rate to show */
             } else if (x->k.step % c->log_every == 0 || x->k.step == start_step + 1 ||
                        x->k.step == stop) {
                 say(x,
                     "step %lld/%lld stage %s seq %d loss %.4f lr %.3e gnorm %.3f %.0f tok/s mfu "
-                    "%.1f%% ETA %s%s",
+                    "%.1f%% ETA %s",
                     (long long)x->k.step, (long long)stop, st->name, st->seq_len, r.loss, r.lr,
-                    r.gnorm, tok_s, 100 * mfu, eta, r.skipped ? " (skipped)" : "");
+                    r.gnorm, tok_s, 100 * mfu, eta);
             }
         }
         const int stage_end = x->k.step == st->first_step + st->steps;
@@ -910,6 +955,9 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
 lm_status lm_train_run(const lm_train_config *cin, const lm_train_options *o, lm_train_summary *out,
                        lm_error *err) {
     lm_train_summary dummy;
+    lm_error local = {0};
+    if (!err) /* the steps say numeric errors' messages: keep one even when the caller does not */
+        err = &local;
     if (!out)
         out = &dummy;
     memset(out, 0, sizeof *out);

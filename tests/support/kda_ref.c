@@ -35,7 +35,7 @@
  *   qs = scale*qn:        dqn = scale * dqs
  *   l2norm (x -> x/r):    dx = (dxn - xn <xn, dxn>) / r
  *   GVA: dq, dk of head h are sums over the HV/H value heads of its group.
- *   beta sigmoid:         dbeta = db * s (1 - s),  s = sigmoid(beta)
+ *   beta sigmoid:         dbeta = db * s (1 - s),  s = sigmoid(beta)   (1 - s as sigmoid(-beta))
  *   gate NONE:            dx = dg
  *   gate SOFTPLUS:        z = x + dt_bias, a = exp(A_log), g = -a sp(z)
  *                         dx = dg * (-a sp'(z)),  sp'(z) = 1 for z > 20 else sigmoid(z)
@@ -43,6 +43,7 @@
  *                         ddt_bias += dx,  dA_log += dg * g          (dg/dA_log = g)
  *   gate BOUNDED:         z = a (x + dt_bias), s = sigmoid(z), g = lb s
  *                         dz = dg * lb s (1 - s); dx = a dz; ddt_bias += a dz; dA_log += z dz
+ *                         (1 - s as sigmoid(-z): the difference loses digits as s -> 1)
  * dA_log [HV] and ddt_bias sum over all tokens (and channels for dA_log).
  * A zero-length sequence gives ht = h0 and dh0 = dht.
  */
@@ -117,7 +118,7 @@ static double ref_gate_bwd(const lm_kda_config *c, const kda_ref_io *io, int hv,
     case LM_GATE_BOUNDED: {
         double z = a * (x + bias);
         double s = ref_sigmoid(z);
-        double dz = dg * (double)c->lower_bound * s * (1.0 - s);
+        double dz = dg * (double)c->lower_bound * s * ref_sigmoid(-z); /* 1 - s, stably */
         dx = a * dz;
         *dbias += dx;
         *dA += z * dz;
@@ -347,7 +348,7 @@ static void ref_task(const lm_kda_config *c, const kda_ref_io *io, int n, int h,
                     double f = 1.0;
                     if (c->use_beta_sigmoid_in_kernel) {
                         double sg = ref_sigmoid(braw);
-                        f = sg * (1.0 - sg);
+                        f = sg * ref_sigmoid(-braw); /* 1 - sg, stably */
                     }
                     io->dbeta[bt * HV + hv] = db * f;
                 }

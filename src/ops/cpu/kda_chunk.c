@@ -2,8 +2,10 @@
  *
  * Math: reference/kda.md §2.1 (per-chunk quantities), §3.1 (16-token sub-tiles:
  * off-diagonal tiles with both factors relative to the first row of the row tile;
- * diagonal tiles by one matmul relative to the tile midpoint when the log-decay is
- * bounded, per-pair exp of differences otherwise), §3.1 "Inverse" (forward
+ * diagonal tiles by one matmul relative to the tile's first row too when the log-decay
+ * is bounded (factors within e^{+-15|lb|}; not the midpoint, whose G depends on later
+ * rows: each row's rounding would then depend on later tokens), per-pair exp of
+ * differences otherwise), §3.1 "Inverse" (forward
  * substitution on 16x16 diagonal blocks, then block merge), §4.1 (backward). The
  * backward below is derived in docs/kda-math.md; every line names the forward
  * product it differentiates.
@@ -255,7 +257,7 @@ static void chunk_intra(ws_t *w, int c, int shared) {
         int L = c - r0 < BC ? c - r0 : BC;
         if (r0 > 0) tile_fwd(w, r0, L, 0, r0, r0, 0);
         if (shared)
-            tile_fwd(w, r0, L, r0, r0 + L, r0 + L / 2, 1);
+            tile_fwd(w, r0, L, r0, r0 + L, r0, 1); /* rows relative to the tile start: causal */
         else
             tile_fwd_safe_diag(w, r0, L);
     }
@@ -507,7 +509,7 @@ static void chunk_backward(ws_t *w, int c, int shared, const float *S0, float *d
         int L = c - r0 < BC ? c - r0 : BC;
         if (r0 > 0) tile_bwd(w, r0, L, 0, r0, r0);
         if (shared)
-            tile_bwd(w, r0, L, r0, r0 + L, r0 + L / 2);
+            tile_bwd(w, r0, L, r0, r0 + L, r0);
         else
             tile_bwd_safe_diag(w, r0, L);
     }

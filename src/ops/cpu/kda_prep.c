@@ -187,6 +187,11 @@ lm_status lm_kda_prep_forward(const lm_kda_config *c, const lm_kda_inputs *in, l
             for (int d = 0; d < K; d++) acc += gk[d] * 0.0f;
             if (!isfinite(acc) && row < bad_row) bad_row = row;
         }
+        /* a huge finite log-decay is a full reset: the floor (kda.h) keeps it one (after
+         * the check above: an overflow to -inf stays an error) */
+        if (gm != LM_GATE_BOUNDED)
+            for (int d = 0; d < K; d++)
+                gk[d] = gk[d] < LM_KDA_LOG_DECAY_FLOOR ? LM_KDA_LOG_DECAY_FLOOR : gk[d];
     }
     if (bad_row < BT * HV) {
         const int hv = (int)(bad_row % HV);
@@ -260,9 +265,12 @@ void lm_kda_prep_backward(const lm_kda_config *c, const lm_kda_inputs *in, const
         lm_kda_fp_leave(fp);
     }
     if (gr->dbeta) {
+        /* sigma'(x) = sigma(x) sigma(-x): b (1 - b) cancels as beta saturates (0 from x = 17
+         * on in fp32), as the bounded gate's did */
         for (int64_t i = 0; i < BT * HV; i++) {
-            float b = p->beta[i];
-            gr->dbeta[i] = c->use_beta_sigmoid_in_kernel ? dbeta_act[i] * b * (1.0f - b) : dbeta_act[i];
+            const float x = in->beta[i];
+            gr->dbeta[i] = c->use_beta_sigmoid_in_kernel ? dbeta_act[i] * p->beta[i] * sigmoidf_(-x)
+                                                         : dbeta_act[i];
         }
     }
 

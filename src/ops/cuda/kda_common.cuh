@@ -83,11 +83,14 @@ __device__ __forceinline__ float gate_log2(float x, float gb, float ga, float lb
         const float gc = -ga * LOG2E_F;
         return __fdividef(lb * LOG2E_F, 1.0f + ex2f(fmaf(x, gc, gc * gb)));
     }
+    /* log-decays below LM_KDA_LOG_DECAY_FLOOR (kda.h) are the floor: a full reset that
+     * keeps the fp32 cumulative sum exact enough (-1e9 + g loses g in fp32) */
     if (GATE == LM_GATE_SOFTPLUS) {
         const float z = x + gb;
-        return -ga * LOG2E_F * (z > 20.0f ? z : __logf(1.0f + fexp(z)));
+        const float g = -ga * (z > 20.0f ? z : __logf(1.0f + fexp(z)));
+        return fmaxf(g, LM_KDA_LOG_DECAY_FLOOR) * LOG2E_F;
     }
-    return x * LOG2E_F;
+    return fmaxf(x, LM_KDA_LOG_DECAY_FLOOR) * LOG2E_F;
 }
 /* f[i] <- gate_log2(f[i], gb[i * BSTEP]) for i < N, with the gate chosen once outside
  * the (unrolled) loop: BSTEP = 1 for per-element biases, 0 for one bias for all */

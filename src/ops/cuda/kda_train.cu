@@ -1010,9 +1010,9 @@ __global__ void __launch_bounds__(NTP, 2) kda_bwd_pairs(BwdParams p) {
     const int g = lane >> 2, t = lane & 3;
     if (blockIdx.z == 0 && tid < L && p.dbeta) { /* beta (sigmoid) backward */
         float db = p.dbp[cb * BT + tid];
-        if (p.sig) {
+        if (p.sig) { /* b sigmoid(-x), not b (1 - b): that cancels as beta saturates */
             const float b = p.bs[cb * BT + tid];
-            db *= b * (1.0f - b);
+            db *= b * sigmoidf_(-__bfloat162float(p.beta[(int64_t)(t0 + tid) * HV + hv]));
         }
         p.dbeta[(int64_t)(t0 + tid) * HV + hv] = __float2bfloat16(db);
     }
