@@ -80,9 +80,10 @@ typedef struct {
 /* 1 when this build has the MPI backend (LM_HAVE_MPI). */
 int lm_dist_have_mpi(void);
 
-/* The world communicator of this process: MPI_COMM_WORLD when the build has MPI
- * (initialising MPI when it is not yet initialised; a process started without mpirun
- * is a world of 1), else the self backend. Errors: LM_ERR_UNSUPPORTED when the build
+/* The world communicator of this process: MPI_COMM_WORLD when the build has MPI and
+ * a launcher started this process (one of the variables above is set; MPI is
+ * initialised unless someone did already), else the self backend (a process started
+ * without mpirun is a world of 1 and never starts MPI). Errors: LM_ERR_UNSUPPORTED when the build
  * has no MPI but the environment says this process is one of N > 1 ranks (names the
  * variable and N); LM_ERR_IO when MPI_Init_thread fails. One per process. */
 lm_status lm_comm_world_new(lm_comm **out, lm_error *err);
@@ -142,6 +143,11 @@ lm_status lm_comm_alltoallv(lm_comm *c, const void *send, const int64_t *send_co
 lm_status lm_comm_broadcast(lm_comm *c, void *buf, int64_t n, lm_dtype dt, int root, lm_error *err);
 
 lm_status lm_comm_barrier(lm_comm *c, lm_error *err);
+
+/* A rank that cannot go on: MPI_Abort over c (mpirun then ends every rank and exits
+ * non-zero) when c is an MPI communicator of more than one rank; returns otherwise
+ * (the caller exits). */
+void lm_comm_abort(lm_comm *c, int code);
 
 /* The worst status over the ranks (max of the lm_status codes): each rank passes its
  * own; every rank gets the same answer, so ranks leave a phase together when one of

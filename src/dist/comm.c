@@ -180,10 +180,16 @@ lm_status lm_comm_world_new(lm_comm **out, lm_error *err) {
     const char *var = NULL;
     const int env_n = env_world_size(&var);
 #ifdef LM_HAVE_MPI
-    (void)env_n;
     int inited = 0;
     if (MPI_Initialized(&inited) != MPI_SUCCESS)
         return lm_errorf(err, LM_ERR_IO, "dist: MPI_Initialized failed");
+    if (env_n == 0 && !inited) {
+        /* not started by a launcher: one process, and no MPI singleton start-up */
+        lm_comm *c = comm_alloc();
+        c->is_world = 1;
+        *out = c;
+        return LM_OK;
+    }
     lm_comm *c = comm_alloc();
     c->is_world = 1;
     if (!inited) {
@@ -438,6 +444,19 @@ lm_status lm_comm_broadcast(lm_comm *c, void *buf, int64_t n, lm_dtype dt, int r
 #endif
     count_stat(c, LM_COLL_BROADCAST, c->rank == root ? n * (int64_t)lm_dtype_size(dt) : 0, t0);
     return LM_OK;
+}
+
+void lm_comm_abort(lm_comm *c, int code) {
+#ifdef LM_HAVE_MPI
+    if (c && c->mpi && c->size > 1) {
+        fflush(stdout);
+        fflush(stderr);
+        MPI_Abort(c->comm, code);
+    }
+#else
+    (void)c;
+    (void)code;
+#endif
 }
 
 lm_status lm_comm_barrier(lm_comm *c, lm_error *err) {
