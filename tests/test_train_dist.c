@@ -111,6 +111,9 @@ static int train(int np, const char *cfg, const char *run, const char *extra, ch
     if (cfg)
         snprintf(args, sizeof args, "train --config '%s' --run-dir '%s' --threads 1 %s", path(cfg),
                  path(run), extra ? extra : "");
+    else if (extra && strstr(extra, "--config"))
+        snprintf(args, sizeof args, "train --run-dir '%s' --resume --threads 1 %s", path(run),
+                 extra);
     else
         snprintf(args, sizeof args, "train --run-dir '%s' --resume --threads 1 %s", path(run),
                  extra ? extra : "");
@@ -249,7 +252,7 @@ static void compare_runs(const char *what, const char *a, const char *b, int fro
 
 /* ---------------------------------------------------------------- setup */
 
-static void write_config(const char *name, int micro_batches) {
+static void write_config(const char *name, int micro_batches, int expert_parallel) {
     char *t = slurp("configs/tiny-train.json");
     assert_non_null(t);
     cJSON *c = cJSON_Parse(t);
@@ -261,6 +264,8 @@ static void write_config(const char *name, int micro_batches) {
     cJSON_ReplaceItemInObject(data, "val", cJSON_CreateString(path("val.bin")));
     const double bt = cJSON_GetObjectItem(tr, "batch_tokens")->valuedouble;
     cJSON_ReplaceItemInObject(tr, "micro_batches", cJSON_CreateNumber(micro_batches));
+    if (expert_parallel > 1)
+        cJSON_AddNumberToObject(tr, "expert_parallel", expert_parallel);
     cJSON_ReplaceItemInObject(tr, "checkpoint_every", cJSON_CreateNumber(4));
     cJSON_ReplaceItemInObject(tr, "keep_last", cJSON_CreateNumber(0));
     assert_int_equal(cJSON_GetArraySize(stages), 2);
@@ -290,8 +295,10 @@ static int setup(void **state) {
         fprintf(stderr, "tokenize failed (scripts/fetch-data.sh makes data/brown)\n");
         return -1;
     }
-    write_config("dp.json", 2);
-    write_config("dp_m1.json", 1);
+    write_config("dp.json", 2, 1);
+    write_config("dp_m1.json", 1, 1);
+    write_config("ep.json", 2, 2);
+    write_config("ep_m1.json", 1, 2);
     return 0;
 }
 
@@ -336,6 +343,29 @@ static void test_resume_across_world_sizes(void **state) {
     compare_runs("2 ranks to step 8, resumed on 1", "one", "r21", 1);
 }
 
+/* expert parallel: the routed experts of each MoE layer split over 2 ranks (one EP
+ * group), then the 2 x 2 grid (2 data-parallel replicas of a 2-rank EP group) */
+static void test_ep(void **state) {
+    (void)state;
+    train_ok(2, "ep.json", "ep2", NULL);
+    compare_runs("EP 2 vs 1 rank", "one", "ep2", 1);
+    train_ok(4, "ep_m1.json", "dpep4", NULL);
+    compare_runs("DP 2 x EP 2 vs 1 rank", "one_m1", "dpep4", 1);
+    /* resume across expert-parallel degrees: 2 x 2 to step 8, then 2 ranks without EP */
+    train_ok(4, "ep_m1.json", "ep_r", "--max-steps 8");
+    char extra[600];
+    snprintf(extra, sizeof extra, "--config '%s'", path("dp_m1.json"));
+    train_ok(2, NULL, "ep_r", extra);
+    compare_runs("DP 2 x EP 2 to step 8, resumed on 2 ranks without EP", "one_m1", "ep_r", 1);
+    /* an EP degree that does not divide the ranks */
+    char *out = NULL;
+    const int rc = train(3, "ep.json", "ep3", "--max-steps 1", &out);
+    assert_int_not_equal(rc, 0);
+    if (!strstr(out, "expert_parallel = 2 needs a number of ranks"))
+        print_message("%s\n", out);
+    assert_non_null(strstr(out, "expert_parallel = 2 needs a number of ranks"));
+}
+
 static void test_replica_check(void **state) {
     (void)state;
     char *out = NULL;
@@ -370,6 +400,7 @@ int main(void) {
         cmocka_unit_test(test_dp2),
         cmocka_unit_test(test_dp4),
         cmocka_unit_test(test_resume_across_world_sizes),
+        cmocka_unit_test(test_ep),
         cmocka_unit_test(test_replica_check),
         cmocka_unit_test(test_uneven_world),
     };

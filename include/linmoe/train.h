@@ -40,6 +40,11 @@
  *     "keep_last": 3,          checkpoints kept (0 = all)
  *     "max_bad_steps": 5,      stop after this many non-finite steps in a row (>= 1)
  *     "threads": 0,            OpenMP / OpenBLAS threads (0 = default; --threads wins)
+ *     "expert_parallel": 1,    ranks per expert-parallel group (several processes,
+ *                              `mpirun -np N`: N must be a multiple; the rest of N is
+ *                              data parallel). Each MoE layer's routed experts are split
+ *                              over the group's ranks for the training steps
+ *                              (moe_ep.h); docs/distributed.md
  *     "recompute": false       activation recompute (--device cuda): true (every layer)
  *                              or a list of 1-based layer numbers; the trainer prints the
  *                              activation memory with and without it (gpu_model.h)
@@ -148,6 +153,7 @@ typedef struct {
     int log_every;
     int64_t eval_every, checkpoint_every;
     int keep_last, max_bad_steps, threads;
+    int expert_parallel;              /* >= 1 */
     uint8_t recompute[LM_MAX_LAYERS]; /* 1: activation recompute for layer i (0-based; cuda) */
     int n_recompute;
     /* stages */

@@ -68,6 +68,9 @@ typedef struct {
      * gradient [opt.hi - opt.lo], shard[q] the element count of rank q's shard, and
      * rank 0 gathers the AdamW moments into full_mv [2 numel] for checkpoints */
     lm_comm *comm, *own_comm;
+    lm_comm *dpc, *epc; /* train.expert_parallel > 1: the grid's groups (dist.h) */
+    lm_comm *rcomm;     /* the router sums' reduction: comm, or dpc (an EP group's ranks
+                           already hold the group's counts) */
     int rank, world;
     lm_loader_batch gb;
     int have_gb;
@@ -364,7 +367,7 @@ typedef struct {
 static void reduce_demand(double *buf, int n, void *arg) {
     ctx *x = arg;
     if (x->reduce_st == LM_OK)
-        x->reduce_st = lm_comm_allreduce(x->comm, buf, n, LM_F64, LM_DIST_SUM, &x->reduce_err);
+        x->reduce_st = lm_comm_allreduce(x->rcomm, buf, n, LM_F64, LM_DIST_SUM, &x->reduce_err);
     double tot = 0;
     for (int e = 0; e < x->E; e++)
         tot += buf[e];
@@ -643,6 +646,8 @@ static void ctx_free(ctx *x) {
     free(x->gshard);
     free(x->shard);
     free(x->full_mv);
+    lm_comm_free(x->dpc);
+    lm_comm_free(x->epc);
     lm_comm_free(x->own_comm);
     lm_loader_free(x->ld);
     if (x->have_opt)
@@ -823,6 +828,11 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
     x->world = lm_comm_size(x->comm);
     if (x->rank != 0)
         x->quiet = 1, x->live = 0; /* rank 0 speaks for the job */
+    if (x->world % c->expert_parallel != 0)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "%s: train.expert_parallel = %d needs a number of ranks that is a "
+                         "multiple of it (this job has %d; launch with mpirun -np N)",
+                         c->source, c->expert_parallel, x->world);
     if (o->resume) {
         LM_TRY(lm_train_latest_checkpoint(x->run, ckdir, sizeof ckdir, err));
     } else {
@@ -905,6 +915,13 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         max_tokens = 1;
     }
     LM_TRY(lm_model_new(&x->m, &x->p, max_tokens, err));
+    x->rcomm = x->comm;
+    if (c->expert_parallel > 1) {
+        const int ep = c->expert_parallel;
+        LM_TRY(lm_comm_split_grid(x->comm, ep, &x->dpc, &x->epc, err));
+        LM_TRY(lm_model_set_expert_parallel(x->m, x->epc, err));
+        x->rcomm = x->dpc;
+    }
     lm_adamw_init_shard(&x->opt, &x->p, x->rank, x->world);
     x->have_opt = 1;
     if (x->world > 1) {
