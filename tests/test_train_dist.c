@@ -44,6 +44,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "linmoe/core.h"
 #include "linmoe/safetensors.h"
 #include "mpi_launch.h"
 
@@ -380,6 +381,40 @@ static void test_replica_check(void **state) {
     assert_int_not_equal(access(p, F_OK), 0);
 }
 
+/* A rank killed (SIGKILL) right after the first checkpoint is published: the job
+ * ends non-zero, well before the 120 s guard, with mpirun naming the rank and the
+ * signal; the checkpoint it left resumes (on one rank) into the uninterrupted run. */
+static void test_killed_rank(void **state) {
+    (void)state;
+    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+    char *out = NULL;
+    const double t0 = lm_time_sec();
+    const int rc =
+        sh(&out,
+           "timeout 120 %s -x OMP_NUM_THREADS=1 sh -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; "
+           "then (while [ ! -e \"%s/ckpt/latest\" ]; do sleep 0.02; done; kill -9 $$) & fi; "
+           "exec \"%s\" train --config \"%s\" --run-dir \"%s\" --threads 1'",
+           lm_test_mpirun_prefix(2), path("killed"), bin(), path("dp.json"), path("killed"));
+    const double dt = lm_time_sec() - t0;
+    print_message("killed rank: mpirun exit %d after %.1f s\n", rc, dt);
+    if (rc == 0 || rc == 124 || !strstr(out, "signal 9"))
+        print_message("%s\n", out);
+    assert_int_not_equal(rc, 0);
+    assert_int_not_equal(rc, 124); /* not the guard's timeout */
+    assert_non_null(strstr(out, "rank 1"));
+    assert_non_null(strstr(out, "signal 9"));
+    /* the run stopped early: its latest checkpoint is before the end, and resumes */
+    char p[600];
+    snprintf(p, sizeof p, "%s/ckpt/latest", path("killed"));
+    char *latest = slurp(p);
+    assert_non_null(latest);
+    assert_true(strcmp(latest, "step-0000020\n") != 0);
+    free(latest);
+    train_ok(1, NULL, "killed", NULL);
+    compare_runs("killed at a checkpoint, resumed on 1 rank", "one", "killed", 1);
+}
+
 static void test_uneven_world(void **state) {
     (void)state;
     char *out = NULL;
@@ -402,6 +437,7 @@ int main(void) {
         cmocka_unit_test(test_resume_across_world_sizes),
         cmocka_unit_test(test_ep),
         cmocka_unit_test(test_replica_check),
+        cmocka_unit_test(test_killed_rank),
         cmocka_unit_test(test_uneven_world),
     };
     return cmocka_run_group_tests(t, setup, teardown);
