@@ -20,6 +20,8 @@ struct lm_comm {
 #ifdef LM_HAVE_MPI
     int mpi; /* 1: the MPI backend (comm is valid) */
     MPI_Comm comm;
+    int *ic; /* [4 size] int counts / displacements of the v-collectives (made once:
+                no allocation per call) */
 #endif
 };
 
@@ -152,6 +154,7 @@ static lm_status mpi_setup(lm_comm *c, MPI_Comm comm, lm_error *err) {
     CHECK_MPI(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
     CHECK_MPI(MPI_Comm_size(node, &c->local_size));
     CHECK_MPI(MPI_Comm_free(&node));
+    c->ic = LM_MALLOC(sizeof(int) * 4 * (size_t)c->size);
     return LM_OK;
 }
 
@@ -261,6 +264,7 @@ void lm_comm_free(lm_comm *c) {
 #ifdef LM_HAVE_MPI
     if (c->mpi && !c->is_world)
         MPI_Comm_free(&c->comm); /* nothing to report at teardown */
+    free(c->ic);
     if (c->owns_mpi) {
         int fin = 0;
         MPI_Finalized(&fin);
@@ -313,13 +317,12 @@ lm_status lm_comm_reduce_scatter(lm_comm *c, const void *send, void *recv, const
     const double t0 = lm_time_sec();
 #ifdef LM_HAVE_MPI
     if (c->mpi && c->size > 1) {
-        int *ic = LM_MALLOC(sizeof(int) * 2 * (size_t)c->size), *id = ic + c->size;
+        int *ic = c->ic, *id = ic + c->size;
         lm_status st = int_counts(c, counts, ic, id, "reduce_scatter", err);
         if (st == LM_OK &&
             MPI_Reduce_scatter(send, recv, ic, mpi_type(dt), MPI_SUM, c->comm) != MPI_SUCCESS)
             st = lm_errorf(err, LM_ERR_IO, "dist: MPI_Reduce_scatter failed (%lld elements)",
                            (long long)tot);
-        free(ic);
         LM_TRY(st);
         count_stat(c, LM_COLL_REDUCE_SCATTER, tot * (int64_t)es, t0);
         return LM_OK;
@@ -345,13 +348,12 @@ lm_status lm_comm_allgather(lm_comm *c, const void *send, void *recv, const int6
     const double t0 = lm_time_sec();
 #ifdef LM_HAVE_MPI
     if (c->mpi && c->size > 1) {
-        int *ic = LM_MALLOC(sizeof(int) * 2 * (size_t)c->size), *id = ic + c->size;
+        int *ic = c->ic, *id = ic + c->size;
         lm_status st = int_counts(c, counts, ic, id, "allgather", err);
         if (st == LM_OK && MPI_Allgatherv(in_place ? MPI_IN_PLACE : send, (int)mine, mpi_type(dt),
                                           recv, ic, id, mpi_type(dt), c->comm) != MPI_SUCCESS)
             st = lm_errorf(err, LM_ERR_IO, "dist: MPI_Allgatherv failed (%lld elements)",
                            (long long)mine);
-        free(ic);
         LM_TRY(st);
         count_stat(c, LM_COLL_ALLGATHER, mine * (int64_t)es, t0);
         return LM_OK;
@@ -373,13 +375,12 @@ lm_status lm_comm_gather(lm_comm *c, const void *send, void *recv, const int64_t
     const double t0 = lm_time_sec();
 #ifdef LM_HAVE_MPI
     if (c->mpi && c->size > 1) {
-        int *ic = LM_MALLOC(sizeof(int) * 2 * (size_t)c->size), *id = ic + c->size;
+        int *ic = c->ic, *id = ic + c->size;
         lm_status st = int_counts(c, counts, ic, id, "gather", err);
         if (st == LM_OK && MPI_Gatherv(send, (int)mine, mpi_type(dt), recv, ic, id, mpi_type(dt),
                                        root, c->comm) != MPI_SUCCESS)
             st = lm_errorf(err, LM_ERR_IO, "dist: MPI_Gatherv failed (%lld elements)",
                            (long long)mine);
-        free(ic);
         LM_TRY(st);
         count_stat(c, LM_COLL_GATHER, mine * (int64_t)es, t0);
         return LM_OK;
@@ -401,8 +402,7 @@ lm_status lm_comm_alltoallv(lm_comm *c, const void *send, const int64_t *send_co
     const double t0 = lm_time_sec();
 #ifdef LM_HAVE_MPI
     if (c->mpi && c->size > 1) {
-        int *ic = LM_MALLOC(sizeof(int) * 4 * (size_t)c->size), *id = ic + c->size,
-            *rc = id + c->size, *rd = rc + c->size;
+        int *ic = c->ic, *id = ic + c->size, *rc = id + c->size, *rd = rc + c->size;
         lm_status st = int_counts(c, send_counts, ic, id, "alltoallv (send)", err);
         if (st == LM_OK)
             st = int_counts(c, recv_counts, rc, rd, "alltoallv (recv)", err);
@@ -410,7 +410,6 @@ lm_status lm_comm_alltoallv(lm_comm *c, const void *send, const int64_t *send_co
                                          c->comm) != MPI_SUCCESS)
             st = lm_errorf(err, LM_ERR_IO, "dist: MPI_Alltoallv failed (%lld elements sent)",
                            (long long)ns);
-        free(ic);
         LM_TRY(st);
         count_stat(c, LM_COLL_ALLTOALLV, ns * (int64_t)es, t0);
         return LM_OK;
