@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian/Ubuntu packages that linmoe's build, tests and data scripts need
-# (scripts/fetch-data.sh: node, npm, bzip2, xz; `linmoe plot`: gnuplot).
+# (scripts/fetch-data.sh: node, npm, bzip2, xz; `linmoe plot`: gnuplot; multi-process
+# training and its tests: libopenmpi-dev, openmpi-bin's mpirun).
 # `scripts/install-deps.sh --peer` also installs Debian's python3-torch (CPU PyTorch), used
 # only by `linmoe bench model` to time the PyTorch reference step beside linmoe.
 # Idempotent: when everything is already installed it prints nothing and changes
@@ -9,7 +10,7 @@
 set -euo pipefail
 
 pkgs=(build-essential cmake pkg-config libopenblas-dev libcjson-dev libpcre2-dev libcmocka-dev
-    gnuplot-nox bzip2 xz-utils ca-certificates)
+    gnuplot-nox bzip2 xz-utils ca-certificates libopenmpi-dev openmpi-bin)
 # node + npm run scripts/fetch-data.sh and the tokenizer oracle. Checked by command, not
 # by package: a Node.js from elsewhere (e.g. NodeSource's nodejs, which bundles npm and
 # conflicts with Debian's npm package) is fine and must not be "fixed".

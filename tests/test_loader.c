@@ -478,7 +478,6 @@ static void test_windows_and_mix(void **state) {
     fx_close(&f);
 }
 
-
 /* Repeat rows: [EOT, P0, X, P1, X, ...] with X a span of 8..24 unigram-drawn tokens,
  * labels shifted by one, the last IGNORE; mixed at the configured fraction. */
 static void test_repeat_rows(void **state) {
@@ -612,12 +611,65 @@ static void test_errors(void **state) {
     fx_close(&f);
 }
 
+/* lm_loader_batch_shard: the ranks' shares of a global micro-batch put back together
+ * are the batch (ids, labels, piece boundaries), each share alone is well formed, and
+ * a world that does not divide the rows is an error naming both. */
+static void test_batch_shard(void **state) {
+    (void)state;
+    lm_error err = {0};
+    for (int pack = 0; pack <= 1; pack++) {
+        fixture f;
+        fx_open(&f, 7, 0, 1);
+        fx_stage(&f, 32, pack, 0, pack ? 0.3 : 0);
+        fx_next(&f, 6);
+        const int64_t T = 6 * 32;
+        for (int W = 1; W <= 3; W++) {
+            lm_loader_batch part;
+            assert_int_equal(lm_loader_batch_init(&part, 1, 256, &err), LM_OK);
+            int64_t off = 0, labels = 0;
+            int cu_seen = 0;
+            for (int r = 0; r < W; r++) {
+                memset(part.ids, 0x7f, (size_t)part.cap_tokens * sizeof(int32_t)); /* poison */
+                assert_int_equal(lm_loader_batch_shard(&f.b, r, W, &part, &err), LM_OK);
+                const int64_t n = (int64_t)part.batch.B * part.batch.T;
+                assert_int_equal(n, T / W);
+                assert_memory_equal(part.ids, f.b.ids + off, (size_t)n * sizeof(int32_t));
+                assert_memory_equal(part.labels, f.b.labels + off, (size_t)n * sizeof(int32_t));
+                if (pack) {
+                    assert_int_equal(part.batch.B, 1);
+                    assert_int_equal(part.cu[0], 0);
+                    assert_int_equal(part.cu[part.batch.n_cu_seqlens - 1], n);
+                    for (int i = 0; i < part.batch.n_cu_seqlens; i++)
+                        assert_int_equal(part.cu[i] + off, f.b.cu[cu_seen + i]);
+                    cu_seen += part.batch.n_cu_seqlens - 1; /* the shared boundary */
+                } else {
+                    assert_int_equal(part.batch.B, 6 / W);
+                    assert_null(part.batch.cu_seqlens);
+                }
+                assert_int_equal(part.n_passkey, f.b.n_passkey);
+                labels += part.n_labels;
+                off += n;
+            }
+            assert_int_equal(labels, f.b.n_labels);
+            if (pack)
+                assert_int_equal(cu_seen + 1, f.b.batch.n_cu_seqlens);
+            lm_loader_batch_free(&part);
+        }
+        lm_loader_batch part;
+        assert_int_equal(lm_loader_batch_init(&part, 1, 256, &err), LM_OK);
+        assert_int_equal(lm_loader_batch_shard(&f.b, 0, 4, &part, &err), LM_ERR_INVALID);
+        assert_non_null(strstr(err.msg, "6 rows cannot be split evenly over 4"));
+        lm_loader_batch_free(&part);
+        fx_close(&f);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_packing_stream),  cmocka_unit_test(test_rows_per_call),
         cmocka_unit_test(test_resume),          cmocka_unit_test(test_ranks),
         cmocka_unit_test(test_windows_and_mix), cmocka_unit_test(test_repeat_rows),
-        cmocka_unit_test(test_short_passkeys),
+        cmocka_unit_test(test_short_passkeys),  cmocka_unit_test(test_batch_shard),
         cmocka_unit_test(test_errors),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

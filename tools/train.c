@@ -23,6 +23,12 @@ void lm_cli_train_usage(FILE *f) {
             "On a terminal a live progress line is shown; otherwise plain lines every\n"
             "train.log_every steps. The final summary is printed to stdout as JSON.\n"
             "\n"
+            "Several processes: `mpirun -np N linmoe train ...` (a build with MPI) trains one\n"
+            "model data-parallel on N ranks: every global batch is split over the ranks (the\n"
+            "same batches, losses and checkpoints as one process, up to fp32 summation order),\n"
+            "the AdamW state is sharded (ZeRO-1); rank 0 prints and writes DIR. A run resumes\n"
+            "on any number of ranks. docs/distributed.md.\n"
+            "\n"
             "options:\n"
             "  --config FILE        training config (JSON); optional with --resume (the\n"
             "                       config saved in the checkpoint is used)\n"
@@ -36,6 +42,8 @@ void lm_cli_train_usage(FILE *f) {
             "                       run there too; the same checkpoints as on the CPU)\n"
             "  --fail-checkpoint-at STEP  test hook: the checkpoint at STEP fails while being\n"
             "                       written (the previous checkpoint must stay loadable)\n"
+            "  --diverge-at STEP    test hook (several ranks): rank 1 perturbs an MoE bias\n"
+            "                       after STEP; the next checkpoint's replica check fails\n"
             "  --help               this help\n"
             "\n"
             "exit status: 0 success, 1 bad input or failure, 2 usage error\n");
@@ -70,8 +78,8 @@ int lm_cli_train(int argc, char **argv) {
         const char *a = argv[i];
         const char *val = NULL;
         static const char *const with_value[] = {
-            "--config", "--run-dir", "--max-steps", "--threads", "--fail-checkpoint-at",
-            "--device", NULL};
+            "--config", "--run-dir",    "--max-steps", "--threads", "--fail-checkpoint-at",
+            "--device", "--diverge-at", NULL};
         const char *flag = NULL;
         for (const char *const *f = with_value; *f && !flag; f++) {
             size_t n = strlen(*f);
@@ -121,6 +129,10 @@ int lm_cli_train(int argc, char **argv) {
             if (parse_i64(flag, val, 1, &v))
                 return LM_EXIT_USAGE;
             o.fail_checkpoint_at = v;
+        } else if (strcmp(flag, "--diverge-at") == 0) {
+            if (parse_i64(flag, val, 1, &v))
+                return LM_EXIT_USAGE;
+            o.diverge_at = v;
         }
     }
     if (!run_dir) {
@@ -139,13 +151,31 @@ int lm_cli_train(int argc, char **argv) {
         fprintf(stderr, "linmoe train: %s\n", err.msg);
         return LM_EXIT_BAD_INPUT;
     }
+    /* the ranks of `mpirun -np N linmoe train ...` (include/linmoe/dist.h) */
+    lm_comm *world = NULL;
+    if (lm_comm_world_new(&world, &err) != LM_OK) {
+        fprintf(stderr, "linmoe train: %s\n", err.msg);
+        lm_train_config_free(&c);
+        return LM_EXIT_BAD_INPUT;
+    }
+    const int rank = lm_comm_rank(world), nranks = lm_comm_size(world);
+    o.comm = world;
     lm_train_summary s;
     lm_status st = lm_train_run(config ? &c : NULL, &o, &s, &err);
     lm_train_config_free(&c);
     if (st != LM_OK) {
-        fprintf(stderr, "linmoe train: %s\n", err.msg);
+        if (nranks > 1) {
+            fprintf(stderr, "linmoe train (rank %d of %d): %s\n", rank, nranks, err.msg);
+            lm_comm_abort(world, LM_EXIT_BAD_INPUT);
+        } else {
+            fprintf(stderr, "linmoe train: %s\n", err.msg);
+        }
+        lm_comm_free(world);
         return LM_EXIT_BAD_INPUT;
     }
+    lm_comm_free(world);
+    if (rank != 0)
+        return LM_EXIT_OK;
     printf("{\"steps\": %lld, \"steps_run\": %lld, \"tokens\": %lld, \"bad_steps\": %lld, "
            "\"train_seconds\": %.3f, \"tok_per_s\": %.1f, \"mfu\": %.5f, \"sgemm_gflops\": %.2f, "
            "\"last_loss\": ",

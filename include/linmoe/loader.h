@@ -156,6 +156,19 @@ void lm_loader_batch_free(lm_loader_batch *b);
 /* Fill b with the next `rows` rows (rows * S <= the batch's capacity). */
 lm_status lm_loader_next(lm_loader *l, int rows, lm_loader_batch *b, lm_error *err);
 
+/* This rank's share of a global micro-batch (data parallel, issue 24): rows
+ * [rank*R/W, (rank+1)*R/W) of the R rows of `full` (a batch lm_loader_next filled), in
+ * the same form (windows: B = R/W rows of S; packing: B = 1, T = R/W*S with
+ * cu_seqlens rebased to the first row: pieces never cross a row, so the share's
+ * documents are exactly the global batch's). Every rank runs the same one-rank
+ * loader (rank 0 of world 1) and takes its share, so the global batch, and with it
+ * the loss trajectory and the loader state a checkpoint holds, do not depend on the
+ * number of ranks. part's capacity must hold R/W rows; n_passkey / n_long / n_repeat
+ * are the global batch's, n_labels the share's. Errors: LM_ERR_INVALID when W does
+ * not divide R (names both), bad rank / world, too small a part. */
+lm_status lm_loader_batch_shard(const lm_loader_batch *full, int rank, int world,
+                                lm_loader_batch *part, lm_error *err);
+
 /* Number of documents (non-empty) in the shard, and of those with >= n tokens. */
 int64_t lm_loader_num_docs(const lm_loader *l);
 int64_t lm_loader_num_docs_at_least(const lm_loader *l, int64_t n);

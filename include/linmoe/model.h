@@ -135,6 +135,17 @@ lm_params *lm_model_params(lm_model *m);
 int64_t lm_model_max_tokens(const lm_model *m);
 /* Gradient buffer: p->numel floats, tensor t at p->t[t].offset (buffers stay 0). */
 float *lm_model_grads(lm_model *m);
+/* Expert parallel (issue 24, moe_ep.h): from now on the training forwards (training
+ * = 1) and their backwards of every MoE layer run over the ranks of `ep` (borrowed;
+ * collective: every rank of ep makes the same calls), each rank computing the
+ * routed experts [r*E/P, (r+1)*E/P) for the tokens of the whole group. The
+ * parameters stay whole on every rank (evals and inference run locally); the
+ * backward writes this rank's experts' gradients and zeros the others' (the sum
+ * over the ranks is the whole gradient), and gate.weight / shared experts' over this
+ * rank's tokens. The router state accumulates the group's demand. Errors: those of
+ * lm_moe_ep_new (E not divisible by the group size). */
+typedef struct lm_comm lm_comm;
+lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *ep, lm_error *err);
 /* Router state of layer `layer` (NULL for a dense or out-of-range layer). */
 lm_router_state *lm_model_router_state(lm_model *m, int layer);
 /* Routing of layer `layer`'s last forward (NULL for dense / none yet). */

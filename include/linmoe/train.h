@@ -40,6 +40,11 @@
  *     "keep_last": 3,          checkpoints kept (0 = all)
  *     "max_bad_steps": 5,      stop after this many non-finite steps in a row (>= 1)
  *     "threads": 0,            OpenMP / OpenBLAS threads (0 = default; --threads wins)
+ *     "expert_parallel": 1,    ranks per expert-parallel group (several processes,
+ *                              `mpirun -np N`: N must be a multiple; the rest of N is
+ *                              data parallel). Each MoE layer's routed experts are split
+ *                              over the group's ranks for the training steps
+ *                              (moe_ep.h); docs/distributed.md
  *     "recompute": false       activation recompute (--device cuda): true (every layer)
  *                              or a list of 1-based layer numbers; the trainer prints the
  *                              activation memory with and without it (gpu_model.h)
@@ -101,6 +106,7 @@
 
 #include "linmoe/backend.h"
 #include "linmoe/core.h"
+#include "linmoe/dist.h"
 #include "linmoe/model_config.h"
 
 #ifdef __cplusplus
@@ -147,6 +153,7 @@ typedef struct {
     int log_every;
     int64_t eval_every, checkpoint_every;
     int keep_last, max_bad_steps, threads;
+    int expert_parallel;              /* >= 1 */
     uint8_t recompute[LM_MAX_LAYERS]; /* 1: activation recompute for layer i (0-based; cuda) */
     int n_recompute;
     /* stages */
@@ -198,12 +205,28 @@ typedef struct {
                                    writing train_state.safetensors (0 = off) */
     int64_t nan_at, nan_count;  /* test hook: steps nan_at .. nan_at + nan_count - 1 (as
                                    logged, 1-based) get a NaN gradient (0 = off) */
+    int64_t diverge_at;         /* test hook (data parallel): after step diverge_at, rank 1
+                                   moves its first MoE selection bias by 1e-3, which the
+                                   next checkpoint's replica check must catch (0 = off) */
     int progress;               /* -1 auto (live line when stderr is a terminal), 0 plain, 1 live */
     int quiet;                  /* 1: no human-readable output at all */
     lm_device device;           /* cpu (default, zero) or cuda:N: where the steps run
                                    (include/linmoe/gpu_model.h) and so do the evals
                                    (eval.h lm_eval_*_gpu); checkpoints go through the
                                    host copy of the parameters */
+    lm_comm *comm;              /* the ranks of a data-parallel run (borrowed; NULL: one
+                                   process). Every rank calls lm_train_run with the
+                                   same config and options; each takes its share of
+                                   every global micro-batch (loader.h
+                                   lm_loader_batch_shard), the gradients are
+                                   reduce-scattered, each rank updates its AdamW shard
+                                   (ZeRO-1) and the parameters are all-gathered; the
+                                   MoE load counts are all-reduced before the bias
+                                   update. Rank 0 alone writes the run directory
+                                   (logs, evals, checkpoints: one logical checkpoint,
+                                   resumable on any number of ranks) and prints.
+                                   CPU only (cuda with more than one rank:
+                                   LM_ERR_UNSUPPORTED). docs/distributed.md. */
 } lm_train_options;
 
 void lm_train_options_default(lm_train_options *o);

@@ -279,6 +279,56 @@ lm_status lm_loader_batch_init(lm_loader_batch *b, int max_rows, int max_seq_len
     return LM_OK;
 }
 
+lm_status lm_loader_batch_shard(const lm_loader_batch *full, int rank, int world,
+                                lm_loader_batch *part, lm_error *err) {
+    if (!full || !part || world < 1 || rank < 0 || rank >= world)
+        return lm_errorf(err, LM_ERR_INVALID, "loader: batch share: rank %d of %d", rank, world);
+    const int R = full->rows;
+    if (R < 1 || R % world != 0)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "loader: a micro-batch of %d rows cannot be split evenly over %d "
+                         "data-parallel ranks (make train.batch_tokens / train.micro_batches / "
+                         "seq_len a multiple of %d rows)",
+                         R, world, world);
+    const int pack = full->batch.cu_seqlens != NULL;
+    const int64_t S = pack ? full->batch.T / R : full->batch.T;
+    const int rows = R / world;
+    const int64_t t0 = (int64_t)rank * rows * S, n = (int64_t)rows * S;
+    if (n > part->cap_tokens)
+        return lm_errorf(err, LM_ERR_INVALID, "loader: batch share of %lld tokens exceeds %lld",
+                         (long long)n, (long long)part->cap_tokens);
+    memcpy(part->ids, full->ids + t0, (size_t)n * sizeof(int32_t));
+    memcpy(part->labels, full->labels + t0, (size_t)n * sizeof(int32_t));
+    part->rows = rows;
+    part->n_passkey = full->n_passkey;
+    part->n_long = full->n_long;
+    part->n_repeat = full->n_repeat;
+    if (pack) {
+        int i0 = 0;
+        while (i0 < full->batch.n_cu_seqlens && full->batch.cu_seqlens[i0] < t0)
+            i0++;
+        int ncu = 0;
+        LM_CHECK(i0 < full->batch.n_cu_seqlens && full->batch.cu_seqlens[i0] == t0);
+        for (int i = i0; i < full->batch.n_cu_seqlens && full->batch.cu_seqlens[i] <= t0 + n; i++)
+            part->cu[ncu++] = full->batch.cu_seqlens[i] - t0;
+        LM_CHECK(part->cu[ncu - 1] == n); /* rows end at a piece boundary */
+        part->batch.B = 1;
+        part->batch.T = (int)n;
+        part->batch.cu_seqlens = part->cu;
+        part->batch.n_cu_seqlens = ncu;
+    } else {
+        part->batch.B = rows;
+        part->batch.T = (int)S;
+        part->batch.cu_seqlens = NULL;
+        part->batch.n_cu_seqlens = 0;
+    }
+    int64_t nl = 0;
+    for (int64_t i = 0; i < n; i++)
+        nl += part->labels[i] != LM_MODEL_IGNORE;
+    part->n_labels = nl;
+    return LM_OK;
+}
+
 void lm_loader_batch_free(lm_loader_batch *b) {
     free(b->ids);
     free(b->labels);

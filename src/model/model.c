@@ -15,6 +15,7 @@
 #include "linmoe/layers.h"
 #include "linmoe/model.h"
 #include "linmoe/moe.h"
+#include "linmoe/moe_ep.h"
 #include "model/model_internal.h"
 #include "ops/cpu/kda_cpu.h"
 
@@ -40,6 +41,12 @@ typedef struct {
     lm_moe_weights mw;
     lm_moe_grads mg;
     lm_moe_ctx *mctx;
+    /* expert parallel (lm_model_set_expert_parallel): the layer over the EP group, its
+     * weights (experts.* at this rank's first expert), and whether the last forward
+     * ran through it (training forwards only) */
+    lm_moe_ep *ep;
+    lm_moe_weights mw_ep;
+    int ep_fwd;
     lm_router_state rs;
     float *rs_own_bias; /* the state's own allocation, restored before freeing */
     /* norms and AttnRes (per sublayer: 0 mixer, 1 FFN) */
@@ -130,6 +137,23 @@ static void stage_add(lm_model *m, const float *param, int64_t off, int64_t n) {
 }
 
 lm_params *lm_model_params(lm_model *m) { return m->p; }
+
+lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *ep, lm_error *err) {
+    if (!m || !ep)
+        return lm_errorf(err, LM_ERR_INVALID, "model: expert parallel: NULL argument");
+    for (int i = 0; i < m->L; i++) {
+        layer_rt *l = &m->ly[i];
+        if (!l->moe || l->ep)
+            continue;
+        LM_TRY(lm_moe_ep_new(&l->ep, &l->mc, ep, (int)m->max_tokens, err));
+        l->mw_ep = l->mw;
+        const int64_t e0 = lm_moe_ep_first_expert(l->ep), f = l->mc.moe_intermediate_size,
+                      d = l->mc.hidden_size;
+        for (int w = LM_MOE_EXPERTS_GATE_PROJ; w <= LM_MOE_EXPERTS_DOWN_PROJ; w++)
+            l->mw_ep.p[w] = l->mw.p[w] + e0 * f * d;
+    }
+    return LM_OK;
+}
 int64_t lm_model_max_tokens(const lm_model *m) { return m ? m->max_tokens : 0; }
 float *lm_model_grads(lm_model *m) { return m->grads; }
 
@@ -140,6 +164,7 @@ lm_router_state *lm_model_router_state(lm_model *m, int layer) {
 
 const lm_route *lm_model_route(const lm_model *m, int layer) {
     if (!m || layer < 0 || layer >= m->L || !m->ly[layer].moe) return NULL;
+    if (m->ly[layer].ep_fwd) return lm_moe_ep_route(m->ly[layer].ep);
     return lm_moe_ctx_route(m->ly[layer].mctx);
 }
 
@@ -169,6 +194,7 @@ void lm_model_free(lm_model *m) {
         lm_kda_layer_ctx_free(l->kctx);
         lm_attn_layer_ctx_free(l->actx);
         lm_moe_ctx_free(l->mctx);
+        lm_moe_ep_free(l->ep);
         if (l->moe) {
             l->rs.e_score_correction_bias = l->rs_own_bias;
             lm_router_state_free(&l->rs);
@@ -672,6 +698,12 @@ static lm_status sublayer_forward(lm_model *m, int l, const fwd_mode *fm, const 
     if (!ly->moe)
         return lm_swiglu_forward(N, m->d, ly->I, &ly->sw, x, out, fm->cache ? NULL : ly->hidden,
                                  fm->cache ? NULL : m->swiglu_ws, err);
+    /* training forwards of an expert-parallel model go through the group (collective);
+     * evals and inference use the local layer (every rank holds all experts) */
+    ly->ep_fwd = ly->ep && fm->training && !fm->cache;
+    if (ly->ep_fwd)
+        return lm_moe_ep_forward(ly->ep, &ly->mw_ep, &ly->rs, x, (int)N, fm->cu, fm->n_cu, 1, out,
+                                 err);
     return lm_moe_forward(ly->mctx, &ly->mw, &ly->rs, x, (int)N, fm->cu, fm->n_cu,
                           fm->cache ? 0 : fm->training, out, err);
 }
@@ -800,7 +832,7 @@ lm_status lm_model_forward(lm_model *m, const lm_model_batch *b, const int32_t *
         LM_TRY(lm_cross_entropy_forward(&cc, m->xfin, m->W_head, m->labels, &total, &cnt, m->lse,
                                         err));
         for (int i = 0; i < m->L; i++)
-            if (m->ly[i].moe) total += lm_moe_ctx_route(m->ly[i].mctx)->aux_loss;
+            if (m->ly[i].moe) total += lm_model_route(m, i)->aux_loss;
     }
     m->B = b->B;
     m->T = b->T;
@@ -867,6 +899,25 @@ static lm_status sublayer_backward(lm_model *m, int l, const float *dout, lm_err
         g.p[w] = G_dst(m, ly->mw.p[w], off[w]);
     }
     LM_CHECK(o <= m->stage_floats);
+    if (ly->ep_fwd) {
+        /* this rank's experts only: the others' gradients are zero here (their owners
+         * hold them; the trainer's sum over the ranks adds them exactly) */
+        const int e0 = lm_moe_ep_first_expert(ly->ep), El = lm_moe_ep_num_local(ly->ep);
+        lm_moe_grads ge = g;
+        for (int w = LM_MOE_EXPERTS_GATE_PROJ; w <= LM_MOE_EXPERTS_DOWN_PROJ; w++) {
+            const int64_t per = n[w] / ly->mc.router.num_experts;
+            float *full = g.p[w];
+            ge.p[w] = full + (int64_t)e0 * per;
+            memset(full, 0, sizeof(float) * (size_t)(e0 * per));
+            memset(full + (int64_t)(e0 + El) * per, 0,
+                   sizeof(float) * (size_t)(n[w] - (int64_t)(e0 + El) * per));
+        }
+        lm_moe_ep_set_aux_scale(ly->ep, m->loss_scale);
+        LM_TRY(lm_moe_ep_backward(ly->ep, &ly->mw_ep, x, dout, m->dxn, &ge, err));
+        for (int w = 0; w < LM_MOE_N_WEIGHTS; w++)
+            stage_add(m, ly->mw.p[w], off[w], n[w]);
+        return LM_OK;
+    }
     lm_moe_ctx_set_aux_scale(ly->mctx, m->loss_scale); /* backward of scale * (CE + aux) */
     LM_TRY(lm_moe_backward(ly->mctx, &ly->mw, x, dout, m->dxn, &g, err));
     for (int w = 0; w < LM_MOE_N_WEIGHTS; w++)

@@ -323,10 +323,12 @@ static lm_status load_body(const lm_safetensors *st, const char *path, const lm_
                          path);
     const void *d;
     int64_t shp[2] = {p->numel, 0};
+    /* the moments of a's shard [lo, hi) (the whole buffer on one rank) */
+    const size_t shard = (size_t)(a->hi - a->lo) * sizeof(float);
     LM_TRY(want(st, path, "adamw.m", LM_F32, 1, shp, &d, err));
-    memcpy(a->m, d, (size_t)p->numel * sizeof(float));
+    memcpy(a->m, (const float *)d + a->lo, shard);
     LM_TRY(want(st, path, "adamw.v", LM_F32, 1, shp, &d, err));
-    memcpy(a->v, d, (size_t)p->numel * sizeof(float));
+    memcpy(a->v, (const float *)d + a->lo, shard);
     shp[0] = LM_TRAIN_COUNTERS;
     LM_TRY(want(st, path, "counters", LM_I64, 1, shp, &d, err));
     int64_t c[LM_TRAIN_COUNTERS];

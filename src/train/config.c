@@ -193,6 +193,7 @@ static const char *const k_train[] = {
     "weight_decay", "beta1",         "beta2",      "eps",
     "grad_clip",    "log_every",     "eval_every", "checkpoint_every",
     "keep_last",    "max_bad_steps", "threads",    "recompute",
+    "expert_parallel",
     NULL};
 static const char *const k_stage[] = {
     "name",     "seq_len",          "tokens",            "lr",
@@ -463,6 +464,8 @@ static lm_status parse(lm_train_config *c, const cJSON *root, pctx *p) {
     LM_TRY(get_int32(p, to, T, "keep_last", 0, 1 << 20, &c->keep_last));
     LM_TRY(get_int32(p, to, T, "max_bad_steps", 1, 1 << 30, &c->max_bad_steps));
     LM_TRY(get_int32(p, to, T, "threads", 0, 4096, &c->threads));
+    c->expert_parallel = 1;
+    LM_TRY(get_int32(p, to, T, "expert_parallel", 1, 4096, &c->expert_parallel));
     LM_TRY(parse_recompute(p, c, to));
     /* stages */
     const cJSON *sa = cJSON_GetObjectItemCaseSensitive(root, "stages");

@@ -62,6 +62,24 @@ typedef struct {
     int E;
     double last_bpb, last_loss;
     char last_ckpt[PATHMAX + 64];
+    /* data parallel (issue 24; docs/distributed.md): world ranks of comm, this one
+     * `rank`; with world > 1 every rank draws the global micro-batch gb from the same
+     * one-rank loader and trains on its share b; gshard is its reduce-scattered
+     * gradient [opt.hi - opt.lo], shard[q] the element count of rank q's shard, and
+     * rank 0 gathers the AdamW moments into full_mv [2 numel] for checkpoints */
+    lm_comm *comm, *own_comm;
+    lm_comm *dpc, *epc; /* train.expert_parallel > 1: the grid's groups (dist.h) */
+    lm_comm *rcomm;     /* the router sums' reduction: comm, or dpc (an EP group's ranks
+                           already hold the group's counts) */
+    int rank, world;
+    lm_loader_batch gb;
+    int have_gb;
+    float *gshard;
+    int64_t *shard;
+    float *full_mv;
+    int bias_layer; /* the layer whose router reduce is running (reduce_demand) */
+    lm_status reduce_st;
+    lm_error reduce_err;
 } ctx;
 
 /* ---------------------------------------------------------------- output helpers */
@@ -249,6 +267,8 @@ static lm_status host_sync(ctx *x, lm_error *err) {
 
 static void log_stage(ctx *x, int s) {
     const lm_train_stage *st = &x->c->stages[s];
+    if (!x->fstage)
+        return; /* ranks other than 0 */
     fprintf(x->fstage,
             "{\"stage\": %d, \"name\": \"%s\", \"step\": %lld, \"tokens\": %lld, \"seq_len\": %d, "
             "\"steps\": %lld, \"rope_theta\": ",
@@ -338,7 +358,22 @@ typedef struct {
     double loss, gnorm, lr, seconds;
     int skipped;
     int n_passkey, n_long, n_repeat;
+    lm_comm_stats comm; /* the step's collectives (world > 1) */
 } step_result;
+
+/* lm_router_update_bias's reduce hook: the step's router sums (demand [E] first)
+ * summed over the data-parallel ranks, so every rank updates the same bias from the
+ * global load and the logged load is the global one. */
+static void reduce_demand(double *buf, int n, void *arg) {
+    ctx *x = arg;
+    if (x->reduce_st == LM_OK)
+        x->reduce_st = lm_comm_allreduce(x->rcomm, buf, n, LM_F64, LM_DIST_SUM, &x->reduce_err);
+    double tot = 0;
+    for (int e = 0; e < x->E; e++)
+        tot += buf[e];
+    for (int e = 0; e < x->E; e++)
+        x->load[(size_t)x->bias_layer * x->E + e] = tot > 0 ? buf[e] / tot : 0;
+}
 
 static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
     const lm_train_config *c = x->c;
@@ -350,11 +385,21 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
     int bad = 0;
     res->n_passkey = res->n_long = res->n_repeat = 0;
     res->lr = lm_train_lr(c, x->k.step);
+    lm_comm_reset_stats(x->comm);
+    const int W = x->world;
     for (int mi = 0; mi < M; mi++) {
-        LM_TRY(lm_loader_next(x->ld, st->rows_per_micro, &x->b, err));
+        LM_TRY(lm_loader_next(x->ld, st->rows_per_micro, W > 1 ? &x->gb : &x->b, err));
+        if (W > 1)
+            LM_TRY(lm_loader_batch_shard(&x->gb, x->rank, W, &x->b, err));
         res->n_passkey += x->b.n_passkey;
         res->n_long += x->b.n_long;
         res->n_repeat += x->b.n_repeat;
+        /* the micro-batch's loss is the mean over its labelled tokens on all ranks:
+         * rank r's mean weighs n_r / N (exactly 1 on one rank) */
+        int64_t N = x->b.n_labels;
+        if (W > 1)
+            LM_TRY(lm_comm_allreduce(x->comm, &N, 1, LM_I64, LM_DIST_SUM, err));
+        const double share = N > 0 ? (double)x->b.n_labels / (double)N : 0.0;
         if (bad)
             continue; /* keep consuming the data of the step */
         double loss = 0;
@@ -362,7 +407,7 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
         lm_status r =
             lm_model_forward(m, &x->b.batch, x->b.ids, x->b.labels, 1, NULL, &loss, &nl, err);
         if (r == LM_OK)
-            r = lm_model_backward(m, 1.0f / (float)M, mi > 0, err);
+            r = lm_model_backward(m, (float)(share / M), mi > 0, err);
         if (r != LM_OK) {
             if (!numeric_error(r))
                 return r;
@@ -370,16 +415,39 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
             bad = 1;
             continue;
         }
-        if (!isfinite(loss))
+        if (!isfinite(loss) && x->b.n_labels > 0)
             bad = 1;
-        loss_sum += loss;
+        if (x->b.n_labels > 0)
+            loss_sum += loss * share;
+    }
+    if (W > 1) {
+        /* the step's loss and its bad flag over the ranks: all skip, or none */
+        double agg[2] = {loss_sum, (double)bad};
+        LM_TRY(lm_comm_allreduce(x->comm, agg, 2, LM_F64, LM_DIST_SUM, err));
+        loss_sum = agg[0];
+        bad = agg[1] > 0;
     }
     res->loss = bad ? NAN : loss_sum / M;
     float *g = lm_model_grads(m);
     const int64_t nan_at = x->o->nan_at, nan_n = x->o->nan_count > 0 ? x->o->nan_count : 1;
     if (!bad && nan_at > 0 && x->k.step + 1 >= nan_at && x->k.step + 1 < nan_at + nan_n)
         g[x->opt.blk_off[0]] = NAN; /* test hook */
-    res->gnorm = bad ? NAN : lm_adamw_grad_norm(&x->opt, g);
+    /* ZeRO-1: each rank gets the sum over ranks of its shard of the gradient; the
+     * norm's per-block sums are all-reduced (each block lives on one rank: adding the
+     * others' zeros is exact) and added in table order, the same on every rank */
+    float *gs = g;
+    res->gnorm = NAN;
+    if (!bad && W > 1) {
+        LM_TRY(lm_comm_reduce_scatter(x->comm, g, x->gshard, x->shard, LM_F32, err));
+        gs = x->gshard;
+    }
+    if (!bad) {
+        lm_adamw_grad_partials(&x->opt, gs);
+        if (W > 1)
+            LM_TRY(
+                lm_comm_allreduce(x->comm, x->opt.partial, x->opt.nblk, LM_F64, LM_DIST_SUM, err));
+        res->gnorm = lm_adamw_norm_of_partials(&x->opt);
+    }
     if (!isfinite(res->gnorm))
         bad = 1;
     const int L = x->p.cfg.num_hidden_layers;
@@ -396,18 +464,24 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
         if (c->grad_clip > 0 && res->gnorm > c->grad_clip)
             scale = c->grad_clip / (res->gnorm + 1e-6);
         x->k.opt_step++;
-        lm_adamw_step(&x->opt, x->p.data, g, scale, res->lr, c->weight_decay, c->beta1, c->beta2,
+        lm_adamw_step(&x->opt, x->p.data, gs, scale, res->lr, c->weight_decay, c->beta1, c->beta2,
                       c->eps, x->k.opt_step);
+        if (W > 1) /* every rank's updated shard to every rank (in place) */
+            LM_TRY(lm_comm_allgather(x->comm, x->p.data + x->opt.lo, x->p.data, x->shard, LM_F32,
+                                     err));
         for (int i = 0; i < L; i++) {
             lm_router_state *rs = lm_model_router_state(m, i);
             if (!rs)
                 continue;
-            double tot = 0;
-            for (int e = 0; e < rs->E; e++)
-                tot += rs->demand[e];
-            for (int e = 0; e < rs->E; e++)
-                x->load[(size_t)i * x->E + e] = tot > 0 ? rs->demand[e] / tot : 0;
-            LM_TRY(lm_router_update_bias(&x->p.cfg.moe.router, rs, NULL, NULL, &x->met[i], err));
+            x->bias_layer = i;
+            x->reduce_st = LM_OK;
+            LM_TRY(
+                lm_router_update_bias(&x->p.cfg.moe.router, rs, reduce_demand, x, &x->met[i], err));
+            if (x->reduce_st != LM_OK) {
+                if (err)
+                    *err = x->reduce_err;
+                return x->reduce_st;
+            }
         }
         x->k.bad_streak = 0;
     }
@@ -415,6 +489,7 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
     x->k.tokens += st->step_tokens;
     x->k.step++;
     res->seconds = lm_time_sec() - t0;
+    lm_comm_get_stats(x->comm, &res->comm);
     return LM_OK;
 }
 
@@ -483,6 +558,8 @@ static lm_status train_step_gpu(ctx *x, int s, step_result *res, lm_error *err) 
 static void log_step(ctx *x, int s, const step_result *r, double tok_s, double mfu) {
     const lm_train_config *c = x->c;
     FILE *f = x->flog;
+    if (!f)
+        return; /* ranks other than 0 */
     fprintf(f, "{\"step\": %lld, \"tokens\": %lld, \"stage\": %d, \"seq_len\": %d, \"loss\": ",
             (long long)x->k.step, (long long)x->k.tokens, s, c->stages[s].seq_len);
     jnum(f, r->loss, 17);
@@ -494,10 +571,25 @@ static void log_step(ctx *x, int s, const step_result *r, double tok_s, double m
     jnum(f, tok_s, 6);
     fputs(", \"mfu\": ", f);
     jnum(f, mfu, 6);
-    fprintf(f,
-            ", \"skipped\": %d, \"bad_total\": %lld, \"passkey_rows\": %d, \"long_rows\": %d, "
-            "\"moe\": ",
+    fprintf(f, ", \"skipped\": %d, \"bad_total\": %lld, \"passkey_rows\": %d, \"long_rows\": %d, ",
             r->skipped, (long long)x->k.bad_total, r->n_passkey, r->n_long);
+    if (x->world > 1) {
+        /* this rank's (rank 0's) collectives of the step: calls, bytes sent, ms */
+        fprintf(f, "\"ranks\": %d, \"comm\": {", x->world);
+        int first = 1;
+        for (int k = 0; k < LM_COLL_N; k++) {
+            if (!r->comm.calls[k])
+                continue;
+            fprintf(f, "%s\"%s\": {\"calls\": %lld, \"bytes\": %lld, \"ms\": ", first ? "" : ", ",
+                    lm_coll_name((lm_coll_kind)k), (long long)r->comm.calls[k],
+                    (long long)r->comm.bytes[k]);
+            jnum(f, r->comm.seconds[k] * 1e3, 4);
+            fputc('}', f);
+            first = 0;
+        }
+        fputs("}, ", f);
+    }
+    fputs("\"moe\": ", f);
     if (r->skipped) {
         fputs("null}\n", f);
         fflush(f);
@@ -549,6 +641,14 @@ static void ctx_free(ctx *x) {
         fclose(x->fstage);
     if (x->have_b)
         lm_loader_batch_free(&x->b);
+    if (x->have_gb)
+        lm_loader_batch_free(&x->gb);
+    free(x->gshard);
+    free(x->shard);
+    free(x->full_mv);
+    lm_comm_free(x->dpc);
+    lm_comm_free(x->epc);
+    lm_comm_free(x->own_comm);
     lm_loader_free(x->ld);
     if (x->have_opt)
         lm_adamw_free(&x->opt);
@@ -653,7 +753,12 @@ static lm_status check_resume(ctx *x, const lm_train_config *c, const char *ckdi
 
 static lm_status setup(ctx *x, const lm_train_config *c, lm_error *err) {
     const lm_train_options *o = x->o;
-    const int threads = o->threads > 0 ? o->threads : c->threads;
+    int threads = o->threads > 0 ? o->threads : c->threads;
+    if (threads <= 0 && lm_comm_local_size(x->comm) > 1) {
+        /* ranks on one host share its cores */
+        const long n = sysconf(_SC_NPROCESSORS_ONLN) / lm_comm_local_size(x->comm);
+        threads = n > 1 ? (int)n : 1;
+    }
     if (threads > 0) {
         lm_set_num_threads(threads);
         lm_blas_set_threads(threads);
@@ -672,9 +777,99 @@ static lm_status setup(ctx *x, const lm_train_config *c, lm_error *err) {
 
 /* ---------------------------------------------------------------- the run */
 
+/* The run directory's files (rank 0): leftovers of an interrupted checkpoint removed,
+ * train_config.json, the logs (on resume: cut back to the checkpoint's step). */
+static lm_status open_run_files(ctx *x, lm_error *err) {
+    const lm_train_options *o = x->o;
+    lm_train_ckpt_cleanup(x->run);
+    char path[PATHMAX + 64];
+    snprintf(path, sizeof path, "%s/train_config.json", x->run);
+    LM_TRY(write_text_atomic(path, x->c->text, err));
+    if (o->resume) {
+        snprintf(path, sizeof path, "%s/log.jsonl", x->run);
+        LM_TRY(filter_jsonl(path, "step", x->k.step, err));
+        snprintf(path, sizeof path, "%s/evals.jsonl", x->run);
+        LM_TRY(filter_jsonl(path, "step", x->k.step, err));
+        snprintf(path, sizeof path, "%s/stages.jsonl", x->run);
+        LM_TRY(filter_jsonl(path, "stage", x->k.stage, err));
+    }
+    LM_TRY(open_log(x, "log.jsonl", o->resume, &x->flog, err));
+    LM_TRY(open_log(x, "evals.jsonl", o->resume, &x->feval, err));
+    LM_TRY(open_log(x, "stages.jsonl", o->resume, &x->fstage, err));
+    return LM_OK;
+}
+
+/* FNV-1a over the bytes of n floats (the replicas' agreement check). */
+static uint64_t hash_floats(const float *v, int64_t n) {
+    const unsigned char *b = (const unsigned char *)v;
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t i = 0; i < n * (int64_t)sizeof(float); i++)
+        h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+/* A checkpoint of a data-parallel run: the replicas must hold bitwise the same
+ * parameters (MoE biases included: each rank updates them from the all-reduced
+ * load), checked by a hash per rank; rank 0 gathers the AdamW shards and writes the
+ * one logical checkpoint; every rank learns whether it worked. */
+static lm_status save_checkpoint(ctx *x, const lm_loader_state *ls, lm_error *err) {
+    const lm_train_options *o = x->o;
+    const lm_train_config *c = x->c;
+    const int fail = o->fail_checkpoint_at > 0 && o->fail_checkpoint_at == x->k.step;
+    if (x->world == 1)
+        return lm_train_ckpt_save(x->run, &x->p, &x->opt, x->m, &x->k, ls, c->text, c->keep_last,
+                                  fail, x->last_ckpt, sizeof x->last_ckpt, err);
+    int64_t *h = LM_MALLOC(sizeof(int64_t) * (size_t)x->world), ones_buf[64];
+    int64_t *ones = x->world <= 64 ? ones_buf : LM_MALLOC(sizeof(int64_t) * (size_t)x->world);
+    for (int q = 0; q < x->world; q++)
+        ones[q] = 1;
+    h[x->rank] = (int64_t)hash_floats(x->p.data, x->p.numel);
+    lm_status st = lm_comm_allgather(x->comm, h + x->rank, h, ones, LM_I64, err);
+    for (int q = 1; st == LM_OK && q < x->world; q++)
+        if (h[q] != h[0])
+            st = lm_errorf(err, LM_ERR_INVALID,
+                           "train: at step %lld rank %d holds different parameters than rank 0 "
+                           "(hash %016llx vs %016llx): the data-parallel replicas diverged",
+                           (long long)x->k.step, q, (unsigned long long)h[q],
+                           (unsigned long long)h[0]);
+    if (ones != ones_buf)
+        free(ones);
+    free(h);
+    LM_TRY(st);
+    LM_TRY(lm_comm_gather(x->comm, x->opt.m, x->full_mv, x->shard, LM_F32, 0, err));
+    LM_TRY(lm_comm_gather(x->comm, x->opt.v, x->rank == 0 ? x->full_mv + x->p.numel : NULL,
+                          x->shard, LM_F32, 0, err));
+    st = LM_OK;
+    if (x->rank == 0) {
+        lm_adamw full = x->opt;
+        full.m = x->full_mv;
+        full.v = x->full_mv + x->p.numel;
+        full.lo = 0;
+        full.hi = x->p.numel;
+        st = lm_train_ckpt_save(x->run, &x->p, &full, x->m, &x->k, ls, c->text, c->keep_last, fail,
+                                x->last_ckpt, sizeof x->last_ckpt, err);
+    }
+    return lm_comm_agree(x->comm, st, err);
+}
+
 static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm_error *err) {
     const lm_train_options *o = x->o;
     char ckdir[PATHMAX + 64] = "";
+    if (o->comm) {
+        x->comm = o->comm;
+    } else {
+        LM_TRY(lm_comm_self_new(&x->own_comm, err));
+        x->comm = x->own_comm;
+    }
+    x->rank = lm_comm_rank(x->comm);
+    x->world = lm_comm_size(x->comm);
+    if (x->rank != 0)
+        x->quiet = 1, x->live = 0; /* rank 0 speaks for the job */
+    if (x->world % c->expert_parallel != 0)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "%s: train.expert_parallel = %d needs a number of ranks that is a "
+                         "multiple of it (this job has %d; launch with mpirun -np N)",
+                         c->source, c->expert_parallel, x->world);
     if (o->resume) {
         LM_TRY(lm_train_latest_checkpoint(x->run, ckdir, sizeof ckdir, err));
     } else {
@@ -702,18 +897,36 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         x->have_p = 1;
         lm_params_init_weights(&x->p, c->model.seed);
     }
-    int64_t max_tokens = c->eval_seq_len, max_micro = 2;
+    /* max_micro: the tokens of a global micro-batch; the model plans for this rank's
+     * share (rows / world of every micro-batch: the world must divide them) */
+    int64_t max_tokens = c->eval_seq_len, max_micro = 2, max_share = 2;
     for (int s = 0; s < c->n_stages; s++) {
         const int64_t t = (int64_t)c->stages[s].rows_per_micro * c->stages[s].seq_len;
+        if (c->stages[s].rows_per_micro % x->world != 0)
+            return lm_errorf(
+                err, LM_ERR_INVALID,
+                "%s: stage '%s' (stages[%d]): a micro-batch of %d rows of %d tokens "
+                "cannot be split evenly over %d data-parallel ranks (train.batch_tokens "
+                "/ train.micro_batches / seq_len must be a multiple of %d rows)",
+                c->source, c->stages[s].name, s, c->stages[s].rows_per_micro, c->stages[s].seq_len,
+                x->world, x->world);
         if (t > max_micro)
             max_micro = t;
+        if (t / x->world > max_share)
+            max_share = t / x->world;
     }
-    if (max_micro > max_tokens)
-        max_tokens = max_micro;
+    if (max_share > max_tokens)
+        max_tokens = max_share;
     for (int i = 0; i < c->n_passkey_lengths; i++)
         if (c->passkey_lengths[i] > max_tokens)
             max_tokens = c->passkey_lengths[i];
     const int on_gpu = o->device.type == LM_DEVICE_CUDA;
+    if (on_gpu && x->world > 1)
+        return lm_errorf(
+            err, LM_ERR_UNSUPPORTED,
+            "train: --device cuda with %d ranks: multi-GPU training (the NCCL backend) "
+            "is not wired into the trainer yet; run on cpu or with one rank",
+            x->world);
     if (on_gpu) {
         /* the steps and the evals run on the device; the CPU model only holds the router
          * states a checkpoint reads (its activations are planned for one token) */
@@ -739,8 +952,29 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         max_tokens = 1;
     }
     LM_TRY(lm_model_new(&x->m, &x->p, max_tokens, err));
-    lm_adamw_init(&x->opt, &x->p);
+    x->rcomm = x->comm;
+    if (c->expert_parallel > 1) {
+        const int ep = c->expert_parallel;
+        LM_TRY(lm_comm_split_grid(x->comm, ep, &x->dpc, &x->epc, err));
+        LM_TRY(lm_model_set_expert_parallel(x->m, x->epc, err));
+        x->rcomm = x->dpc;
+    }
+    lm_adamw_init_shard(&x->opt, &x->p, x->rank, x->world);
     x->have_opt = 1;
+    if (x->world > 1) {
+        x->shard = LM_MALLOC(sizeof(int64_t) * (size_t)x->world);
+        for (int q = 0; q < x->world; q++) {
+            int64_t lo, hi;
+            lm_adamw_shard_range(&x->opt, q, x->world, &lo, &hi);
+            x->shard[q] = hi - lo;
+        }
+        x->gshard = LM_MALLOC(sizeof(float) * (size_t)(x->shard[x->rank] + 1));
+        if (x->rank == 0)
+            x->full_mv = LM_MALLOC(sizeof(float) * 2 * (size_t)x->p.numel);
+        LM_TRY(lm_loader_batch_init(&x->gb, 1, (int)max_micro, err));
+        x->have_gb = 1;
+    }
+    /* every rank: the one-rank stream (global batches), then its share */
     LM_TRY(lm_loader_new(&x->ld, &x->train, x->tok, c->seed, 0, 1, err));
     LM_TRY(lm_loader_batch_init(&x->b, 1, (int)max_micro, err));
     x->have_b = 1;
@@ -790,22 +1024,10 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
     }
     if (x->k.stage >= 0)
         LM_TRY(apply_stage(x, (int)x->k.stage, err));
-    /* run directory and logs */
-    lm_train_ckpt_cleanup(x->run);
-    char path[PATHMAX + 64];
-    snprintf(path, sizeof path, "%s/train_config.json", x->run);
-    LM_TRY(write_text_atomic(path, c->text, err));
-    if (o->resume) {
-        snprintf(path, sizeof path, "%s/log.jsonl", x->run);
-        LM_TRY(filter_jsonl(path, "step", x->k.step, err));
-        snprintf(path, sizeof path, "%s/evals.jsonl", x->run);
-        LM_TRY(filter_jsonl(path, "step", x->k.step, err));
-        snprintf(path, sizeof path, "%s/stages.jsonl", x->run);
-        LM_TRY(filter_jsonl(path, "stage", x->k.stage, err));
-    }
-    LM_TRY(open_log(x, "log.jsonl", o->resume, &x->flog, err));
-    LM_TRY(open_log(x, "evals.jsonl", o->resume, &x->feval, err));
-    LM_TRY(open_log(x, "stages.jsonl", o->resume, &x->fstage, err));
+    /* rank 0 alone writes the run directory; every rank leaves here together when
+     * any failed so far */
+    lm_status ost = x->rank == 0 ? open_run_files(x, err) : LM_OK;
+    LM_TRY(lm_comm_agree(x->comm, ost, err));
 
     int64_t stop = c->total_steps;
     if (o->max_steps > 0 && o->max_steps < stop)
@@ -870,6 +1092,14 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         step_result r;
         memset(&r, 0, sizeof r);
         LM_TRY(x->gm ? train_step_gpu(x, s, &r, err) : train_step(x, s, &r, err));
+        if (o->diverge_at > 0 && o->diverge_at == x->k.step && x->rank == 1)
+            for (int i = 0; i < x->p.cfg.num_hidden_layers; i++) {
+                lm_router_state *rs = lm_model_router_state(x->m, i);
+                if (rs) { /* test hook: one replica's bias off by 1e-3 */
+                    rs->e_score_correction_bias[0] += 1e-3f;
+                    break;
+                }
+            }
         /* a skipped step did not do the step's work (a failing forward returns early):
          * no rate for it (null in the log), and it stays out of the run's rates */
         const double fpt = lm_model_train_flops_per_token(&x->p.cfg, st->seq_len);
@@ -917,15 +1147,13 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
             }
         }
         const int stage_end = x->k.step == st->first_step + st->steps;
-        if (stage_end || (c->eval_every > 0 && x->k.step % c->eval_every == 0))
-            LM_TRY(run_eval(x, err));
+        if (x->rank == 0 && (stage_end || (c->eval_every > 0 && x->k.step % c->eval_every == 0)))
+            LM_TRY(run_eval(x, err)); /* the other ranks wait in the next step's collectives */
         if ((c->checkpoint_every > 0 && x->k.step % c->checkpoint_every == 0) ||
             x->k.step == stop) {
             lm_loader_get_state(x->ld, &ls);
             LM_TRY(host_sync(x, err));
-            const int fail = o->fail_checkpoint_at > 0 && o->fail_checkpoint_at == x->k.step;
-            LM_TRY(lm_train_ckpt_save(x->run, &x->p, &x->opt, x->m, &x->k, &ls, c->text,
-                                      c->keep_last, fail, x->last_ckpt, sizeof x->last_ckpt, err));
+            LM_TRY(save_checkpoint(x, &ls, err));
             if (!x->live)
                 say(x, "checkpoint %s", x->last_ckpt);
         }

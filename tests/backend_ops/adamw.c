@@ -31,7 +31,7 @@ static void cpu_init(lm_adamw *a, float *m, float *v) {
     int64_t nb = 0;
     for (int i = 0; i < NSEG; i++)
         nb += (SEGS[i].count + LM_ADAMW_BLOCK - 1) / LM_ADAMW_BLOCK;
-    a->m = m, a->v = v, a->nblk = nb;
+    a->m = m, a->v = v, a->nblk = nb, a->blk1 = nb; /* one rank: lo = 0, every block */
     a->blk_off = LM_MALLOC(sizeof(int64_t) * (size_t)nb);
     a->blk_len = LM_MALLOC(sizeof(int64_t) * (size_t)nb);
     a->blk_decay = LM_MALLOC((size_t)nb);

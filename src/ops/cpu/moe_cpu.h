@@ -43,8 +43,8 @@ struct lm_moe_ctx {
     lm_moe_config c;
     int E, k, d, f, fs;
     int max_T;
-    int T;        /* tokens of the last forward; 0: no forward yet */
-    int training; /* flag of the last forward */
+    int T;           /* tokens of the last forward; 0: no forward yet */
+    int training;    /* flag of the last forward */
     float aux_scale; /* factor on the aux loss's gradient in the backward (default 1) */
     lm_route route;
     /* permutation of the last forward: expert e owns rows [seg_off[e], seg_off[e+1])
@@ -86,6 +86,14 @@ void lm_moe_cpu_run_tasks(const moe_run *run, moe_task *tasks, int n);
 void lm_moe_cpu_combine(const moe_run *run);
 /* Sort tasks by cost, largest first (ties: kind, then a). */
 void lm_moe_cpu_sort_tasks(moe_task *tasks, int n);
+
+/* SwiGLU of m rows (the routed experts' and the expert-parallel layer's,
+ * src/dist/moe_ep.c, so both run the same arithmetic): a = silu(g) * u from H rows
+ * [g (f) | u (f)] (row stride ldh) into A; backward from da (rows of G): dg = da * u *
+ * silu'(g), du = da * silu(g) into dH rows [dg | du]. */
+void lm_moe_cpu_swiglu_fwd(int64_t m, int f, const float *H, int64_t ldh, float *A, int64_t lda);
+void lm_moe_cpu_swiglu_bwd(int64_t m, int f, const float *H, int64_t ldh, const float *G,
+                           int64_t ldg, float *dH, int64_t lddh);
 
 /* Benchmark switch: 1 runs the tasks one after another with every GEMM on
  * OpenBLAS's threads (as set by lm_blas_set_threads), 0 (default) runs tasks in

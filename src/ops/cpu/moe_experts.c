@@ -17,8 +17,8 @@ int lm_moe_cpu_threaded_blas(void) { return g_threaded_blas; }
 /* ---------------------------------------------------------------- SwiGLU */
 
 /* a = silu(g) * u for m rows; H rows are [g (f) | u (f)] with row stride ldh. */
-static void swiglu_fwd(int64_t m, int f, const float *restrict H, int64_t ldh, float *restrict A,
-                       int64_t lda) {
+void lm_moe_cpu_swiglu_fwd(int64_t m, int f, const float *restrict H, int64_t ldh,
+                           float *restrict A, int64_t lda) {
     for (int64_t r = 0; r < m; r++) {
         const float *restrict g = H + r * ldh, *restrict u = g + f;
         float *restrict a = A + r * lda;
@@ -32,8 +32,8 @@ static void swiglu_fwd(int64_t m, int f, const float *restrict H, int64_t ldh, f
 
 /* From da (rows of G) and the saved [g | u]:  dg = da * u * silu'(g),
  * du = da * silu(g), with silu'(g) = s (1 + g (1 - s)), s = sigmoid(g). */
-static void swiglu_bwd(int64_t m, int f, const float *restrict H, int64_t ldh,
-                       const float *restrict G, int64_t ldg, float *restrict dH, int64_t lddh) {
+void lm_moe_cpu_swiglu_bwd(int64_t m, int f, const float *restrict H, int64_t ldh,
+                           const float *restrict G, int64_t ldg, float *restrict dH, int64_t lddh) {
     for (int64_t r = 0; r < m; r++) {
         const float *restrict g = H + r * ldh, *restrict u = g + f, *restrict da = G + r * ldg;
         float *restrict dg = dH + r * lddh, *restrict du = dg + f;
@@ -70,7 +70,7 @@ static void expert_forward(const moe_run *run, int e) {
                (size_t)d * sizeof(float));
     lm_sgemm(0, 1, m, f, d, 1.0f, xp, d, Wg, d, 0.0f, H, 2 * f);
     lm_sgemm(0, 1, m, f, d, 1.0f, xp, d, Wu, d, 0.0f, H + f, 2 * f);
-    swiglu_fwd(m, f, H, 2 * f, A, f);
+    lm_moe_cpu_swiglu_fwd(m, f, H, 2 * f, A, f);
     lm_sgemm(0, 1, m, d, f, 1.0f, A, f, Wd, f, 0.0f, Y, d);
 }
 
@@ -126,7 +126,7 @@ static void expert_backward(const moe_run *run, int e) {
     /* dW_down = (w dout_e)^T a */
     if (dWd)
         lm_sgemm(1, 0, d, f, m, 1.0f, D, d, A, f, 0.0f, dWd, f);
-    swiglu_bwd(m, f, H, 2 * f, G, f, dH, 2 * f);
+    lm_moe_cpu_swiglu_bwd(m, f, H, 2 * f, G, f, dH, 2 * f);
     if (dWg)
         lm_sgemm(1, 0, f, d, m, 1.0f, dH, 2 * f, xp, d, 0.0f, dWg, d);
     if (dWu)
@@ -146,7 +146,7 @@ static void shared_rows_forward(const moe_run *run, int t0, int t1) {
     float *H = x->Hs + (int64_t)t0 * 2 * fs, *A = x->As + (int64_t)t0 * fs;
     lm_sgemm(0, 1, m, fs, d, 1.0f, xr, d, Wg, d, 0.0f, H, 2 * fs);
     lm_sgemm(0, 1, m, fs, d, 1.0f, xr, d, Wu, d, 0.0f, H + fs, 2 * fs);
-    swiglu_fwd(m, fs, H, 2 * fs, A, fs);
+    lm_moe_cpu_swiglu_fwd(m, fs, H, 2 * fs, A, fs);
     lm_sgemm(0, 1, m, d, fs, 1.0f, A, fs, Wd, fs, 0.0f, run->out + (int64_t)t0 * d, d);
 }
 
@@ -158,7 +158,7 @@ static void shared_rows_backward(const moe_run *run, int t0, int t1) {
     const float *H = x->Hs + (int64_t)t0 * 2 * fs;
     float *G = x->Gs + (int64_t)t0 * fs, *dH = x->dHs + (int64_t)t0 * 2 * fs;
     lm_sgemm(0, 0, m, fs, d, 1.0f, run->dout + (int64_t)t0 * d, d, Wd, fs, 0.0f, G, fs);
-    swiglu_bwd(m, fs, H, 2 * fs, G, fs, dH, 2 * fs);
+    lm_moe_cpu_swiglu_bwd(m, fs, H, 2 * fs, G, fs, dH, 2 * fs);
     if (run->dx) {
         float *dx = run->dx + (int64_t)t0 * d;
         lm_sgemm(0, 0, m, d, fs, 1.0f, dH, 2 * fs, Wg, d, 0.0f, dx, d);
