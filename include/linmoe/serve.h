@@ -134,6 +134,8 @@ lm_status lm_engine_submit(lm_engine *e, const lm_engine_request *r, int64_t *id
 /* Cancel request id (waiting or running): its row is freed at the next step, which
  * delivers its end event (LM_FINISH_CANCEL). Unknown or finished ids: no effect. */
 void lm_engine_cancel(lm_engine *e, int64_t id);
+/* Cancel every waiting and running request (a server shutting down). */
+void lm_engine_cancel_all(lm_engine *e);
 /* One scheduler iteration (see above). *did_work (may be NULL) = 0 when there was
  * nothing to do. Errors from the model end the affected sequences with LM_FINISH_ERROR
  * and are not returned; the return value is LM_OK unless the engine itself is unusable. */

@@ -286,6 +286,16 @@ void lm_engine_cancel(lm_engine *e, int64_t id) {
             e->rows[i]->cancelled = 1;
 }
 
+void lm_engine_cancel_all(lm_engine *e) {
+    if (!e)
+        return;
+    for (seq *s = e->wait_head; s; s = s->next)
+        s->cancelled = 1;
+    for (int i = 0; i < e->c.max_seqs; i++)
+        if (e->rows[i])
+            e->rows[i]->cancelled = 1;
+}
+
 int64_t lm_engine_pending(const lm_engine *e) {
     return e->n_wait + e->n_decode + (e->prefill != NULL);
 }
