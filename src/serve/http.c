@@ -41,6 +41,7 @@ typedef struct job {
     int refs;
     /* request */
     int chat, stream, echo, logprobs; /* logprobs: top-n, -1 off */
+    int ignore_eos; /* vLLM's extension: <|endoftext|> does not end the completion */
     int32_t *prompt;
     int64_t n_prompt, max_tokens;
     lm_sampler_config sc;
@@ -158,13 +159,17 @@ static int buf_add(char **b, size_t *len, size_t *cap, const char *s, size_t n) 
     return 0;
 }
 
-/* Append n bytes, each byte that is not part of valid UTF-8 replaced by U+FFFD (the
- * responses are JSON, which must be UTF-8; a byte-level model can emit any byte). */
+/* Append n bytes, each byte that is not part of valid UTF-8, and each NUL, replaced by
+ * U+FFFD (the responses are JSON, which must be UTF-8, and cJSON strings end at a NUL;
+ * a byte-level model can emit any byte). */
 static int add_utf8(char **b, size_t *len, size_t *cap, const char *s, size_t n) {
     size_t i = 0;
     while (i < n) {
         const int64_t bad = lm_utf8_invalid_at(s + i, n - i);
-        const size_t good = bad < 0 ? n - i : (size_t)bad;
+        size_t good = bad < 0 ? n - i : (size_t)bad;
+        const char *z = memchr(s + i, '\0', good);
+        if (z)
+            good = (size_t)(z - (s + i));
         if (buf_add(b, len, cap, s + i, good))
             return -1;
         i += good;
@@ -839,6 +844,7 @@ static job *parse_request(lm_server *s, int chat, const cJSON *o, perr *pe) {
      * --seed S is seed = S) */
     j->seed = seed >= 0 ? (uint64_t)seed : 0x9e3779b97f4a7c15ULL * (uint64_t)jn + 1;
     TRY(get_bool(o, "stream", &j->stream, pe));
+    TRY(get_bool(o, "ignore_eos", &j->ignore_eos, pe));
     /* stop: a string or up to 4 */
     const cJSON *st = cJSON_GetObjectItemCaseSensitive(o, "stop");
     if (st && !cJSON_IsNull(st)) {
