@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs the Debian/Ubuntu packages that linmoe's build, tests and data scripts need
 # (scripts/fetch-data.sh: node, npm, bzip2, xz; `linmoe plot`: gnuplot; multi-process
-# training and its tests: libopenmpi-dev, openmpi-bin's mpirun).
+# training and its tests: libopenmpi-dev, openmpi-bin's mpirun; `linmoe serve`: libmicrohttpd).
+# `scripts/install-deps.sh --clients` also installs what the server tests drive (issue 23):
+# Debian's chromium (headless chat-page test), curl and python3 (scripts/install-test-clients.sh
+# calls it so and adds the pinned OpenAI Node SDK).
 # `scripts/install-deps.sh --peer` also installs Debian's python3-torch (CPU PyTorch), used
 # only by `linmoe bench model` to time the PyTorch reference step beside linmoe.
 # Idempotent: when everything is already installed it prints nothing and changes
@@ -10,7 +13,7 @@
 set -euo pipefail
 
 pkgs=(build-essential cmake pkg-config libopenblas-dev libcjson-dev libpcre2-dev libcmocka-dev
-    gnuplot-nox bzip2 xz-utils ca-certificates libopenmpi-dev openmpi-bin)
+    libmicrohttpd-dev gnuplot-nox bzip2 xz-utils ca-certificates libopenmpi-dev openmpi-bin)
 # node + npm run scripts/fetch-data.sh and the tokenizer oracle. Checked by command, not
 # by package: a Node.js from elsewhere (e.g. NodeSource's nodejs, which bundles npm and
 # conflicts with Debian's npm package) is fine and must not be "fixed".
@@ -19,7 +22,12 @@ command -v npm >/dev/null 2>&1 || pkgs+=(npm)
 for a in "$@"; do
     case "$a" in
     --peer) pkgs+=(python3-torch python3-numpy) ;;
-    *) echo "install-deps: unknown option '$a' (known: --peer)" >&2; exit 2 ;;
+    --clients)
+        pkgs+=(curl)
+        command -v chromium >/dev/null 2>&1 || pkgs+=(chromium)
+        command -v python3 >/dev/null 2>&1 || pkgs+=(python3)
+        ;;
+    *) echo "install-deps: unknown option '$a' (known: --peer, --clients)" >&2; exit 2 ;;
     esac
 done
 

@@ -1,7 +1,10 @@
-/* `linmoe generate --ckpt DIR [--prompt TEXT | --prompt-file F] ...`: prefill the
- * prompt with the chunked kernels (one lm_model_infer call), then decode one token
- * at a time with the caches, sampling each token (sample.h), and stream the text
- * to stdout as complete UTF-8 characters. No math here. */
+/* `linmoe generate --ckpt DIR [--prompt TEXT | --prompt-file F] ...`: one request
+ * through the serving engine (serve.h) with one row and no prefix cache: the prompt is
+ * prefilled with the chunked kernels in blocks of LM_GEN_BLOCK tokens, then decoded
+ * one token at a time with the caches, each token drawn by the request's seeded
+ * sampler (sample.h); the text streams to stdout as complete UTF-8 characters. The
+ * engine and its prefill blocks are the server's (`linmoe serve`), so a served
+ * completion with the same seed and sampling parameters is this one. No math here. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,10 +14,47 @@
 #include "linmoe/model.h"
 #include "linmoe/params.h"
 #include "linmoe/sample.h"
+#include "linmoe/serve.h"
 #include "linmoe/tokenizer.h"
 
 #define PROG "linmoe generate"
 #define MAX_PROMPT_BYTES ((long)64 << 20)
+/* the server's default --block (prefill block and prefix-cache granularity) */
+#define LM_GEN_BLOCK 64
+
+typedef struct {
+    const lm_tokenizer *tok;
+    lm_tokenizer_stream ts;
+    long produced;
+    int stopped_eot, failed;
+    double t_first;
+    char msg[1024];
+} gen_state;
+
+static void emit(const char *buf, int n) {
+    if (n > 0)
+        fwrite(buf, 1, (size_t)n, stdout);
+}
+
+static int on_event(void *ctx, const lm_engine_event *ev) {
+    gen_state *g = ctx;
+    char buf[256];
+    if (ev->finish != LM_FINISH_NONE) {
+        g->stopped_eot = ev->finish == LM_FINISH_STOP;
+        if (ev->finish == LM_FINISH_ERROR) {
+            g->failed = 1;
+            snprintf(g->msg, sizeof g->msg, "%s", ev->error ? ev->error : "model error");
+        }
+        return 0;
+    }
+    if (g->produced++ == 0)
+        g->t_first = lm_time_sec();
+    if (ev->token < lm_tokenizer_vocab_size(g->tok)) {
+        emit(buf, lm_tokenizer_stream_push(g->tok, &g->ts, ev->token, buf, sizeof buf));
+        fflush(stdout);
+    }
+    return 0;
+}
 
 void lm_cli_generate_usage(FILE *f) {
     fprintf(f,
@@ -106,11 +146,6 @@ static char *read_file(const char *path, size_t *len) {
     fclose(f);
     *len = n;
     return buf;
-}
-
-static void emit(const char *buf, int n) {
-    if (n > 0)
-        fwrite(buf, 1, (size_t)n, stdout);
 }
 
 int lm_cli_generate(int argc, char **argv) {
@@ -206,12 +241,10 @@ int lm_cli_generate(int argc, char **argv) {
     int rc = LM_EXIT_BAD_INPUT;
     lm_tokenizer *tok = NULL;
     lm_model *m = NULL;
-    lm_model_cache *cache = NULL;
-    lm_sampler *smp = NULL;
+    lm_engine *eng = NULL;
     char *text = NULL;
     size_t text_len = 0;
     int32_t *ids = NULL;
-    float *logits = NULL;
     int64_t n = 0, cap = 0;
     if (prompt_file) {
         text = read_file(prompt_file, &text_len);
@@ -251,14 +284,20 @@ int lm_cli_generate(int argc, char **argv) {
         fprintf(stderr, PROG ": prompt of %lld tokens is too long\n", (long long)n);
         goto done;
     }
-    logits = malloc((size_t)V * sizeof(float));
-    if (!logits) {
-        fprintf(stderr, PROG ": out of memory\n");
-        goto done;
-    }
-    if (lm_model_new(&m, &p, n, &err) != LM_OK ||
-        lm_model_cache_new(&cache, m, 1, n + max_new, &err) != LM_OK ||
-        lm_sampler_new(&smp, &sc, V, (uint64_t)seed, &err) != LM_OK) {
+    lm_engine_config ec;
+    lm_engine_config_default(&ec);
+    ec.max_seqs = 1;
+    ec.max_len = n + max_new > 2 ? n + max_new : 2;
+    ec.block_tokens = LM_GEN_BLOCK;
+    ec.max_batch_tokens = LM_GEN_BLOCK;
+    ec.state_cache_bytes = 0;
+    ec.max_queue = 1;
+    gen_state g = {tok, {{0}, 0}, 0, 0, 0, 0, {0}};
+    int64_t rid;
+    lm_engine_request rq = {ids, n, max_new, sc, (uint64_t)seed, eot, NULL};
+    if (lm_model_new(&m, &p, lm_engine_model_tokens(&ec), &err) != LM_OK ||
+        lm_engine_new(&eng, m, &ec, on_event, &g, &err) != LM_OK ||
+        lm_engine_submit(eng, &rq, &rid, &err) != LM_OK) {
         fprintf(stderr, PROG ": %s\n", err.msg);
         goto done;
     }
@@ -266,49 +305,32 @@ int lm_cli_generate(int argc, char **argv) {
     if (text_len > 0)
         fwrite(text ? text : prompt, 1, text_len, stdout);
     fflush(stdout);
-    double t0 = lm_time_sec();
-    if (lm_model_infer(m, cache, ids, (int)n, 1, logits, &err) != LM_OK) {
-        fprintf(stderr, PROG ": prefill: %s\n", err.msg);
+    const double t0 = lm_time_sec();
+    while (lm_engine_pending(eng) > 0)
+        if (lm_engine_step(eng, NULL, &err) != LM_OK)
+            break;
+    if (g.failed || lm_engine_pending(eng) > 0) {
+        fprintf(stderr, "\n" PROG ": %s\n", g.failed ? g.msg : err.msg);
         goto done;
     }
-    const double t_prefill = lm_time_sec() - t0;
-    t0 = lm_time_sec();
-    lm_tokenizer_stream ts = {{0}, 0};
     char buf[256];
-    long produced = 0;
-    int stopped_eot = 0;
-    for (long k = 0; k < max_new; k++) {
-        int32_t id = lm_sampler_sample(smp, logits);
-        if (id == eot) {
-            stopped_eot = 1;
-            break;
-        }
-        produced++;
-        if (id < lm_tokenizer_vocab_size(tok)) {
-            emit(buf, lm_tokenizer_stream_push(tok, &ts, id, buf, sizeof buf));
-            fflush(stdout);
-        }
-        if (k + 1 < max_new && lm_model_infer(m, cache, &id, 1, 1, logits, &err) != LM_OK) {
-            fprintf(stderr, "\n" PROG ": decode step %ld: %s\n", k, err.msg);
-            goto done;
-        }
-    }
-    emit(buf, lm_tokenizer_stream_flush(&ts, buf, sizeof buf));
+    emit(buf, lm_tokenizer_stream_flush(&g.ts, buf, sizeof buf));
     fputc('\n', stdout);
     fflush(stdout);
-    const double t_dec = lm_time_sec() - t0;
+    const double t_end = lm_time_sec(), t_first = g.produced > 0 ? g.t_first : t_end;
+    const double t_prefill = t_first - t0, t_dec = t_end - t_first;
+    const long produced = g.produced;
     fprintf(stderr,
-            PROG ": prompt %lld tokens (prefill %.3f s), generated %ld tokens in %.3f s "
-                 "(%.1f tokens/s)%s\n",
-            (long long)n, t_prefill, produced, t_dec, t_dec > 0 ? produced / t_dec : 0.0,
-            stopped_eot ? ", stopped at <|endoftext|>" : "");
+            PROG ": prompt %lld tokens (prefill + first token %.3f s), generated %ld tokens in "
+                 "%.3f s (%.1f tokens/s after the first)%s\n",
+            (long long)n, t_prefill, produced, t_prefill + t_dec,
+            t_dec > 0 && produced > 1 ? (produced - 1) / t_dec : 0.0,
+            g.stopped_eot ? ", stopped at <|endoftext|>" : "");
     rc = LM_EXIT_OK;
 done:
-    lm_sampler_free(smp);
-    lm_model_cache_free(cache);
+    lm_engine_free(eng);
     lm_model_free(m);
     lm_tokenizer_free(tok);
-    free(logits);
     free(ids);
     free(text);
     lm_params_free(&p);

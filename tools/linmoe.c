@@ -9,8 +9,8 @@
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <unistd.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "bench.h"
 #include "bench_ops.h"
@@ -42,6 +42,8 @@ int lm_cli_eval(int argc, char **argv);
 void lm_cli_eval_usage(FILE *f);
 int lm_cli_generate(int argc, char **argv);
 void lm_cli_generate_usage(FILE *f);
+int lm_cli_serve(int argc, char **argv);
+void lm_cli_serve_usage(FILE *f);
 int lm_cli_plot(int argc, char **argv);
 void lm_cli_plot_usage(FILE *f);
 /* `linmoe export` (tools/export.c); exit codes as in cli.h. */
@@ -53,26 +55,28 @@ static const char *g_prog = "linmoe";
 /* ---------------------------------------------------------------- help texts */
 
 static void usage_main(FILE *f) {
-    fprintf(f,
-            "usage: %s <subcommand> [options]\n"
-            "\n"
-            "subcommands:\n"
-            "  op       run one op on tensors from a safetensors file (kda, gdn, moe_router, moe)\n"
-            "  bench    benchmark kernels and the model against the machine's limit\n"
-            "           (kda, moe, attnres, model)\n"
-            "  balance-sim  simulate expert load balancing on a synthetic skewed router\n"
-            "  info     print a checkpoint's (or --config FILE's) config, parameter counts, tensors\n"
-            "  tokenize turn text into token shards (byte or GPT-2 BPE tokenizer)\n"
-            "  train    train a model from a training config (stages, checkpoints, --resume)\n"
-            "  eval     evaluate a checkpoint: bits per byte, passkey accuracy, MoE balance (JSON)\n"
-            "  generate sample text from a checkpoint (prefill + cached decode)\n"
-            "  plot     draw a run's loss, bits/byte, balance and passkey plots (gnuplot)\n"
-            "  export   write a dense checkpoint in fla's KDAForCausalLM format (--format fla)\n"
-            "  version  print the version\n"
-            "  help     print this help, or `help SUBCOMMAND` for one subcommand\n"
-            "\n"
-            "Every subcommand takes --help.\n",
-            g_prog);
+    fprintf(
+        f,
+        "usage: %s <subcommand> [options]\n"
+        "\n"
+        "subcommands:\n"
+        "  op       run one op on tensors from a safetensors file (kda, gdn, moe_router, moe)\n"
+        "  bench    benchmark kernels and the model against the machine's limit\n"
+        "           (kda, moe, attnres, model)\n"
+        "  balance-sim  simulate expert load balancing on a synthetic skewed router\n"
+        "  info     print a checkpoint's (or --config FILE's) config, parameter counts, tensors\n"
+        "  tokenize turn text into token shards (byte or GPT-2 BPE tokenizer)\n"
+        "  train    train a model from a training config (stages, checkpoints, --resume)\n"
+        "  eval     evaluate a checkpoint: bits per byte, passkey accuracy, MoE balance (JSON)\n"
+        "  generate sample text from a checkpoint (prefill + cached decode)\n"
+        "  serve    OpenAI-compatible HTTP server with continuous batching and a chat page\n"
+        "  plot     draw a run's loss, bits/byte, balance and passkey plots (gnuplot)\n"
+        "  export   write a dense checkpoint in fla's KDAForCausalLM format (--format fla)\n"
+        "  version  print the version\n"
+        "  help     print this help, or `help SUBCOMMAND` for one subcommand\n"
+        "\n"
+        "Every subcommand takes --help.\n",
+        g_prog);
 }
 
 static void usage_op(FILE *f) {
@@ -189,9 +193,7 @@ static void usage_version(FILE *f) {
 
 /* ---------------------------------------------------------------- flag helpers */
 
-static int is_help(const char *a) {
-    return strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0;
-}
+static int is_help(const char *a) { return strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0; }
 
 /* Matches `--name VALUE` or `--name=VALUE` at argv[*i]. Returns 1 and sets *val
  * (advancing *i past a separate value), 0 when argv[*i] is not this flag, and -1
@@ -199,14 +201,18 @@ static int is_help(const char *a) {
 static int flag_value(int argc, char **argv, int *i, const char *name, const char **val) {
     const char *a = argv[*i];
     size_t n = strlen(name);
-    if (strncmp(a, name, n) != 0) return 0;
+    if (strncmp(a, name, n) != 0)
+        return 0;
     if (a[n] == '=') {
         *val = a + n + 1;
-        if (**val == '\0') goto missing;
+        if (**val == '\0')
+            goto missing;
         return 1;
     }
-    if (a[n] != '\0') return 0;
-    if (*i + 1 >= argc) goto missing;
+    if (a[n] != '\0')
+        return 0;
+    if (*i + 1 >= argc)
+        goto missing;
     *val = argv[++*i];
     return 1;
 missing:
@@ -227,11 +233,13 @@ static int unknown_flag(const char *sub, const char *a) {
 /* Returns 0 for cpu, LM_EXIT_USAGE for an unknown device, LM_EXIT_BAD_INPUT for cuda
  * (callers that have a CUDA path check for "cuda" before calling this). */
 static int check_device(const char *sub, const char *dev) {
-    if (strcmp(dev, "cpu") == 0) return 0;
+    if (strcmp(dev, "cpu") == 0)
+        return 0;
     if (strcmp(dev, "cuda") == 0) {
         if (strcmp(sub, "bench") == 0)
             fprintf(stderr,
-                    "%s bench: --device cuda: `bench kda`, `bench model` and `bench ops` have CUDA paths; the GPU "
+                    "%s bench: --device cuda: `bench kda`, `bench model` and `bench ops` have CUDA "
+                    "paths; the GPU "
                     "benchmarks run on the GPU machine: scripts/gpu/pack.sh here, then "
                     "scripts/gpu/bench-c.sh (the C table) or scripts/gpu/bench.sh (beside fla in "
                     "one process) there (docs/perf-notes.md)\n",
@@ -270,9 +278,10 @@ static int cmd_op(int argc, char **argv) {
     } else if (strcmp(name, "gdn") == 0) {
         kind = LM_GDN;
     } else {
-        fprintf(stderr,
-                "%s op: unknown op '%s' (available: kda, gdn, moe_router, moe, attnres, attention)\n",
-                g_prog, name);
+        fprintf(
+            stderr,
+            "%s op: unknown op '%s' (available: kda, gdn, moe_router, moe, attnres, attention)\n",
+            g_prog, name);
         return LM_EXIT_USAGE;
     }
     const char *in = NULL, *out = NULL, *device = "cpu";
@@ -281,14 +290,17 @@ static int cmd_op(int argc, char **argv) {
         if ((r = flag_value(argc, argv, &i, "--in", &in)) != 0 ||
             (r = flag_value(argc, argv, &i, "--out", &out)) != 0 ||
             (r = flag_value(argc, argv, &i, "--device", &device)) != 0) {
-            if (r < 0) return LM_EXIT_USAGE;
+            if (r < 0)
+                return LM_EXIT_USAGE;
             continue;
         }
         return unknown_flag("op", argv[i]);
     }
-    const int cuda = strcmp(device, "cuda") == 0 && (strcmp(name, "kda") == 0 || strcmp(name, "gdn") == 0);
+    const int cuda =
+        strcmp(device, "cuda") == 0 && (strcmp(name, "kda") == 0 || strcmp(name, "gdn") == 0);
     int rc = cuda ? 0 : check_device("op", device);
-    if (rc != 0) return rc;
+    if (rc != 0)
+        return rc;
     if (!in || !out) {
         fprintf(stderr, "%s op %s: missing %s (see `%s op --help`)\n", g_prog, name,
                 !in ? "--in FILE" : "--out FILE", g_prog);
@@ -296,9 +308,12 @@ static int cmd_op(int argc, char **argv) {
     }
     char prog[64];
     snprintf(prog, sizeof(prog), "%s op %s", g_prog, name);
-    if (moe) return moe == 1 ? lm_cli_op_moe_router(prog, in, out) : lm_cli_op_moe(prog, in, out);
-    if (strcmp(name, "attnres") == 0) return lm_cli_op_attnres(prog, in, out);
-    if (strcmp(name, "attention") == 0) return lm_cli_op_attention(prog, in, out);
+    if (moe)
+        return moe == 1 ? lm_cli_op_moe_router(prog, in, out) : lm_cli_op_moe(prog, in, out);
+    if (strcmp(name, "attnres") == 0)
+        return lm_cli_op_attnres(prog, in, out);
+    if (strcmp(name, "attention") == 0)
+        return lm_cli_op_attention(prog, in, out);
     return lm_cli_op_kda(prog, kind, in, out, cuda);
 }
 
@@ -331,9 +346,11 @@ static int cmd_bench(int argc, char **argv) {
     const char *target = argv[1];
     int ti = -1;
     for (int k = 0; k < (int)(sizeof(targets) / sizeof(targets[0])); k++)
-        if (strcmp(target, targets[k]) == 0) ti = k;
+        if (strcmp(target, targets[k]) == 0)
+            ti = k;
     if (ti < 0) {
-        fprintf(stderr, "%s bench: unknown target '%s' (available: kda, moe, attnres, model, ops)\n",
+        fprintf(stderr,
+                "%s bench: unknown target '%s' (available: kda, moe, attnres, model, ops)\n",
                 g_prog, target);
         return LM_EXIT_USAGE;
     }
@@ -358,14 +375,18 @@ static int cmd_bench(int argc, char **argv) {
             (r = flag_value(argc, argv, &i, "--threads", &threads)) != 0 ||
             (r = flag_value(argc, argv, &i, "--device", &device)) != 0 ||
             (r = flag_value(argc, argv, &i, "--ops", &ops)) != 0) {
-            if (r < 0) return LM_EXIT_USAGE;
+            if (r < 0)
+                return LM_EXIT_USAGE;
             continue;
         }
         return unknown_flag("bench", argv[i]);
     }
     if ((o.config_path || o.no_peer || o.recompute) && strcmp(target, "model") != 0) {
         fprintf(stderr, "%s bench %s: %s applies only to `%s bench model`\n", g_prog, target,
-                o.config_path ? "--config" : o.no_peer ? "--no-peer" : "--recompute", g_prog);
+                o.config_path ? "--config"
+                : o.no_peer   ? "--no-peer"
+                              : "--recompute",
+                g_prog);
         return LM_EXIT_USAGE;
     }
     if (ops && strcmp(target, "ops") != 0) {
@@ -381,8 +402,9 @@ static int cmd_bench(int argc, char **argv) {
             return LM_EXIT_USAGE;
         }
         if (d.type != LM_DEVICE_CUDA) {
-            fprintf(stderr, "%s bench ops: the op table is the CUDA backend's; use --device cuda "
-                            "(the CPU ops have `bench kda|moe|attnres|model`)\n",
+            fprintf(stderr,
+                    "%s bench ops: the op table is the CUDA backend's; use --device cuda "
+                    "(the CPU ops have `bench kda|moe|attnres|model`)\n",
                     g_prog);
             return LM_EXIT_BAD_INPUT;
         }
@@ -400,12 +422,15 @@ static int cmd_bench(int argc, char **argv) {
     /* `bench kda --device cuda` is the C GPU table; other targets have no CUDA path */
     const int cuda = strcmp(device, "cuda") == 0 && strcmp(target, "kda") == 0;
     int rc = cuda ? 0 : check_device("bench", device);
-    if (rc != 0) return rc;
+    if (rc != 0)
+        return rc;
     if (threads) {
-        if (parse_threads(threads, &o.threads) != 0) return LM_EXIT_USAGE;
+        if (parse_threads(threads, &o.threads) != 0)
+            return LM_EXIT_USAGE;
     } else {
         o.threads = omp_get_num_procs();
-        if (o.threads < 1) o.threads = 1;
+        if (o.threads < 1)
+            o.threads = 1;
     }
     return cuda ? lm_bench_kda_cuda(&o) : runners[ti](&o);
 }
@@ -427,20 +452,35 @@ static int cmd_help(int argc, char **argv) {
         usage_main(stdout);
         return LM_EXIT_OK;
     }
-    if (argc > 2) return unknown_flag("help", argv[2]);
+    if (argc > 2)
+        return unknown_flag("help", argv[2]);
     const char *s = argv[1];
-    if (strcmp(s, "op") == 0) usage_op(stdout);
-    else if (strcmp(s, "bench") == 0) usage_bench(stdout);
-    else if (strcmp(s, "version") == 0) usage_version(stdout);
-    else if (strcmp(s, "balance-sim") == 0) lm_cli_balance_sim_usage(stdout);
-    else if (strcmp(s, "info") == 0) lm_cli_info_usage(stdout);
-    else if (strcmp(s, "tokenize") == 0) lm_cli_tokenize_usage(stdout);
-    else if (strcmp(s, "train") == 0) lm_cli_train_usage(stdout);
-    else if (strcmp(s, "eval") == 0) lm_cli_eval_usage(stdout);
-    else if (strcmp(s, "generate") == 0) lm_cli_generate_usage(stdout);
-    else if (strcmp(s, "plot") == 0) lm_cli_plot_usage(stdout);
-    else if (strcmp(s, "export") == 0) lm_cli_export_usage(stdout);
-    else if (strcmp(s, "help") == 0) usage_main(stdout);
+    if (strcmp(s, "op") == 0)
+        usage_op(stdout);
+    else if (strcmp(s, "bench") == 0)
+        usage_bench(stdout);
+    else if (strcmp(s, "version") == 0)
+        usage_version(stdout);
+    else if (strcmp(s, "balance-sim") == 0)
+        lm_cli_balance_sim_usage(stdout);
+    else if (strcmp(s, "info") == 0)
+        lm_cli_info_usage(stdout);
+    else if (strcmp(s, "tokenize") == 0)
+        lm_cli_tokenize_usage(stdout);
+    else if (strcmp(s, "train") == 0)
+        lm_cli_train_usage(stdout);
+    else if (strcmp(s, "eval") == 0)
+        lm_cli_eval_usage(stdout);
+    else if (strcmp(s, "generate") == 0)
+        lm_cli_generate_usage(stdout);
+    else if (strcmp(s, "plot") == 0)
+        lm_cli_plot_usage(stdout);
+    else if (strcmp(s, "serve") == 0)
+        lm_cli_serve_usage(stdout);
+    else if (strcmp(s, "export") == 0)
+        lm_cli_export_usage(stdout);
+    else if (strcmp(s, "help") == 0)
+        usage_main(stdout);
     else {
         fprintf(stderr, "%s help: unknown subcommand '%s' (see `%s --help`)\n", g_prog, s, g_prog);
         return LM_EXIT_USAGE;
@@ -475,20 +515,36 @@ int main(int argc, char **argv) {
         return LM_EXIT_USAGE;
     }
     const char *sub = argv[1];
-    if (is_help(sub)) return cmd_help(1, argv + 1);
-    if (strcmp(sub, "--version") == 0) return cmd_version(1, argv + 1);
-    if (strcmp(sub, "help") == 0) return cmd_help(argc - 1, argv + 1);
-    if (strcmp(sub, "version") == 0) return cmd_version(argc - 1, argv + 1);
-    if (strcmp(sub, "op") == 0) return cmd_op(argc - 1, argv + 1);
-    if (strcmp(sub, "bench") == 0) return cmd_bench(argc - 1, argv + 1);
-    if (strcmp(sub, "balance-sim") == 0) return lm_cli_balance_sim(argc - 1, argv + 1);
-    if (strcmp(sub, "info") == 0) return lm_cli_info(argc - 1, argv + 1);
-    if (strcmp(sub, "tokenize") == 0) return lm_cli_tokenize(argc - 1, argv + 1);
-    if (strcmp(sub, "train") == 0) return lm_cli_train(argc - 1, argv + 1);
-    if (strcmp(sub, "eval") == 0) return lm_cli_eval(argc - 1, argv + 1);
-    if (strcmp(sub, "generate") == 0) return lm_cli_generate(argc - 1, argv + 1);
-    if (strcmp(sub, "plot") == 0) return lm_cli_plot(argc - 1, argv + 1);
-    if (strcmp(sub, "export") == 0) return lm_cli_export(argc - 1, argv + 1);
+    if (is_help(sub))
+        return cmd_help(1, argv + 1);
+    if (strcmp(sub, "--version") == 0)
+        return cmd_version(1, argv + 1);
+    if (strcmp(sub, "help") == 0)
+        return cmd_help(argc - 1, argv + 1);
+    if (strcmp(sub, "version") == 0)
+        return cmd_version(argc - 1, argv + 1);
+    if (strcmp(sub, "op") == 0)
+        return cmd_op(argc - 1, argv + 1);
+    if (strcmp(sub, "bench") == 0)
+        return cmd_bench(argc - 1, argv + 1);
+    if (strcmp(sub, "balance-sim") == 0)
+        return lm_cli_balance_sim(argc - 1, argv + 1);
+    if (strcmp(sub, "info") == 0)
+        return lm_cli_info(argc - 1, argv + 1);
+    if (strcmp(sub, "tokenize") == 0)
+        return lm_cli_tokenize(argc - 1, argv + 1);
+    if (strcmp(sub, "train") == 0)
+        return lm_cli_train(argc - 1, argv + 1);
+    if (strcmp(sub, "eval") == 0)
+        return lm_cli_eval(argc - 1, argv + 1);
+    if (strcmp(sub, "generate") == 0)
+        return lm_cli_generate(argc - 1, argv + 1);
+    if (strcmp(sub, "plot") == 0)
+        return lm_cli_plot(argc - 1, argv + 1);
+    if (strcmp(sub, "serve") == 0)
+        return lm_cli_serve(argc - 1, argv + 1);
+    if (strcmp(sub, "export") == 0)
+        return lm_cli_export(argc - 1, argv + 1);
     if (sub[0] == '-')
         fprintf(stderr, "%s: unknown option '%s' (see `%s --help`)\n", g_prog, sub, g_prog);
     else

@@ -32,7 +32,10 @@ typedef enum {
      * LM_ERR_INVALID). Every CPU finiteness scan of tensor elements returns it, so a
      * caller (the trainer's bad-step skip) can tell a numeric blow-up from bad input
      * without reading the message. */
-    LM_ERR_NONFINITE = 6
+    LM_ERR_NONFINITE = 6,
+    LM_ERR_RANGE = 7, /* a valid request beyond a configured limit (a prompt longer than
+                         the model's context) */
+    LM_ERR_BUSY = 8   /* a valid request refused for now (a full queue): retry later */
 } lm_status;
 
 /* Error context: the first failing call writes a message that names the input,

@@ -234,6 +234,27 @@ lm_status lm_model_cache_view(lm_model_cache **out, lm_model_cache *c, const lm_
  * [0, B). */
 lm_status lm_model_cache_copy_row(lm_model_cache *c, int dst, int src, lm_error *err);
 
+/* A row's state in two parts, for a prefix cache (serve.h): the recurrent part, per KDA
+ * layer in layer order the conv states q, k, v [H*Dh, W-1] then the recurrent state
+ * [H, Dh, Dh] (fp32, recurrent_floats in all; 0 without KDA layers), and per position the
+ * attention layers' keys and values, in layer order K [Hkv, D] then V [Hkv, D]
+ * (kv_floats_per_pos in all; 0 without attention layers). */
+void lm_model_cache_row_sizes(const lm_model_cache *c, int64_t *recurrent_floats,
+                              int64_t *kv_floats_per_pos);
+/* Copy out row `row`'s recurrent part (recurrent [recurrent_floats], or NULL: skipped)
+ * and its keys / values at positions [t0, t1) (kv [(t1 - t0) * kv_floats_per_pos], or
+ * NULL). On a view: the view's row. Errors: LM_ERR_INVALID for a bad row or a range
+ * outside [0, the row's position]. */
+lm_status lm_model_cache_save_row(const lm_model_cache *c, int row, int64_t t0, int64_t t1,
+                                  float *recurrent, float *kv, lm_error *err);
+/* The inverse: write keys / values of positions [t0, t1) into row `row` (kv NULL:
+ * none) and, when recurrent is not NULL, its recurrent part; the row's position becomes
+ * t1. Restoring a prefix of P tokens is one call per saved range, in order, with the
+ * recurrent part of position P on the last. Errors: LM_ERR_INVALID for a bad row or a
+ * range outside [0, max_len]. */
+lm_status lm_model_cache_load_row(lm_model_cache *c, int row, int64_t t0, int64_t t1,
+                                  const float *recurrent, const float *kv, lm_error *err);
+
 /* Feed T new tokens per row (ids [B, T]) through the model, updating the cache:
  * T > 1 is a prefill (chunked KDA with the cached state as initial state; attention
  * over the cache), T = 1 a decode step (recurrent KDA, one conv step, cached

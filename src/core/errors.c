@@ -37,6 +37,10 @@ const char *lm_status_str(lm_status st) {
         return "unsupported";
     case LM_ERR_NONFINITE:
         return "non-finite value";
+    case LM_ERR_RANGE:
+        return "beyond a limit";
+    case LM_ERR_BUSY:
+        return "busy";
     }
     return "unknown status";
 }

@@ -1263,6 +1263,97 @@ lm_status lm_model_cache_copy_row(lm_model_cache *c, int dst, int src, lm_error 
     return LM_OK;
 }
 
+void lm_model_cache_row_sizes(const lm_model_cache *c, int64_t *recurrent_floats,
+                              int64_t *kv_floats_per_pos) {
+    int64_t r = 0, kv = 0;
+    for (int i = 0; c && i < c->L; i++) {
+        if (c->ks[i].state) r += 3 * c->conv_n + c->st_n;
+        if (c->kv[i].k_cache) kv += 2 * (c->kv_n / c->max_len);
+    }
+    if (recurrent_floats) *recurrent_floats = r;
+    if (kv_floats_per_pos) *kv_floats_per_pos = kv;
+}
+
+/* The owning cache and row of (c, row): a view's row in its parent. */
+static lm_model_cache *row_owner(const lm_model_cache *c, int *row) {
+    if (c->parent) {
+        *row += c->row;
+        return c->parent;
+    }
+    return (lm_model_cache *)c;
+}
+
+lm_status lm_model_cache_save_row(const lm_model_cache *c, int row, int64_t t0, int64_t t1,
+                                  float *recurrent, float *kv, lm_error *err) {
+    if (!c || row < 0 || row >= c->B)
+        return lm_errorf(err, LM_ERR_INVALID, "model cache save_row: row %d outside [0, %d)", row,
+                         c ? c->B : 0);
+    if (t0 < 0 || t1 < t0 || t1 > c->pos_row[row])
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "model cache save_row: positions [%lld, %lld) outside the row's [0, %lld)",
+                         (long long)t0, (long long)t1, (long long)c->pos_row[row]);
+    const lm_model_cache *o = row_owner(c, &row);
+    for (int i = 0; i < o->L; i++) {
+        if (recurrent && o->ks[i].state) {
+            const float *p[4] = {o->ks[i].conv_q, o->ks[i].conv_k, o->ks[i].conv_v,
+                                 o->ks[i].state};
+            for (int j = 0; j < 4; j++) {
+                const int64_t n = j < 3 ? o->conv_n : o->st_n;
+                memcpy(recurrent, p[j] + row * n, sizeof(float) * (size_t)n);
+                recurrent += n;
+            }
+        }
+    }
+    if (kv) {
+        const int64_t per = o->kv_n / o->max_len;
+        for (int64_t t = t0; t < t1; t++)
+            for (int i = 0; i < o->L; i++) {
+                if (!o->kv[i].k_cache) continue;
+                memcpy(kv, o->kv[i].k_cache + row * o->kv_n + t * per, sizeof(float) * (size_t)per);
+                kv += per;
+                memcpy(kv, o->kv[i].v_cache + row * o->kv_n + t * per, sizeof(float) * (size_t)per);
+                kv += per;
+            }
+    }
+    return LM_OK;
+}
+
+lm_status lm_model_cache_load_row(lm_model_cache *c, int row, int64_t t0, int64_t t1,
+                                  const float *recurrent, const float *kv, lm_error *err) {
+    if (!c || row < 0 || row >= c->B)
+        return lm_errorf(err, LM_ERR_INVALID, "model cache load_row: row %d outside [0, %d)", row,
+                         c ? c->B : 0);
+    if (t0 < 0 || t1 < t0 || t1 > c->max_len)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "model cache load_row: positions [%lld, %lld) outside [0, max_len = %lld]",
+                         (long long)t0, (long long)t1, (long long)c->max_len);
+    int64_t *pos = &c->pos_row[row];
+    lm_model_cache *o = row_owner(c, &row);
+    for (int i = 0; i < o->L; i++) {
+        if (recurrent && o->ks[i].state) {
+            float *p[4] = {o->ks[i].conv_q, o->ks[i].conv_k, o->ks[i].conv_v, o->ks[i].state};
+            for (int j = 0; j < 4; j++) {
+                const int64_t n = j < 3 ? o->conv_n : o->st_n;
+                memcpy(p[j] + row * n, recurrent, sizeof(float) * (size_t)n);
+                recurrent += n;
+            }
+        }
+    }
+    if (kv) {
+        const int64_t per = o->kv_n / o->max_len;
+        for (int64_t t = t0; t < t1; t++)
+            for (int i = 0; i < o->L; i++) {
+                if (!o->kv[i].k_cache) continue;
+                memcpy(o->kv[i].k_cache + row * o->kv_n + t * per, kv, sizeof(float) * (size_t)per);
+                kv += per;
+                memcpy(o->kv[i].v_cache + row * o->kv_n + t * per, kv, sizeof(float) * (size_t)per);
+                kv += per;
+            }
+    }
+    *pos = t1;
+    return LM_OK;
+}
+
 void lm_model_cache_reset(lm_model_cache *c) {
     if (!c) return;
     if (c->parent) {
