@@ -415,6 +415,28 @@ static void test_killed_rank(void **state) {
     compare_runs("killed at a checkpoint, resumed on 1 rank", "one", "killed", 1);
 }
 
+/* A rank that stops answering (SIGSTOP after the first checkpoint): rank 0's
+ * collective timeout (--dist-timeout 3) ends the job with its message. */
+static void test_hung_rank(void **state) {
+    (void)state;
+    char *out = NULL;
+    const double t0 = lm_time_sec();
+    const int rc =
+        sh(&out,
+           "timeout 120 %s -x OMP_NUM_THREADS=1 sh -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; "
+           "then (while [ ! -e \"%s/ckpt/latest\" ]; do sleep 0.02; done; kill -STOP $$) & fi; "
+           "exec \"%s\" train --config \"%s\" --run-dir \"%s\" --threads 1 --dist-timeout 3'",
+           lm_test_mpirun_prefix(2), path("hung"), bin(), path("dp.json"), path("hung"));
+    const double dt = lm_time_sec() - t0;
+    print_message("hung rank: mpirun exit %d after %.1f s\n", rc, dt);
+    if (rc == 0 || dt >= 60 || !strstr(out, "did not complete within 3 s"))
+        print_message("%s\n", out);
+    assert_int_not_equal(rc, 0);
+    assert_true(dt < 60);
+    assert_non_null(strstr(out, "rank 0 of 2: a "));
+    assert_non_null(strstr(out, "did not complete within 3 s"));
+}
+
 static void test_uneven_world(void **state) {
     (void)state;
     char *out = NULL;
@@ -438,6 +460,7 @@ int main(void) {
         cmocka_unit_test(test_ep),
         cmocka_unit_test(test_replica_check),
         cmocka_unit_test(test_killed_rank),
+        cmocka_unit_test(test_hung_rank),
         cmocka_unit_test(test_uneven_world),
     };
     return cmocka_run_group_tests(t, setup, teardown);
