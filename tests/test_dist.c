@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "linmoe/dist.h"
 #include "mpi_launch.h"
@@ -216,7 +217,25 @@ static void test_broadcast_grid_agree(void **state) {
     assert_true(st.bytes[LM_COLL_BROADCAST] == (r == W - 1 ? 12 : 0));
 }
 
+/* Under mpirun: rank 1 stops answering (sleeps) while rank 0 waits in a barrier with
+ * a 2 s collective timeout; rank 0's watchdog must end the job. */
+static int hang_main(void) {
+    lm_error err;
+    if (lm_comm_world_new(&g_world, &err) != LM_OK ||
+        lm_comm_set_timeout(g_world, 2.0, &err) != LM_OK) {
+        fprintf(stderr, "%s\n", err.msg);
+        return 1;
+    }
+    if (lm_comm_rank(g_world) == 1)
+        sleep(20);
+    lm_comm_barrier(g_world, &err);
+    lm_comm_free(g_world);
+    return 0; /* not reached on rank 0: the watchdog exits with 124 */
+}
+
 int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "hang") == 0)
+        return hang_main();
     if (argc > 1 && strcmp(argv[1], "ranks") == 0) {
         lm_error err;
         if (lm_comm_world_new(&g_world, &err) != LM_OK) {
@@ -252,6 +271,29 @@ int main(int argc, char **argv) {
         printf("mpirun -np %d: exit %d\n", np, r);
         if (r != 0)
             return 1;
+    }
+    /* the collective timeout: a rank that stops answering ends the job in ~2 s, not 20 */
+    char log[64] = "/tmp/linmoe_test_dist_XXXXXX";
+    const int fd = mkstemp(log);
+    if (fd < 0)
+        return 1;
+    close(fd);
+    char arg[128];
+    snprintf(arg, sizeof arg, "hang >'%s' 2>&1", log);
+    const double t0 = lm_time_sec();
+    const int r = lm_test_mpirun_self(2, arg);
+    const double dt = lm_time_sec() - t0;
+    FILE *f = fopen(log, "rb");
+    char out[8192] = "";
+    if (f) {
+        out[fread(out, 1, sizeof out - 1, f)] = '\0';
+        fclose(f);
+    }
+    unlink(log);
+    printf("hung rank: mpirun exit %d after %.1f s\n", r, dt);
+    if (r == 0 || dt > 15 || !strstr(out, "rank 0 of 2: a barrier did not complete within 2 s")) {
+        printf("%s\n", out);
+        return 1;
     }
     return 0;
 }

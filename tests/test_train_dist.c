@@ -229,21 +229,70 @@ static double tensor_diff(const char *a, const char *b, const char *file, const 
     return worst;
 }
 
+/* The evals (at every stage end: steps 10 and 20) of two runs: the same windows, bytes
+ * and passkey samples scored (split over the ranks in a run of several), bits per byte
+ * within TOL_LOSS (the weights differ by ~1e-7), the same passkey answers. */
+static void compare_evals(const char *a, const char *b, double *worst) {
+    char pa[600], pb[600];
+    snprintf(pa, sizeof pa, "%s/evals.jsonl", path(a));
+    snprintf(pb, sizeof pb, "%s/evals.jsonl", path(b));
+    char *ta = slurp(pa), *tb = slurp(pb);
+    assert_non_null(ta);
+    assert_non_null(tb);
+    char *sa = NULL, *sb = NULL;
+    int n = 0;
+    *worst = 0;
+    for (char *la = strtok_r(ta, "\n", &sa), *lb = strtok_r(tb, "\n", &sb); la || lb;
+         la = strtok_r(NULL, "\n", &sa), lb = strtok_r(NULL, "\n", &sb), n++) {
+        assert_true(la && lb);
+        cJSON *ja = cJSON_Parse(la), *jb = cJSON_Parse(lb);
+        assert_true(ja && jb);
+        assert_int_equal(cJSON_GetObjectItem(ja, "step")->valueint,
+                         cJSON_GetObjectItem(jb, "step")->valueint);
+        assert_true(cJSON_GetObjectItem(ja, "bytes")->valuedouble ==
+                    cJSON_GetObjectItem(jb, "bytes")->valuedouble);
+        assert_true(cJSON_GetObjectItem(ja, "eval_tokens")->valuedouble ==
+                    cJSON_GetObjectItem(jb, "eval_tokens")->valuedouble);
+        const double x = cJSON_GetObjectItem(ja, "bits_per_byte")->valuedouble,
+                     y = cJSON_GetObjectItem(jb, "bits_per_byte")->valuedouble;
+        const double r = fabs(x - y) / fabs(x);
+        if (r > *worst)
+            *worst = r;
+        assert_true(r <= TOL_LOSS);
+        cJSON *pka = cJSON_GetObjectItem(ja, "passkey"), *pkb = cJSON_GetObjectItem(jb, "passkey");
+        assert_int_equal(cJSON_GetArraySize(pka), cJSON_GetArraySize(pkb));
+        for (int i = 0; i < cJSON_GetArraySize(pka); i++) {
+            cJSON *ea = cJSON_GetArrayItem(pka, i), *eb = cJSON_GetArrayItem(pkb, i);
+            assert_int_equal(cJSON_GetObjectItem(ea, "samples")->valueint,
+                             cJSON_GetObjectItem(eb, "samples")->valueint);
+            assert_int_equal(cJSON_GetObjectItem(ea, "correct")->valueint,
+                             cJSON_GetObjectItem(eb, "correct")->valueint);
+        }
+        cJSON_Delete(ja);
+        cJSON_Delete(jb);
+    }
+    assert_int_equal(n, 2);
+    free(ta);
+    free(tb);
+}
+
 static void compare_runs(const char *what, const char *a, const char *b, int from) {
     losses la = read_losses(a), lb = read_losses(b);
     int s1, s2, s3, s4;
     char wn[128] = "", mn[128] = "";
     const double dl = loss_diff(&la, &lb, from, &s1);
-    double whole = 0;
+    double whole = 0, de = 0;
+    compare_evals(a, b, &de);
     const double dt = tensor_diff(a, b, "model.safetensors", NULL, &s2, wn, &whole);
     const double db =
         tensor_diff(a, b, "model.safetensors", "e_score_correction_bias", &s3, NULL, NULL);
     const double dm = tensor_diff(a, b, "train_state.safetensors", "adamw", &s4, mn, NULL);
     print_message("%s: losses (steps %d-%d) max rel %.3g%s; weights rel-RMS %.3g, worst tensor "
-                  "%.3g (%s)%s; MoE biases %.3g%s; AdamW moments %.3g (%s)%s\n",
+                  "%.3g (%s)%s; MoE biases %.3g%s; AdamW moments %.3g (%s)%s; evals' bits per "
+                  "byte %.3g\n",
                   what, from, STEPS, dl, s1 ? " (bit-identical)" : "", whole, dt, wn,
                   s2 ? " (bit-identical)" : "", db, s3 ? " (bit-identical)" : "", dm, mn,
-                  s4 ? " (bit-identical)" : "");
+                  s4 ? " (bit-identical)" : "", de);
     assert_true(dl <= TOL_LOSS);
     assert_true(whole <= TOL_WEIGHTS);
     assert_true(dt <= TOL_TENSOR);
@@ -415,6 +464,28 @@ static void test_killed_rank(void **state) {
     compare_runs("killed at a checkpoint, resumed on 1 rank", "one", "killed", 1);
 }
 
+/* A rank that stops answering (SIGSTOP after the first checkpoint): rank 0's
+ * collective timeout (--dist-timeout 3) ends the job with its message. */
+static void test_hung_rank(void **state) {
+    (void)state;
+    char *out = NULL;
+    const double t0 = lm_time_sec();
+    const int rc =
+        sh(&out,
+           "timeout 120 %s -x OMP_NUM_THREADS=1 sh -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; "
+           "then (while [ ! -e \"%s/ckpt/latest\" ]; do sleep 0.02; done; kill -STOP $$) & fi; "
+           "exec \"%s\" train --config \"%s\" --run-dir \"%s\" --threads 1 --dist-timeout 3'",
+           lm_test_mpirun_prefix(2), path("hung"), bin(), path("dp.json"), path("hung"));
+    const double dt = lm_time_sec() - t0;
+    print_message("hung rank: mpirun exit %d after %.1f s\n", rc, dt);
+    if (rc == 0 || dt >= 60 || !strstr(out, "did not complete within 3 s"))
+        print_message("%s\n", out);
+    assert_int_not_equal(rc, 0);
+    assert_true(dt < 60);
+    assert_non_null(strstr(out, "rank 0 of 2: a "));
+    assert_non_null(strstr(out, "did not complete within 3 s"));
+}
+
 static void test_uneven_world(void **state) {
     (void)state;
     char *out = NULL;
@@ -438,6 +509,7 @@ int main(void) {
         cmocka_unit_test(test_ep),
         cmocka_unit_test(test_replica_check),
         cmocka_unit_test(test_killed_rank),
+        cmocka_unit_test(test_hung_rank),
         cmocka_unit_test(test_uneven_world),
     };
     return cmocka_run_group_tests(t, setup, teardown);

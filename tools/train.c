@@ -42,6 +42,9 @@ void lm_cli_train_usage(FILE *f) {
             "                       run there too; the same checkpoints as on the CPU)\n"
             "  --fail-checkpoint-at STEP  test hook: the checkpoint at STEP fails while being\n"
             "                       written (the previous checkpoint must stay loadable)\n"
+            "  --dist-timeout S     several ranks: a collective that waits longer than S\n"
+            "                       seconds ends the job with a message (default 1800; it must\n"
+            "                       outlast rank 0's checkpoint writes; 0 = off)\n"
             "  --diverge-at STEP    test hook (several ranks): rank 1 perturbs an MoE bias\n"
             "                       after STEP; the next checkpoint's replica check fails\n"
             "  --help               this help\n"
@@ -65,6 +68,7 @@ static int parse_i64(const char *flag, const char *s, int64_t lo, int64_t *out) 
 int lm_cli_train(int argc, char **argv) {
     /* argv[0] == "train" */
     const char *config = NULL, *run_dir = NULL;
+    int64_t dist_timeout = 1800;
     lm_train_options o;
     lm_train_options_default(&o);
     for (int i = 1; i < argc; i++) {
@@ -78,8 +82,8 @@ int lm_cli_train(int argc, char **argv) {
         const char *a = argv[i];
         const char *val = NULL;
         static const char *const with_value[] = {
-            "--config", "--run-dir",    "--max-steps", "--threads", "--fail-checkpoint-at",
-            "--device", "--diverge-at", NULL};
+            "--config", "--run-dir",    "--max-steps",    "--threads", "--fail-checkpoint-at",
+            "--device", "--diverge-at", "--dist-timeout", NULL};
         const char *flag = NULL;
         for (const char *const *f = with_value; *f && !flag; f++) {
             size_t n = strlen(*f);
@@ -129,6 +133,10 @@ int lm_cli_train(int argc, char **argv) {
             if (parse_i64(flag, val, 1, &v))
                 return LM_EXIT_USAGE;
             o.fail_checkpoint_at = v;
+        } else if (strcmp(flag, "--dist-timeout") == 0) {
+            if (parse_i64(flag, val, 0, &v))
+                return LM_EXIT_USAGE;
+            dist_timeout = v;
         } else if (strcmp(flag, "--diverge-at") == 0) {
             if (parse_i64(flag, val, 1, &v))
                 return LM_EXIT_USAGE;
@@ -159,6 +167,12 @@ int lm_cli_train(int argc, char **argv) {
         return LM_EXIT_BAD_INPUT;
     }
     const int rank = lm_comm_rank(world), nranks = lm_comm_size(world);
+    if (nranks > 1 && lm_comm_set_timeout(world, (double)dist_timeout, &err) != LM_OK) {
+        fprintf(stderr, "linmoe train: --dist-timeout: %s\n", err.msg);
+        lm_train_config_free(&c);
+        lm_comm_free(world);
+        return LM_EXIT_USAGE;
+    }
     o.comm = world;
     lm_train_summary s;
     lm_status st = lm_train_run(config ? &c : NULL, &o, &s, &err);

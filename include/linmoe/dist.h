@@ -144,6 +144,15 @@ lm_status lm_comm_broadcast(lm_comm *c, void *buf, int64_t n, lm_dtype dt, int r
 
 lm_status lm_comm_barrier(lm_comm *c, lm_error *err);
 
+/* Collective timeout: from now on, when one collective of `c` (a communicator from
+ * lm_comm_world_new or lm_comm_self_new) or of a group split from it has been in flight
+ * for more than `seconds`, a watchdog thread prints "linmoe: rank r of N: a <kind> did
+ * not complete within S s (another rank died or stopped responding); exiting" and ends
+ * the process with status 124 (mpirun then ends the other ranks). 0 turns it off.
+ * The thread is joined at lm_comm_free. Errors: LM_ERR_INVALID (a split group, seconds
+ * outside [0, 1e7]), LM_ERR_IO (no thread). */
+lm_status lm_comm_set_timeout(lm_comm *c, double seconds, lm_error *err);
+
 /* A rank that cannot go on: MPI_Abort over c (mpirun then ends every rank and exits
  * non-zero) when c is an MPI communicator of more than one rank; returns otherwise
  * (the caller exits). */

@@ -90,6 +90,20 @@ typedef struct {
 lm_status lm_eval_passkey(lm_model *m, lm_tokenizer *tok, const lm_shard *filler, int length,
                           int samples, uint64_t seed, lm_eval_passkey_result *out, lm_error *err);
 
+/* The two evals split over `world` data-parallel ranks (issue 24; rank `rank` runs
+ * its part, the caller sums the parts over the ranks): bits per byte scores the
+ * windows whose index in the walk's order is rank mod world, and fills nll_nats and
+ * tokens with its part's sums, bytes / windows / documents with the whole shard's
+ * (every rank walks all of it), bits_per_byte from its part (recompute it from the
+ * summed nll); passkey runs the samples s with s mod world == rank: samples, correct,
+ * answer_tokens, prefix_tokens are its part's, accuracy too (NaN with no sample).
+ * rank 0 of 1 is lm_eval_bpb / lm_eval_passkey. Errors: theirs, and a bad rank. */
+lm_status lm_eval_bpb_part(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
+                           int rank, int world, lm_eval_bpb_result *out, lm_error *err);
+lm_status lm_eval_passkey_part(lm_model *m, lm_tokenizer *tok, const lm_shard *filler, int length,
+                               int samples, uint64_t seed, int rank, int world,
+                               lm_eval_passkey_result *out, lm_error *err);
+
 /* The same two evals with the GPU model (include/linmoe/gpu_model.h), for
  * `linmoe train --device cuda` (src/eval/eval_gpu.c):
  *   bits per byte: the pinned protocol above, batches of at most

@@ -4,15 +4,34 @@
 #include "linmoe/dist.h"
 
 #include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #ifdef LM_HAVE_MPI
 #include <mpi.h>
 #endif
 
+/* The collective watchdog (lm_comm_set_timeout): shared by a world communicator and the
+ * groups split from it; a thread that ends the process when one collective has been in
+ * flight longer than `timeout` seconds. */
+typedef struct {
+    _Atomic int64_t enter_ns; /* monotonic start of the collective in flight, 0: none */
+    _Atomic int kind;
+    _Atomic int stop;
+    _Atomic int64_t timeout_ns; /* 0: off */
+    int rank, size;
+    int running;
+    pthread_t th;
+} lm_watch;
+
 struct lm_comm {
+    lm_watch *watch; /* shared with the groups split from this one */
+    int owns_watch;
     int rank, size, local_size;
     int is_world;     /* from lm_comm_world_new */
     int owns_mpi;     /* it initialised MPI: finalise at free */
@@ -54,7 +73,61 @@ static lm_status check_dtype(lm_dtype dt, const char *what, lm_error *err) {
     }
 }
 
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static double coll_enter(lm_comm *c, lm_coll_kind k) {
+    if (c->watch) {
+        atomic_store(&c->watch->kind, (int)k);
+        atomic_store(&c->watch->enter_ns, now_ns());
+    }
+    return lm_time_sec();
+}
+
+static void *watch_main(void *arg) {
+    lm_watch *w = arg;
+    const struct timespec tick = {0, 100 * 1000 * 1000};
+    while (!atomic_load(&w->stop)) {
+        nanosleep(&tick, NULL);
+        const int64_t e = atomic_load(&w->enter_ns), lim = atomic_load(&w->timeout_ns);
+        if (e && lim > 0 && now_ns() - e > lim) {
+            /* a peer died or stopped answering: leave with a message instead of waiting
+             * forever (mpirun then ends the other ranks) */
+            fprintf(stderr,
+                    "linmoe: rank %d of %d: a %s did not complete within %.0f s (another rank "
+                    "died or stopped responding); exiting\n",
+                    w->rank, w->size, lm_coll_name((lm_coll_kind)atomic_load(&w->kind)),
+                    (double)lim * 1e-9);
+            fflush(stderr);
+            _exit(124);
+        }
+    }
+    return NULL;
+}
+
+lm_status lm_comm_set_timeout(lm_comm *c, double seconds, lm_error *err) {
+    if (!c || !c->watch)
+        return lm_errorf(err, LM_ERR_INVALID, "dist: set_timeout: not a world communicator");
+    if (!(seconds >= 0) || seconds > 1e7)
+        return lm_errorf(err, LM_ERR_INVALID, "dist: collective timeout = %g s (want 0..1e7)",
+                         seconds);
+    atomic_store(&c->watch->timeout_ns, (int64_t)(seconds * 1e9));
+    if (seconds > 0 && !c->watch->running) {
+        c->watch->rank = c->rank;
+        c->watch->size = c->size;
+        if (pthread_create(&c->watch->th, NULL, watch_main, c->watch) != 0)
+            return lm_errorf(err, LM_ERR_IO, "dist: cannot start the collective watchdog thread");
+        c->watch->running = 1;
+    }
+    return LM_OK;
+}
+
 static void count_stat(lm_comm *c, lm_coll_kind k, int64_t bytes, double t0) {
+    if (c->watch)
+        atomic_store(&c->watch->enter_ns, 0);
     c->st.calls[k]++;
     c->st.bytes[k] += bytes;
     c->st.seconds[k] += lm_time_sec() - t0;
@@ -92,10 +165,18 @@ static lm_comm *comm_alloc(void) {
     return c;
 }
 
+/* a root communicator (world or self) owns the watchdog state */
+static lm_comm *comm_alloc_root(void) {
+    lm_comm *c = comm_alloc();
+    c->watch = LM_CALLOC(1, sizeof *c->watch);
+    c->owns_watch = 1;
+    return c;
+}
+
 lm_status lm_comm_self_new(lm_comm **out, lm_error *err) {
     if (!out)
         return lm_errorf(err, LM_ERR_INVALID, "dist: output pointer is required");
-    *out = comm_alloc();
+    *out = comm_alloc_root();
     return LM_OK;
 }
 
@@ -188,12 +269,12 @@ lm_status lm_comm_world_new(lm_comm **out, lm_error *err) {
         return lm_errorf(err, LM_ERR_IO, "dist: MPI_Initialized failed");
     if (env_n == 0 && !inited) {
         /* not started by a launcher: one process, and no MPI singleton start-up */
-        lm_comm *c = comm_alloc();
+        lm_comm *c = comm_alloc_root();
         c->is_world = 1;
         *out = c;
         return LM_OK;
     }
-    lm_comm *c = comm_alloc();
+    lm_comm *c = comm_alloc_root();
     c->is_world = 1;
     if (!inited) {
         int provided = 0;
@@ -217,7 +298,7 @@ lm_status lm_comm_world_new(lm_comm **out, lm_error *err) {
                          "without MPI (no MPI found at configure time): install libopenmpi-dev "
                          "(scripts/install-deps.sh) and rebuild, or run a single process",
                          env_n, var, env_n);
-    lm_comm *c = comm_alloc();
+    lm_comm *c = comm_alloc_root();
     c->is_world = 1;
     *out = c;
     return LM_OK;
@@ -234,6 +315,7 @@ lm_status lm_comm_split_grid(lm_comm *world, int ep, lm_comm **dp_out, lm_comm *
                          "dist: expert_parallel = %d does not divide the world size %d", ep,
                          world->size);
     lm_comm *d = comm_alloc(), *e = comm_alloc();
+    d->watch = e->watch = world->watch;
 #ifdef LM_HAVE_MPI
     if (world->mpi) {
         MPI_Comm dc, ec;
@@ -261,6 +343,13 @@ lm_status lm_comm_split_grid(lm_comm *world, int ep, lm_comm **dp_out, lm_comm *
 void lm_comm_free(lm_comm *c) {
     if (!c)
         return;
+    if (c->owns_watch) {
+        if (c->watch->running) {
+            atomic_store(&c->watch->stop, 1);
+            pthread_join(c->watch->th, NULL);
+        }
+        free(c->watch);
+    }
 #ifdef LM_HAVE_MPI
     if (c->mpi && !c->is_world)
         MPI_Comm_free(&c->comm); /* nothing to report at teardown */
@@ -290,7 +379,7 @@ lm_status lm_comm_allreduce(lm_comm *c, void *buf, int64_t n, lm_dtype dt, lm_di
         return lm_errorf(err, LM_ERR_INVALID, "dist: allreduce: bad arguments (n = %lld)",
                          (long long)n);
     LM_TRY(check_dtype(dt, "allreduce", err));
-    const double t0 = lm_time_sec();
+    const double t0 = coll_enter(c, LM_COLL_ALLREDUCE);
 #ifdef LM_HAVE_MPI
     if (c->mpi && c->size > 1) {
         const size_t es = lm_dtype_size(dt);
@@ -314,7 +403,7 @@ lm_status lm_comm_reduce_scatter(lm_comm *c, const void *send, void *recv, const
     LM_TRY(check_dtype(dt, "reduce_scatter", err));
     const size_t es = lm_dtype_size(dt);
     const int64_t tot = sum_counts(c, counts);
-    const double t0 = lm_time_sec();
+    const double t0 = coll_enter(c, LM_COLL_REDUCE_SCATTER);
 #ifdef LM_HAVE_MPI
     if (c->mpi && c->size > 1) {
         int *ic = c->ic, *id = ic + c->size;
@@ -345,7 +434,7 @@ lm_status lm_comm_allgather(lm_comm *c, const void *send, void *recv, const int6
         off += counts[q];
     const int64_t mine = counts[c->rank];
     const int in_place = send == (const void *)((const char *)recv + (size_t)off * es);
-    const double t0 = lm_time_sec();
+    const double t0 = coll_enter(c, LM_COLL_ALLGATHER);
 #ifdef LM_HAVE_MPI
     if (c->mpi && c->size > 1) {
         int *ic = c->ic, *id = ic + c->size;
@@ -372,7 +461,7 @@ lm_status lm_comm_gather(lm_comm *c, const void *send, void *recv, const int64_t
     LM_TRY(check_dtype(dt, "gather", err));
     const size_t es = lm_dtype_size(dt);
     const int64_t mine = counts[c->rank];
-    const double t0 = lm_time_sec();
+    const double t0 = coll_enter(c, LM_COLL_GATHER);
 #ifdef LM_HAVE_MPI
     if (c->mpi && c->size > 1) {
         int *ic = c->ic, *id = ic + c->size;
@@ -399,7 +488,7 @@ lm_status lm_comm_alltoallv(lm_comm *c, const void *send, const int64_t *send_co
     LM_TRY(check_dtype(dt, "alltoallv", err));
     const size_t es = lm_dtype_size(dt);
     const int64_t ns = sum_counts(c, send_counts);
-    const double t0 = lm_time_sec();
+    const double t0 = coll_enter(c, LM_COLL_ALLTOALLV);
 #ifdef LM_HAVE_MPI
     if (c->mpi && c->size > 1) {
         int *ic = c->ic, *id = ic + c->size, *rc = id + c->size, *rd = rc + c->size;
@@ -431,7 +520,7 @@ lm_status lm_comm_broadcast(lm_comm *c, void *buf, int64_t n, lm_dtype dt, int r
         return lm_errorf(err, LM_ERR_INVALID, "dist: broadcast: bad arguments (n %lld, root %d)",
                          (long long)n, root);
     LM_TRY(check_dtype(dt, "broadcast", err));
-    const double t0 = lm_time_sec();
+    const double t0 = coll_enter(c, LM_COLL_BROADCAST);
 #ifdef LM_HAVE_MPI
     if (c->mpi && c->size > 1) {
         const size_t es = lm_dtype_size(dt);
@@ -461,7 +550,7 @@ void lm_comm_abort(lm_comm *c, int code) {
 lm_status lm_comm_barrier(lm_comm *c, lm_error *err) {
     if (!c)
         return lm_errorf(err, LM_ERR_INVALID, "dist: barrier: NULL communicator");
-    const double t0 = lm_time_sec();
+    const double t0 = coll_enter(c, LM_COLL_BARRIER);
 #ifdef LM_HAVE_MPI
     if (c->mpi && c->size > 1)
         CHECK_MPI(MPI_Barrier(c->comm));

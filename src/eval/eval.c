@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "linmoe/passkey.h"
 #include "eval/eval_internal.h"
+#include "linmoe/passkey.h"
 
 #define EVAL_MAX_ROWS 256
 #define EVAL_MAX_BATCH_TOKENS ((int64_t)1 << 20)
@@ -71,6 +71,12 @@ typedef struct {
     lm_eval_stats *stats;
     double attn_positions; /* sum of B*T over batches, for the AttnRes average */
     double *attn_tmp;
+    /* lm_eval_bpb_part: this rank scores the windows whose index in the walk's order is
+     * rank mod world (the batch boundaries may differ between ranks; window indices do
+     * not), compacted into sub */
+    int rank, world;
+    int64_t widx;
+    window *sub;
 } bpb_state;
 
 static lm_status stats_init(lm_eval_stats *s, const lm_model_config *c, lm_error *err) {
@@ -172,7 +178,14 @@ static lm_status run_windows(bpb_state *s, const window *w, int nb, lm_error *er
 }
 
 static lm_status score_cb(void *ctx, const lm_eval_window *w, int nb, lm_error *err) {
-    return run_windows((bpb_state *)ctx, w, nb, err);
+    bpb_state *s = ctx;
+    if (s->world <= 1)
+        return run_windows(s, w, nb, err);
+    int n = 0;
+    for (int b = 0; b < nb; b++, s->widx++)
+        if (s->widx % s->world == s->rank)
+            s->sub[n++] = w[b];
+    return n > 0 ? run_windows(s, s->sub, n, err) : LM_OK;
 }
 
 int lm_eval_fill_windows(const lm_shard *val, int32_t eot, const lm_eval_window *w, int nb,
@@ -279,10 +292,13 @@ lm_status lm_eval_bpb_walk(const lm_tokenizer *tok, const lm_shard *val, int mod
     return st;
 }
 
-lm_status lm_eval_bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
-                            lm_eval_bpb_result *out, lm_eval_stats *stats, lm_error *err) {
+static lm_status bpb_run(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
+                         int rank, int world, lm_eval_bpb_result *out, lm_eval_stats *stats,
+                         lm_error *err) {
     if (!m || !tok || !val || !out)
         return lm_errorf(err, LM_ERR_INVALID, "eval: NULL model, tokenizer, shard or result");
+    if (world < 1 || rank < 0 || rank >= world)
+        return lm_errorf(err, LM_ERR_INVALID, "eval: rank %d of %d", rank, world);
     memset(out, 0, sizeof(*out));
     if (stats)
         memset(stats, 0, sizeof(*stats));
@@ -297,8 +313,11 @@ lm_status lm_eval_bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard
     const size_t cap_tokens = (size_t)cap_rows * (size_t)(seq_len > 1 ? seq_len : 1);
     s.ids = malloc(cap_tokens * sizeof(int32_t));
     s.labels = malloc(cap_tokens * sizeof(int32_t));
+    s.rank = rank;
+    s.world = world;
+    s.sub = world > 1 ? malloc((size_t)cap_rows * sizeof(window)) : NULL;
     lm_status st = LM_OK;
-    if (!s.ids || !s.labels)
+    if (!s.ids || !s.labels || (world > 1 && !s.sub))
         st = lm_errorf(err, LM_ERR_NOMEM, "eval: cannot allocate a batch of %d x %d tokens",
                        cap_rows, seq_len);
     if (st == LM_OK && stats) {
@@ -318,6 +337,7 @@ lm_status lm_eval_bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard
     free(s.ids);
     free(s.labels);
     free(s.attn_tmp);
+    free(s.sub);
     if (st != LM_OK) {
         if (stats)
             lm_eval_stats_free(stats);
@@ -330,9 +350,19 @@ lm_status lm_eval_bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard
     return LM_OK;
 }
 
+lm_status lm_eval_bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
+                            lm_eval_bpb_result *out, lm_eval_stats *stats, lm_error *err) {
+    return bpb_run(m, tok, val, seq_len, 0, 1, out, stats, err);
+}
+
 lm_status lm_eval_bpb(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
                       lm_eval_bpb_result *out, lm_error *err) {
     return lm_eval_bpb_stats(m, tok, val, seq_len, out, NULL, err);
+}
+
+lm_status lm_eval_bpb_part(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
+                           int rank, int world, lm_eval_bpb_result *out, lm_error *err) {
+    return bpb_run(m, tok, val, seq_len, rank, world, out, NULL, err);
 }
 
 /* ---------------------------------------------------------------- passkey */
@@ -370,10 +400,13 @@ static lm_status prefill(lm_model *m, lm_model_cache *c, const int32_t *ids, int
     }
 }
 
-lm_status lm_eval_passkey(lm_model *m, lm_tokenizer *tok, const lm_shard *filler, int length,
-                          int samples, uint64_t seed, lm_eval_passkey_result *out, lm_error *err) {
+static lm_status passkey_run(lm_model *m, lm_tokenizer *tok, const lm_shard *filler, int length,
+                             int samples, uint64_t seed, int rank, int world,
+                             lm_eval_passkey_result *out, lm_error *err) {
     if (!m || !tok || !filler || !out)
         return lm_errorf(err, LM_ERR_INVALID, "eval: NULL model, tokenizer, filler or result");
+    if (world < 1 || rank < 0 || rank >= world)
+        return lm_errorf(err, LM_ERR_INVALID, "eval: rank %d of %d", rank, world);
     memset(out, 0, sizeof(*out));
     if (samples < 1)
         return lm_errorf(err, LM_ERR_INVALID, "eval: passkey samples = %d (want >= 1)", samples);
@@ -393,8 +426,11 @@ lm_status lm_eval_passkey(lm_model *m, lm_tokenizer *tok, const lm_shard *filler
         return lm_errorf(err, LM_ERR_NOMEM, "eval: cannot allocate %d logits", V);
     }
     lm_status st = LM_OK;
-    int chunk = length, correct = 0;
+    int chunk = length, correct = 0, mine = 0;
     for (int s = 0; s < samples && st == LM_OK; s++) {
+        if (s % world != rank)
+            continue;
+        mine++;
         lm_passkey_doc d;
         st = lm_passkey_make(tok, filler, length, seed, (uint64_t)s, &d, err);
         if (st != LM_OK)
@@ -426,10 +462,21 @@ lm_status lm_eval_passkey(lm_model *m, lm_tokenizer *tok, const lm_shard *filler
         return st;
     }
     out->length = length;
-    out->samples = samples;
+    out->samples = mine;
     out->correct = correct;
-    out->accuracy = (double)correct / samples;
+    out->accuracy = mine > 0 ? (double)correct / mine : NAN;
     return LM_OK;
+}
+
+lm_status lm_eval_passkey(lm_model *m, lm_tokenizer *tok, const lm_shard *filler, int length,
+                          int samples, uint64_t seed, lm_eval_passkey_result *out, lm_error *err) {
+    return passkey_run(m, tok, filler, length, samples, seed, 0, 1, out, err);
+}
+
+lm_status lm_eval_passkey_part(lm_model *m, lm_tokenizer *tok, const lm_shard *filler, int length,
+                               int samples, uint64_t seed, int rank, int world,
+                               lm_eval_passkey_result *out, lm_error *err) {
+    return passkey_run(m, tok, filler, length, samples, seed, rank, world, out, err);
 }
 
 /* ---------------------------------------------------------------- report */

@@ -304,11 +304,42 @@ static lm_status run_eval(ctx *x, lm_error *err) {
         for (int i = 0; i < c->n_passkey_lengths; i++)
             LM_TRY(lm_eval_passkey_gpu(x->gm, x->tok, &x->val, c->passkey_lengths[i],
                                        c->passkey_samples, c->passkey_seed, &pk[i], err));
-    } else {
+    } else if (x->world == 1) {
         LM_TRY(lm_eval_bpb(x->m, x->tok, &x->val_sub, c->eval_seq_len, &r, err));
         for (int i = 0; i < c->n_passkey_lengths; i++)
             LM_TRY(lm_eval_passkey(x->m, x->tok, &x->val, c->passkey_lengths[i], c->passkey_samples,
                                    c->passkey_seed, &pk[i], err));
+    } else {
+        /* split over the ranks (every rank holds the whole model), parts summed */
+        double sum[2 + 4 * LM_TRAIN_MAX_PASSKEY_LENGTHS];
+        lm_status st = lm_eval_bpb_part(x->m, x->tok, &x->val_sub, c->eval_seq_len, x->rank,
+                                        x->world, &r, err);
+        sum[0] = r.nll_nats;
+        sum[1] = (double)r.tokens;
+        for (int i = 0; i < c->n_passkey_lengths && st == LM_OK; i++) {
+            st = lm_eval_passkey_part(x->m, x->tok, &x->val, c->passkey_lengths[i],
+                                      c->passkey_samples, c->passkey_seed, x->rank, x->world,
+                                      &pk[i], err);
+            double *q = sum + 2 + 4 * i;
+            q[0] = pk[i].samples, q[1] = pk[i].correct;
+            q[2] = (double)pk[i].answer_tokens, q[3] = (double)pk[i].prefix_tokens;
+        }
+        LM_TRY(lm_comm_agree(x->comm, st, err));
+        LM_TRY(lm_comm_allreduce(x->comm, sum, 2 + 4 * c->n_passkey_lengths, LM_F64, LM_DIST_SUM,
+                                 err));
+        r.nll_nats = sum[0];
+        r.tokens = (int64_t)sum[1];
+        r.bits_per_byte = r.bytes > 0 ? r.nll_nats / log(2.0) / (double)r.bytes : NAN;
+        for (int i = 0; i < c->n_passkey_lengths; i++) {
+            const double *q = sum + 2 + 4 * i;
+            pk[i].samples = (int)q[0];
+            pk[i].correct = (int)q[1];
+            pk[i].answer_tokens = (int64_t)q[2];
+            pk[i].prefix_tokens = (int64_t)q[3];
+            pk[i].accuracy = pk[i].samples > 0 ? (double)pk[i].correct / pk[i].samples : NAN;
+        }
+        if (x->rank != 0)
+            return LM_OK; /* rank 0 logs */
     }
     const int s = (int)x->k.stage;
     FILE *f = x->feval;
@@ -1147,8 +1178,8 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
             }
         }
         const int stage_end = x->k.step == st->first_step + st->steps;
-        if (x->rank == 0 && (stage_end || (c->eval_every > 0 && x->k.step % c->eval_every == 0)))
-            LM_TRY(run_eval(x, err)); /* the other ranks wait in the next step's collectives */
+        if (stage_end || (c->eval_every > 0 && x->k.step % c->eval_every == 0))
+            LM_TRY(run_eval(x, err)); /* every rank: the evals are split over them */
         if ((c->checkpoint_every > 0 && x->k.step % c->checkpoint_every == 0) ||
             x->k.step == stop) {
             lm_loader_get_state(x->ld, &ls);
