@@ -618,6 +618,33 @@ static void test_bad_attributes(void **state) {
     lm_assert_says(msg, "not finite");
 }
 
+/* An unknown metadata key runs, with the warning the other op runners give (issue 25
+ * reported moe_router ignoring 'min_capacity' silently; both MoE runners already warned
+ * at this commit: this keeps them consistent). */
+static void test_unknown_meta_warns(void **state) {
+    (void)state;
+    for (int layer = 0; layer < 2; layer++) {
+        spec s = layer ? layer_spec() : router_spec();
+        data D;
+        data_gen(&s, &D, 778);
+        lm_st_writer w;
+        lm_st_writer_init(&w);
+        writer_fill(&w, &s, &D, NULL, NULL);
+        meta(&w, "min_capacity", "4");
+        const char *in = lm_cli_path(layer ? "unk_layer.safetensors" : "unk_router.safetensors");
+        const char *out = lm_cli_path("unk_out.safetensors");
+        lm_writer_save(&w, in);
+        data_free(&D);
+        char msg[8192];
+        int rc = lm_run_cli(msg, sizeof msg, "op %s --in %s --out %s", layer ? "moe" : "moe_router",
+                            in, out);
+        print_message("%s", msg);
+        assert_int_equal(rc, 0);
+        lm_assert_says(msg, "warning");
+        lm_assert_says(msg, "__metadata__ key 'min_capacity' is not used by this op");
+    }
+}
+
 /* help texts and usage errors of the new names */
 static void test_help_and_usage(void **state) {
     (void)state;
@@ -651,6 +678,7 @@ int main(void) {
         cmocka_unit_test(test_layer_forward),
         cmocka_unit_test(test_bad_shapes),
         cmocka_unit_test(test_bad_attributes),
+        cmocka_unit_test(test_unknown_meta_warns),
         cmocka_unit_test(test_help_and_usage),
     };
     return cmocka_run_group_tests(tests, lm_cli_setup_dir, lm_cli_teardown_dir);

@@ -643,7 +643,40 @@ static void test_cli_eval_generate(void **state) {
     /* bad input */
     rc = lm_run_cli(out, sizeof out, "generate --ckpt '%s/nope'", lm_cli_dir());
     assert_int_equal(rc, 1);
-    lm_assert_says(out, "nope");
+    lm_assert_says(out, "nope: no such checkpoint or run directory");
+    /* issue 25: a missing directory, an empty one and a run whose `latest` dangles say so
+     * (they said "DIR/config.json: cannot open"), for every command that takes a checkpoint */
+    {
+        char run[600], cmd[1400];
+        snprintf(run, sizeof run, "%s/dangling", lm_cli_dir());
+        snprintf(cmd, sizeof cmd, "mkdir -p '%s/ckpt' && echo step-0000099 > '%s/ckpt/latest'", run,
+                 run);
+        assert_int_equal(system(cmd), 0);
+        static const char *const cmds[] = {"info %s", "eval --ckpt %s --val x.bin",
+                                           "generate --ckpt %s --prompt a",
+                                           "export --ckpt %s --format fla --out x"};
+        for (int i = 0; i < 4; i++) {
+            char arg[700];
+            snprintf(arg, sizeof arg, "'%s/nope'", lm_cli_dir());
+            rc = lm_run_cli(out, sizeof out, cmds[i], arg);
+            assert_int_equal(rc, 1);
+            lm_assert_says(out, "nope: no such checkpoint or run directory");
+            snprintf(arg, sizeof arg, "'%s'", run);
+            rc = lm_run_cli(out, sizeof out, cmds[i], arg);
+            assert_int_equal(rc, 1);
+            lm_assert_says(out, "ckpt/latest names");
+            lm_assert_says(out, "step-0000099, which is not a directory");
+            assert_null(strstr(out, "config.json"));
+            snprintf(arg, sizeof arg, "'%s/ckpt'", run);
+            rc = lm_run_cli(out, sizeof out, cmds[i], arg);
+            assert_int_equal(rc, 1);
+            lm_assert_says(out, "which is not a directory");
+            snprintf(arg, sizeof arg, "'%s'", lm_cli_dir()); /* a directory, neither kind */
+            rc = lm_run_cli(out, sizeof out, cmds[i], arg);
+            assert_int_equal(rc, 1);
+            lm_assert_says(out, "not a checkpoint directory (no model.safetensors)");
+        }
+    }
     rc = lm_run_cli(out, sizeof out, "generate --ckpt '%s' --top-p 1.5", ck);
     assert_int_equal(rc, 2);
     rc = lm_run_cli(out, sizeof out, "generate --ckpt '%s' --prompt a --prompt-file b", ck);

@@ -26,6 +26,9 @@ int lm_cli_op_kda(const char *prog, lm_kda_kind kind, const char *in_path, const
 /* A checkpoint argument (checkpoint dir, run dir, RUN/ckpt or RUN/ckpt/latest) to the
  * checkpoint directory in out (tools/op_common.c). 0 when resolved; -1: out = arg. */
 int lm_cli_resolve_ckpt(const char *arg, char *out, size_t size);
+/* The same; on failure (-1) `why` says what is wrong with arg ("ARG: no such checkpoint
+ * or run directory", a dangling `latest`, neither kind of directory). */
+int lm_cli_resolve_ckpt_why(const char *arg, char *out, size_t size, char *why, size_t why_size);
 
 /* Flag parsing shared by the subcommands (tools/op_common.c): `--name VALUE` or
  * `--name=VALUE` at argv[*i] -> 1 (value in *val), 0 not this flag, -1 missing value

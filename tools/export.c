@@ -106,7 +106,11 @@ int lm_cli_export(int argc, char **argv) {
         return LM_EXIT_USAGE;
     }
     char dir[4096];
-    lm_cli_resolve_ckpt(ckpt, dir, sizeof dir);
+    char why[4200];
+    if (lm_cli_resolve_ckpt_why(ckpt, dir, sizeof dir, why, sizeof why) != 0) {
+        fprintf(stderr, PROG ": %s\n", why);
+        return LM_EXIT_BAD_INPUT;
+    }
     lm_error err = {0};
     if (lm_export_fla(dir, out, &o, &err) != LM_OK) {
         static const char lib_prefix[] = "export --format fla: ";

@@ -115,7 +115,11 @@ int lm_cli_info(int argc, char **argv) {
         printf("config: %s (no weights)\n", config);
     } else {
         char dir_buf[4096];
-        lm_cli_resolve_ckpt(dir, dir_buf, sizeof dir_buf);
+        char why[4200];
+        if (lm_cli_resolve_ckpt_why(dir, dir_buf, sizeof dir_buf, why, sizeof why) != 0) {
+            fprintf(stderr, "linmoe info: %s\n", why);
+            return LM_EXIT_BAD_INPUT;
+        }
         dir = dir_buf;
         if (lm_params_load(&p, dir, &err) != LM_OK) {
             fprintf(stderr, "linmoe info: %s\n", err.msg);

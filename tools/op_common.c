@@ -36,8 +36,10 @@ int lm_cli_parse_bool(const char *s, int *out) {
 
 /* A checkpoint argument: a checkpoint directory (holds model.safetensors), a run
  * directory (RUN/ckpt/latest names the newest checkpoint), a run's ckpt/ directory,
- * or the `latest` file itself. Writes the checkpoint directory to out. */
-int lm_cli_resolve_ckpt(const char *arg, char *out, size_t size) {
+ * or the `latest` file itself. Writes the checkpoint directory to out; on failure
+ * out = arg and `why` (when non-NULL) says what is wrong with arg: it does not exist,
+ * its `latest` is dangling or unreadable, or it is neither kind of directory. */
+int lm_cli_resolve_ckpt_why(const char *arg, char *out, size_t size, char *why, size_t why_size) {
     char path[4096];
     struct stat sb;
     snprintf(path, sizeof path, "%s/model.safetensors", arg);
@@ -47,6 +49,10 @@ int lm_cli_resolve_ckpt(const char *arg, char *out, size_t size) {
     }
     lm_error err = {0};
     if (lm_train_latest_checkpoint(arg, out, size, &err) == LM_OK) return 0;
+    char first[sizeof err.msg];
+    snprintf(first, sizeof first, "%s", err.msg);
+    snprintf(path, sizeof path, "%s/ckpt/latest", arg);
+    const int has_latest = lstat(path, &sb) == 0;
     /* ARG is RUN/ckpt, or RUN/ckpt/latest */
     char run[4096];
     snprintf(run, sizeof run, "%s", arg);
@@ -58,10 +64,30 @@ int lm_cli_resolve_ckpt(const char *arg, char *out, size_t size) {
         if (n > t && strcmp(run + n - t, tails[i]) == 0) {
             run[n - t] = '\0';
             if (lm_train_latest_checkpoint(run, out, size, &err) == LM_OK) return 0;
+            if (why) snprintf(why, why_size, "%s", err.msg);
+            snprintf(out, size, "%s", arg);
+            return -1;
         }
     }
-    snprintf(out, size, "%s", arg); /* the loader's error then names the missing file */
+    if (why) {
+        if (stat(arg, &sb) != 0)
+            snprintf(why, why_size, "%s: no such checkpoint or run directory", arg);
+        else if (has_latest) /* a run directory whose latest is dangling or unreadable */
+            snprintf(why, why_size, "%s", first);
+        else if (!S_ISDIR(sb.st_mode))
+            snprintf(why, why_size, "%s: not a checkpoint or run directory (a file)", arg);
+        else
+            snprintf(why, why_size,
+                     "%s: not a checkpoint directory (no model.safetensors) nor a run directory "
+                     "(no ckpt/latest)",
+                     arg);
+    }
+    snprintf(out, size, "%s", arg);
     return -1;
+}
+
+int lm_cli_resolve_ckpt(const char *arg, char *out, size_t size) {
+    return lm_cli_resolve_ckpt_why(arg, out, size, NULL, 0);
 }
 
 /* `--name VALUE` / `--name=VALUE` at argv[*i]: 1 matched (value in *val, *i advanced
