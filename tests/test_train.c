@@ -696,6 +696,9 @@ static void test_nan_guard(void **state) {
     assert_non_null(strstr(lines[2], "\"grad_norm\":null"));
     assert_non_null(strstr(lines[2], "\"skipped\":1"));
     assert_non_null(strstr(lines[3], "\"skipped\":0"));
+    /* the run's rates are over the 4 steps that were done */
+    assert_true(isfinite(s.tokens_per_s) && s.tokens_per_s > 0);
+    assert_true(s.mfu > 0 && s.mfu < 1);
     /* a skipped step changes nothing but the data position: step 4 of this run sees
      * the weights of step 2, so its loss differs from the straight run's step 4 */
     char **la;
@@ -759,6 +762,21 @@ static void test_nonfinite_status(void **state) {
     assert_non_null(strstr(err.msg, "5 non-finite steps in a row"));
     assert_non_null(strstr(err.msg, "at step 5"));
     lm_train_config_free(&c);
+    /* those steps returned early: no tokens/s or MFU for them (issue 25: they logged
+     * rates of a step that did no work, MFU far above 100 %) */
+    {
+        char p[512];
+        path_of(p, sizeof p, "N", "log.jsonl");
+        char *text = read_file(p, NULL);
+        assert_non_null(text);
+        int nl = 0;
+        for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n"), nl++) {
+            assert_non_null(strstr(line, "\"skipped\": 1"));
+            assert_non_null(strstr(line, "\"tok_per_s\": null, \"mfu\": null"));
+        }
+        assert_int_equal(nl, 5);
+        free(text);
+    }
 
     memset(&err, 0, sizeof err);
     assert_int_equal(edited_cfg(e_eps_inf, &c, &err), LM_ERR_INVALID);

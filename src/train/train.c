@@ -856,7 +856,7 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
     }
     const int64_t start_step = x->k.step;
     double t_train = 0, flops_sum = 0;
-    int64_t tok_run = 0;
+    int64_t tok_run = 0, n_timed = 0; /* over the steps that were not skipped */
     if (x->k.step >= stop)
         say(x, "nothing to do: step %lld already reached", (long long)x->k.step);
     while (x->k.step < stop) {
@@ -870,12 +870,17 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         step_result r;
         memset(&r, 0, sizeof r);
         LM_TRY(x->gm ? train_step_gpu(x, s, &r, err) : train_step(x, s, &r, err));
-        const double tok_s = (double)st->step_tokens / r.seconds;
+        /* a skipped step did not do the step's work (a failing forward returns early):
+         * no rate for it (null in the log), and it stays out of the run's rates */
         const double fpt = lm_model_train_flops_per_token(&x->p.cfg, st->seq_len);
-        const double mfu = fpt * tok_s / x->ref_flops;
-        t_train += r.seconds;
-        tok_run += st->step_tokens;
-        flops_sum += fpt * (double)st->step_tokens;
+        const double tok_s = r.skipped ? NAN : (double)st->step_tokens / r.seconds;
+        const double mfu = r.skipped ? NAN : fpt * tok_s / x->ref_flops;
+        if (!r.skipped) {
+            t_train += r.seconds;
+            tok_run += st->step_tokens;
+            flops_sum += fpt * (double)st->step_tokens;
+            n_timed++;
+        }
         log_step(x, s, &r, tok_s, mfu);
         x->last_loss = r.loss;
         if (r.skipped && x->k.bad_streak >= c->max_bad_steps)
@@ -889,7 +894,7 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
             say(x, "step %lld skipped: non-finite loss or gradient (%lld in a row)",
                 (long long)x->k.step, (long long)x->k.bad_streak);
         if (!x->quiet) {
-            const double avg = t_train / (double)(x->k.step - start_step);
+            const double avg = n_timed > 0 ? t_train / (double)n_timed : NAN;
             char eta[32];
             fmt_dur(eta, sizeof eta, avg * (double)(stop - x->k.step));
             if (x->live) {
@@ -897,16 +902,18 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
                     stderr,
                     "\r\033[Kstep %lld/%lld | stage %d %s (%d) | loss %.4f | %.0f tok/s | ETA %s",
                     (long long)x->k.step, (long long)stop, s, st->name, st->seq_len, r.loss,
-                    tok_run / t_train, eta);
+                    t_train > 0 ? tok_run / t_train : 0.0, eta);
                 fflush(stderr);
                 x->line_open = 1;
+            } else if (r.skipped) {
+                /* said above; no loss, norm or rate to show */
             } else if (x->k.step % c->log_every == 0 || x->k.step == start_step + 1 ||
                        x->k.step == stop) {
                 say(x,
                     "step %lld/%lld stage %s seq %d loss %.4f lr %.3e gnorm %.3f %.0f tok/s mfu "
-                    "%.1f%% ETA %s%s",
+                    "%.1f%% ETA %s",
                     (long long)x->k.step, (long long)stop, st->name, st->seq_len, r.loss, r.lr,
-                    r.gnorm, tok_s, 100 * mfu, eta, r.skipped ? " (skipped)" : "");
+                    r.gnorm, tok_s, 100 * mfu, eta);
             }
         }
         const int stage_end = x->k.step == st->first_step + st->steps;
