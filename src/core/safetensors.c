@@ -56,10 +56,73 @@ void lm_st_free(lm_safetensors *st) {
     memset(st, 0, sizeof *st);
 }
 
-/* A JSON number that is a non-negative integer representable exactly. */
+/* cJSON keeps numbers as doubles only: 2^53 + 1 reads as 2^53 and 2^64 - 1 prints as
+ * 1.8446744073709552e+19. The header's text is at hand, so every number item gets its
+ * own text attached as valuestring (malloc'd; cJSON_Delete frees the valuestring of
+ * any item that is not a reference, and nothing reads it for numbers): the k-th number
+ * token of the text is the k-th number item in document order. */
+static void number_items(cJSON *j, cJSON ***v, size_t *n, size_t *cap) {
+    for (; j; j = j->next) {
+        if (cJSON_IsNumber(j)) {
+            if (*n == *cap) {
+                *cap = *cap ? *cap * 2 : 64;
+                *v = realloc(*v, *cap * sizeof **v);
+                LM_CHECK(*v != NULL);
+            }
+            (*v)[(*n)++] = j;
+        }
+        if (j->child)
+            number_items(j->child, v, n, cap);
+    }
+}
+
+static void attach_number_text(cJSON *root, const char *text, size_t len) {
+    cJSON **items = NULL;
+    size_t n = 0, cap = 0, k = 0;
+    number_items(root, &items, &n, &cap);
+    for (size_t i = 0; i < len && k < n;) {
+        const char c = text[i];
+        if (c == '"') { /* skip a string, escapes included */
+            for (i++; i < len && text[i] != '"'; i++)
+                if (text[i] == '\\')
+                    i++;
+            i++;
+        } else if (c == '-' || (c >= '0' && c <= '9')) {
+            size_t e = i;
+            while (e < len && strchr("+-0123456789.eE", text[e]))
+                e++;
+            if (!items[k]->valuestring) {
+                char *t = malloc(e - i + 1);
+                LM_CHECK(t != NULL);
+                memcpy(t, text + i, e - i);
+                t[e - i] = '\0';
+                items[k]->valuestring = t;
+            }
+            k++;
+            i = e;
+        } else {
+            i++;
+        }
+    }
+    free(items);
+}
+
+/* A JSON number that is a non-negative integer, exactly (its digits, up to 2^64 - 1). */
 static int json_uint(const cJSON *j, uint64_t *out) {
     if (!cJSON_IsNumber(j))
         return 0;
+    const char *t = j->valuestring;
+    if (t) {
+        if (!*t || strspn(t, "0123456789") != strlen(t) || (t[0] == '0' && t[1]))
+            return 0;
+        errno = 0;
+        char *end = NULL;
+        unsigned long long v = strtoull(t, &end, 10);
+        if (errno == ERANGE || *end)
+            return 0;
+        *out = (uint64_t)v;
+        return 1;
+    }
     double d = j->valuedouble;
     if (!(d >= 0.0) || d > ST_MAX_JSON_INT || d != (double)(uint64_t)d)
         return 0;
@@ -67,24 +130,43 @@ static int json_uint(const cJSON *j, uint64_t *out) {
     return 1;
 }
 
-/* Printable description of a JSON value for error messages. */
+/* Printable description of a JSON value for error messages (numbers as written). */
+static void desc_append(const cJSON *j, char *buf, size_t n, size_t *u) {
+    if (*u + 1 >= n)
+        return;
+    if (cJSON_IsNumber(j) && j->valuestring) {
+        *u += (size_t)snprintf(buf + *u, n - *u, "%s", j->valuestring);
+    } else if (cJSON_IsArray(j) || cJSON_IsObject(j)) {
+        const int obj = cJSON_IsObject(j);
+        *u += (size_t)snprintf(buf + *u, n - *u, "%c", obj ? '{' : '[');
+        for (const cJSON *c = j->child; c && *u + 1 < n; c = c->next) {
+            if (c != j->child)
+                *u += (size_t)snprintf(buf + *u, n - *u, ",");
+            if (obj && *u + 1 < n)
+                *u += (size_t)snprintf(buf + *u, n - *u, "\"%s\":", c->string ? c->string : "");
+            desc_append(c, buf, n, u);
+        }
+        if (*u + 1 < n)
+            *u += (size_t)snprintf(buf + *u, n - *u, "%c", obj ? '}' : ']');
+    } else {
+        char *s = cJSON_PrintUnformatted(j);
+        *u += (size_t)snprintf(buf + *u, n - *u, "%s", s ? s : "(unprintable)");
+        free(s);
+    }
+    if (*u >= n)
+        *u = n - 1;
+}
+
 static void json_desc(const cJSON *j, char *buf, size_t n) {
     if (!j) {
         snprintf(buf, n, "(missing)");
         return;
     }
-    char *s = cJSON_PrintUnformatted(j);
-    if (!s) {
-        snprintf(buf, n, "(unprintable)");
-        return;
-    }
-    if (strlen(s) + 1 > n && n > 4) {
-        memcpy(buf, s, n - 4);
+    size_t u = 0;
+    buf[0] = '\0';
+    desc_append(j, buf, n, &u);
+    if (u + 1 >= n && n > 4)
         memcpy(buf + n - 4, "...", 4);
-    } else {
-        snprintf(buf, n, "%s", s);
-    }
-    free(s);
 }
 
 static int cmp_entry_name(const void *a, const void *b) {
@@ -412,6 +494,7 @@ static lm_status parse_owned(lm_safetensors *st, lm_error *err) {
                 "%s: header has trailing bytes after the JSON object (header byte %zu)", f, at);
         }
     }
+    attach_number_text(root, hdr, (size_t)hlen);
     free(hdr);
     lm_status s = LM_OK;
     if (!cJSON_IsObject(root)) {
