@@ -761,6 +761,10 @@ static void test_nonfinite_status(void **state) {
     fprintf(stderr, "expected error: %s\n", err.msg);
     assert_non_null(strstr(err.msg, "5 non-finite steps in a row"));
     assert_non_null(strstr(err.msg, "at step 5"));
+    /* the same with err = NULL, which train.h allows (issue 25: the model's and the
+     * trainer's message wrapping read err->msg) */
+    snprintf(dir, sizeof dir, "%s/N0", g_dir);
+    assert_int_equal(lm_train_run(&c, &o, &s, NULL), LM_ERR_INVALID);
     lm_train_config_free(&c);
     /* those steps returned early: no tokens/s or MFU for them (issue 25: they logged
      * rates of a step that did no work, MFU far above 100 %) */

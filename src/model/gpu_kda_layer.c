@@ -171,7 +171,7 @@ static int plan_seqs(int64_t max_tokens, int max_seqs) {
 static lm_status tag(lm_status st, const char *what, lm_error *err) {
     if (st != LM_OK && err) {
         char buf[sizeof(err->msg)];
-        snprintf(buf, sizeof buf, "%s", err->msg);
+        snprintf(buf, sizeof buf, "%s", err ? err->msg : "");
         lm_errorf(err, st, "gpu kda layer %s: %s", what, buf);
     }
     return st;

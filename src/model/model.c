@@ -707,7 +707,7 @@ static lm_status run_forward(lm_model *m, const fwd_mode *fm, const int32_t *ids
         lm_status st = sublayer_forward(m, l, fm, m->xn[l], o, err);
         if (st != LM_OK) {
             char buf[sizeof(err->msg)];
-            snprintf(buf, sizeof buf, "%s", err->msg);
+            snprintf(buf, sizeof buf, "%s", err ? err->msg : "");
             return lm_errorf(err, st, "model: layer %d %s: %s", l / 2,
                              l % 2 ? "ffn" : "mixer", buf);
         }
@@ -941,7 +941,7 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
         lm_status st = sublayer_backward(m, l, m->G, err);
         if (st != LM_OK) {
             char buf[sizeof(err->msg)];
-            snprintf(buf, sizeof buf, "%s", err->msg);
+            snprintf(buf, sizeof buf, "%s", err ? err->msg : "");
             return lm_errorf(err, st, "model: layer %d %s backward: %s", l / 2,
                              l % 2 ? "ffn" : "mixer", buf);
         }

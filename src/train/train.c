@@ -223,7 +223,7 @@ static lm_status apply_stage(ctx *x, int s, lm_error *err) {
     lm_status r = lm_loader_set_stage(x->ld, &ls, err);
     if (r != LM_OK) {
         char buf[sizeof err->msg];
-        snprintf(buf, sizeof buf, "%s", err->msg);
+        snprintf(buf, sizeof buf, "%s", err ? err->msg : "");
         return lm_errorf(err, r, "%s: stage '%s' (stages[%d]): %s", x->c->source, st->name, s, buf);
     }
     if (x->gm)
@@ -572,7 +572,7 @@ static lm_status open_shard(ctx *x, lm_shard *s, const char *path, const char *k
         r = lm_shard_validate(s, err);
     if (r != LM_OK) {
         char buf[sizeof err->msg];
-        snprintf(buf, sizeof buf, "%s", err->msg);
+        snprintf(buf, sizeof buf, "%s", err ? err->msg : "");
         return lm_errorf(err, r, "%s: %s (%s): %s", x->c->source, key, path, buf);
     }
     if ((int)s->vocab != lm_tokenizer_vocab_size(x->tok))
@@ -759,7 +759,7 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         lm_passkey_doc_free(&d);
         if (r != LM_OK) {
             char buf[sizeof err->msg];
-            snprintf(buf, sizeof buf, "%s", err->msg);
+            snprintf(buf, sizeof buf, "%s", err ? err->msg : "");
             return lm_errorf(err, r, "%s: eval.passkey_lengths[%d] = %d: %s", c->source, i,
                              c->passkey_lengths[i], buf);
         }
@@ -955,6 +955,9 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
 lm_status lm_train_run(const lm_train_config *cin, const lm_train_options *o, lm_train_summary *out,
                        lm_error *err) {
     lm_train_summary dummy;
+    lm_error local = {0};
+    if (!err) /* the steps say numeric errors' messages: keep one even when the caller does not */
+        err = &local;
     if (!out)
         out = &dummy;
     memset(out, 0, sizeof *out);
