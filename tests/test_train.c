@@ -764,7 +764,10 @@ static void test_nonfinite_status(void **state) {
     /* the same with err = NULL, which train.h allows (issue 25: the model's and the
      * trainer's message wrapping read err->msg) */
     snprintf(dir, sizeof dir, "%s/N0", g_dir);
+    o.quiet = 0; /* the step's message is said */
+    o.progress = 0;
     assert_int_equal(lm_train_run(&c, &o, &s, NULL), LM_ERR_INVALID);
+    o.quiet = 1;
     lm_train_config_free(&c);
     /* those steps returned early: no tokens/s or MFU for them (issue 25: they logged
      * rates of a step that did no work, MFU far above 100 %) */
