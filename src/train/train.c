@@ -919,8 +919,9 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         const int stage_end = x->k.step == st->first_step + st->steps;
         if (stage_end || (c->eval_every > 0 && x->k.step % c->eval_every == 0))
             LM_TRY(run_eval(x, err));
+        const int interrupt = o->stop && *o->stop && x->k.step < stop;
         if ((c->checkpoint_every > 0 && x->k.step % c->checkpoint_every == 0) ||
-            x->k.step == stop) {
+            x->k.step == stop || interrupt) {
             lm_loader_get_state(x->ld, &ls);
             LM_TRY(host_sync(x, err));
             const int fail = o->fail_checkpoint_at > 0 && o->fail_checkpoint_at == x->k.step;
@@ -928,6 +929,14 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
                                       c->keep_last, fail, x->last_ckpt, sizeof x->last_ckpt, err));
             if (!x->live)
                 say(x, "checkpoint %s", x->last_ckpt);
+        }
+        if (interrupt) {
+            say(x,
+                "interrupted: stopped after step %lld of %lld; checkpoint %s written (continue "
+                "with --resume)",
+                (long long)x->k.step, (long long)stop, x->last_ckpt);
+            out->interrupted = 1;
+            break;
         }
     }
     if (x->line_open)
