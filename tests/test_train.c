@@ -390,8 +390,9 @@ static void test_corrupt_checkpoint(void **state) {
     lm_train_summary s;
     assert_int_equal(train("D", 0, 0, 0, 0, &s, &err), LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "--resume"));
-    /* --resume where there is no run */
+    /* --resume where there is no run: said, and no directory made */
     expect_resume_error("nothing-here", "latest");
+    assert_false(exists("nothing-here", ""));
 }
 
 /* Parse the test config with one change made by `edit`; expect an error with all
@@ -537,6 +538,9 @@ static void test_config_errors(void **state) {
         fprintf(stderr, "expected error: %s\n", err.msg);
         assert_non_null(strstr(err.msg, k ? corrupt : miss));
         assert_non_null(strstr(err.msg, "data.train"));
+        /* and leaves no empty run directory behind (issue 25) */
+        struct stat sb;
+        assert_int_not_equal(stat(dir, &sb), 0);
         lm_train_config_free(&c);
     }
     cJSON_Delete(j);

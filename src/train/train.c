@@ -982,6 +982,11 @@ lm_status lm_train_run(const lm_train_config *cin, const lm_train_options *o, lm
     x.live = !o->quiet && (o->progress == 1 || (o->progress < 0 && isatty(fileno(stderr))));
     if (snprintf(x.run, sizeof x.run, "%s", o->run_dir) >= (int)sizeof x.run)
         return lm_errorf(err, LM_ERR_INVALID, "train: run directory path too long");
+    /* a run directory this call creates is removed again when the run fails before
+     * writing anything into it (a bad data path, a missing checkpoint): no empty run
+     * directories left behind (rmdir only removes an empty one) */
+    struct stat run_sb;
+    const int run_existed = stat(x.run, &run_sb) == 0;
     lm_status st = mkdir_p(x.run, err);
     if (st != LM_OK)
         return st;
@@ -989,18 +994,22 @@ lm_status lm_train_run(const lm_train_config *cin, const lm_train_options *o, lm
     memset(&saved, 0, sizeof saved);
     const lm_train_config *c = cin;
     if (!c) {
-        if (!o->resume)
-            return lm_errorf(err, LM_ERR_INVALID, "train: no training config (and no --resume)");
+        if (!o->resume) {
+            st = lm_errorf(err, LM_ERR_INVALID, "train: no training config (and no --resume)");
+            goto out;
+        }
         char dir[PATHMAX + 64];
         char *text = NULL;
-        LM_TRY(lm_train_latest_checkpoint(x.run, dir, sizeof dir, err));
-        LM_TRY(lm_train_checkpoint_config(dir, &text, err));
+        st = lm_train_latest_checkpoint(x.run, dir, sizeof dir, err);
+        if (st == LM_OK)
+            st = lm_train_checkpoint_config(dir, &text, err);
         char label[PATHMAX + 128];
         snprintf(label, sizeof label, "%s/train_state.safetensors (train_config)", dir);
-        st = lm_train_config_parse(&saved, text, label, err);
+        if (st == LM_OK)
+            st = lm_train_config_parse(&saved, text, label, err);
         free(text);
         if (st != LM_OK)
-            return st;
+            goto out;
         c = &saved;
     }
     x.c = c;
@@ -1009,6 +1018,9 @@ lm_status lm_train_run(const lm_train_config *cin, const lm_train_options *o, lm
     if (x.line_open)
         fputc('\n', stderr);
     ctx_free(&x);
+out:
     lm_train_config_free(&saved);
+    if (st != LM_OK && !run_existed)
+        (void)rmdir(x.run);
     return st;
 }
