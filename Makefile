@@ -10,8 +10,19 @@ JOBS ?= $(shell nproc)
 all: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
+# Configure when the build system is missing: a configure that failed leaves a
+# CMakeCache.txt but no Makefile, so that is what is tested (testing the cache kept
+# failing with "No rule to make target 'Makefile'" until `make clean`). CMake's own
+# status lines (CUDA or not) are shown, its full output only when it fails.
 configure:
-	@test -f $(BUILD)/CMakeCache.txt || cmake -S . -B $(BUILD) $(CMAKE_FLAGS) >/dev/null
+	@test -f $(BUILD)/Makefile || { mkdir -p $(BUILD) && \
+	  if cmake -S . -B $(BUILD) $(CMAKE_FLAGS) >$(BUILD)/configure.log 2>&1; then \
+	    grep -E '^-- linmoe' $(BUILD)/configure.log || true; \
+	  else \
+	    cat $(BUILD)/configure.log; rm -f $(BUILD)/Makefile; \
+	    echo "make: configuring $(BUILD) failed (log: $(BUILD)/configure.log); fix the cause and run make again" >&2; \
+	    exit 1; \
+	  fi; }
 
 test: all
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) $(CTEST_FLAGS)

@@ -590,9 +590,11 @@ static void test_compare_helpers(void **state) {
     c = lm_compare_f64(big, zero, 3, 1e-5);
     assert_false(c.pass);
     assert_true(isinf(c.rel_rms));
-    /* Absolute floor also rescues a tiny-norm reference. */
-    double small[2] = {1e-9, 0}, smallo[2] = {5e-7, 0};
-    assert_true(lm_compare_f64(smallo, small, 2, 1e-5).pass);
+    /* No absolute floor for a reference with a non-zero value: an output 500x a tiny
+     * reference fails (it passed through the floor before, issue 25); a close one passes. */
+    double small[2] = {1e-9, 0}, smallo[2] = {5e-7, 0}, smallc[2] = {1.000001e-9, 0};
+    assert_false(lm_compare_f64(smallo, small, 2, 1e-5).pass);
+    assert_true(lm_compare_f64(smallc, small, 2, 1e-5).pass);
     /* Empty arrays pass. */
     assert_true(lm_compare_f64(NULL, NULL, 0, 1e-5).pass);
     /* The reporting wrappers agree with the compares. */

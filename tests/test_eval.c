@@ -615,6 +615,7 @@ static void test_cli_eval_generate(void **state) {
         print_message("want '%s'\ngot:\n%s\n", want, out);
     assert_int_equal(rc, 0);
     assert_memory_equal(out, want, wl);
+    assert_int_equal(out[wl], '\n'); /* the text ends with a newline (issue 25) */
     /* not degenerate: the bigram map's non-trivial steps show up (e.g. "6789.") */
     int steps = 0;
     for (size_t i = strlen(prompt); i + 1 < wl; i++)

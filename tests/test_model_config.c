@@ -223,6 +223,15 @@ static void e_full_blk(cJSON *r) {
 static void e_no_topk(cJSON *r) { cJSON_DeleteItemFromObject(r, "num_experts_per_tok"); }
 static void e_ngroup(cJSON *r) { cJSON_AddNumberToObject(r, "n_group", 3); }
 static void e_no_la(cJSON *r) { cJSON_DeleteItemFromObject(r, "linear_attn_config"); }
+/* a misspelt required key: the error names the missing key and the unknown one */
+static void e_hiden(cJSON *r) {
+    cJSON *v = cJSON_DetachItemFromObject(r, "hidden_size");
+    cJSON_AddItemToObject(r, "hiden_size", v);
+}
+static void e_la_typo(cJSON *r) {
+    cJSON *v = cJSON_DetachItemFromObject(la(r), "kda_layers");
+    cJSON_AddItemToObject(la(r), "kda_layer", v);
+}
 static void e_eps(cJSON *r) { cJSON_ReplaceItemInObject(r, "rms_norm_eps", cJSON_CreateNumber(0)); }
 static void e_inter(cJSON *r) { cJSON_DeleteItemFromObject(r, "intermediate_size"); }
 
@@ -253,6 +262,8 @@ static void test_bad_configs(void **state) {
     expect_bad(e_no_topk, "missing required key", "num_experts_per_tok");
     expect_bad(e_ngroup, "n_group", "3");
     expect_bad(e_no_la, "missing required key", "linear_attn_config");
+    expect_bad(e_hiden, "missing required key 'hidden_size'", "unknown keys: hiden_size");
+    expect_bad(e_la_typo, "missing required key", "unknown keys: linear_attn_config.kda_layer");
     expect_bad(e_eps, "rms_norm_eps = 0", NULL);
     expect_bad(e_inter, "intermediate_size = 0", NULL);
 
@@ -652,7 +663,7 @@ static void test_cli_info(void **state) {
     assert_non_null(strstr(out, "total 80950"));
     assert_non_null(strstr(out, "model.layers.4.mlp_res.norm.weight"));
     assert_int_equal(lm_run_cli(out, sizeof out, "info %s/none", g_dir), 1);
-    assert_non_null(strstr(out, "config.json"));
+    assert_non_null(strstr(out, "none: no such checkpoint or run directory"));
     assert_int_equal(lm_run_cli(out, sizeof out, "info"), 2);
     assert_int_equal(lm_run_cli(out, sizeof out, "info --bogus"), 2);
     assert_int_equal(lm_run_cli(out, sizeof out, "info --help"), 0);

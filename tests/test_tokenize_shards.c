@@ -835,6 +835,33 @@ static void test_cli_errors(void **state) {
     run_fails(2, "--shard-tokens '0'", args);
 }
 
+/* `--in TEXT --out SHARD` says which separator split the text and how many documents
+ * came out, and says so plainly when a file without that separator became one document
+ * (issue 25: a plain text file silently became one document). */
+static void test_single_doc_sep(void **state) {
+    (void)state;
+    char txt[256], shard[256], args[2048], out[8192];
+    snprintf(txt, sizeof txt, "%s/plain.txt", g_tmp);
+    snprintf(shard, sizeof shard, "%s/plain.bin", g_tmp);
+    FILE *f = fopen(txt, "w");
+    assert_non_null(f);
+    fputs("First paragraph.\n\nSecond paragraph.\n\nThird.\n", f);
+    fclose(f);
+    snprintf(args, sizeof args, "tokenize --tokenizer byte --in '%s' --out '%s'", txt, shard);
+    assert_int_equal(lm_run_cli(out, sizeof out, "%s", args), 0);
+    print_message("%s", out);
+    lm_assert_says(out, "1 documents");
+    lm_assert_says(out, "--doc-sep ff");
+    lm_assert_says(out, "so it is one document (--doc-sep blank splits at empty lines)");
+    snprintf(args, sizeof args, "tokenize --tokenizer byte --in '%s' --out '%s' --doc-sep blank",
+             txt, shard);
+    assert_int_equal(lm_run_cli(out, sizeof out, "%s", args), 0);
+    print_message("%s", out);
+    lm_assert_says(out, "3 documents");
+    lm_assert_says(out, "documents split at empty lines (--doc-sep blank)");
+    assert_null(strstr(out, "one document"));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_split_hash_pinned),
@@ -842,6 +869,7 @@ int main(void) {
         cmocka_unit_test(test_jsonl),
         cmocka_unit_test(test_manifest_errors),
         cmocka_unit_test(test_cli_errors),
+        cmocka_unit_test(test_single_doc_sep),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -20,11 +20,15 @@
 #include "linmoe/train.h"
 
 #include <cjson/cJSON.h>
+#include <fcntl.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 static char g_dir[64];
@@ -386,8 +390,9 @@ static void test_corrupt_checkpoint(void **state) {
     lm_train_summary s;
     assert_int_equal(train("D", 0, 0, 0, 0, &s, &err), LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "--resume"));
-    /* --resume where there is no run */
+    /* --resume where there is no run: said, and no directory made */
     expect_resume_error("nothing-here", "latest");
+    assert_false(exists("nothing-here", ""));
 }
 
 /* Parse the test config with one change made by `edit`; expect an error with all
@@ -533,6 +538,9 @@ static void test_config_errors(void **state) {
         fprintf(stderr, "expected error: %s\n", err.msg);
         assert_non_null(strstr(err.msg, k ? corrupt : miss));
         assert_non_null(strstr(err.msg, "data.train"));
+        /* and leaves no empty run directory behind (issue 25) */
+        struct stat sb;
+        assert_int_not_equal(stat(dir, &sb), 0);
         lm_train_config_free(&c);
     }
     cJSON_Delete(j);
@@ -791,6 +799,115 @@ static void test_nonfinite_status(void **state) {
     assert_non_null(strstr(err.msg, "rms_norm_eps = inf"));
 }
 
+/* ---------------------------------------------------------------- interrupts */
+
+/* `linmoe train --config CFG --run-dir g_dir/run` as a child process (its stdout and
+ * stderr into g_dir/run.out); returns the pid. */
+static pid_t spawn_train(const char *run, int threads) {
+    const char *bin = getenv("LINMOE_BIN");
+    assert_non_null(bin);
+    char dir[256], outp[256], th[16];
+    snprintf(dir, sizeof dir, "%s/%s", g_dir, run);
+    snprintf(outp, sizeof outp, "%s/%s.out", g_dir, run);
+    snprintf(th, sizeof th, "%d", threads);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        int fd = open(outp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd < 0)
+            _exit(99);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        execl(bin, bin, "train", "--config", g_cfg, "--run-dir", dir, "--threads", th,
+              (char *)NULL);
+        _exit(98);
+    }
+    return pid;
+}
+
+/* wait until g_dir/run/log.jsonl has at least n lines (or the child exited) */
+static void wait_steps(const char *run, pid_t pid, int n) {
+    char p[512];
+    path_of(p, sizeof p, run, "log.jsonl");
+    for (int tries = 0; tries < 6000; tries++) {
+        size_t len = 0;
+        char *t = read_file(p, &len);
+        int lines = 0;
+        for (size_t i = 0; t && i < len; i++)
+            lines += t[i] == '\n';
+        free(t);
+        if (lines >= n)
+            return;
+        int status;
+        assert_int_equal(waitpid(pid, &status, WNOHANG), 0); /* still running */
+        nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL);
+    }
+    fail_msg("%s: no %d steps in 60 s", run, n);
+}
+
+/* Ctrl-C during training (issue 25): the step in progress finishes, a checkpoint is
+ * written and said, the exit status is 130; --resume continues, and the run ends
+ * bit-identical (logs, weights, optimizer state) to the straight run. A second SIGINT
+ * kills the process at once. SIGTERM is treated as SIGINT (exit 143). */
+static void test_interrupt_and_resume(void **state) {
+    (void)state;
+    if (!exists("A", "ckpt/step-0000040/model.safetensors"))
+        train_ok("A", 0, 0, 0); /* the straight run (test_resume_bit_exact makes it) */
+    pid_t pid = spawn_train("S", 1);
+    wait_steps("S", pid, 3);
+    assert_int_equal(kill(pid, SIGINT), 0);
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    char p[512];
+    snprintf(p, sizeof p, "%s/S.out", g_dir);
+    char *out = read_file(p, NULL);
+    assert_non_null(out);
+    fprintf(stderr, "interrupted run's output:\n%s", out);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 130);
+    assert_non_null(strstr(out, "interrupted: finishing the current step"));
+    assert_non_null(strstr(out, "interrupted: stopped after step"));
+    assert_non_null(strstr(out, "\"interrupted\": true"));
+    const char *at = strstr(out, "stopped after step ");
+    const int step = atoi(at + strlen("stopped after step "));
+    assert_true(step >= 3 && step < 40);
+    char rel[64];
+    snprintf(rel, sizeof rel, "ckpt/step-%07d/train_state.safetensors", step);
+    assert_true(exists("S", rel));
+    free(out);
+    /* resume (on 2 threads) to the end: the straight run, bit for bit */
+    train_ok("S", 1, 0, 2);
+    char **la, **ls;
+    const int na = log_lines("A", &la), ns = log_lines("S", &ls);
+    assert_int_equal(ns, 40);
+    for (int i = 0; i < na && i < ns; i++)
+        assert_string_equal(la[i], ls[i]);
+    free_lines(la, na);
+    free_lines(ls, ns);
+    assert_same_file("A", "S", "ckpt/step-0000040/model.safetensors");
+    assert_same_file("A", "S", "ckpt/step-0000040/train_state.safetensors");
+    /* SIGTERM: the same, exit 143 */
+    pid = spawn_train("T", 1);
+    wait_steps("T", pid, 2);
+    assert_int_equal(kill(pid, SIGTERM), 0);
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 143);
+    /* two SIGINTs in a row: killed by the second */
+    pid = spawn_train("U", 1);
+    wait_steps("U", pid, 2);
+    assert_int_equal(kill(pid, SIGINT), 0);
+    nanosleep(&(struct timespec){0, 20 * 1000 * 1000}, NULL); /* the first handler ran */
+    assert_int_equal(kill(pid, SIGINT), 0);
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    if (!(WIFSIGNALED(status) && WTERMSIG(status) == SIGINT)) {
+        /* the first one may have already stopped the run (its step ended within 20 ms) */
+        assert_true(WIFEXITED(status));
+        assert_int_equal(WEXITSTATUS(status), 130);
+        fprintf(stderr, "double SIGINT: the run had stopped after the first one\n");
+    }
+}
+
 static void test_cli(void **state) {
     (void)state;
     char out[8192];
@@ -827,10 +944,15 @@ static void test_cli(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_resume_bit_exact),      cmocka_unit_test(test_checkpoint_failure),
-        cmocka_unit_test(test_corrupt_checkpoint),    cmocka_unit_test(test_config_errors),
-        cmocka_unit_test(test_resume_changed_config), cmocka_unit_test(test_nan_guard),
-        cmocka_unit_test(test_nonfinite_status),      cmocka_unit_test(test_cli),
+        cmocka_unit_test(test_resume_bit_exact),
+        cmocka_unit_test(test_checkpoint_failure),
+        cmocka_unit_test(test_corrupt_checkpoint),
+        cmocka_unit_test(test_config_errors),
+        cmocka_unit_test(test_resume_changed_config),
+        cmocka_unit_test(test_nan_guard),
+        cmocka_unit_test(test_nonfinite_status),
+        cmocka_unit_test(test_interrupt_and_resume),
+        cmocka_unit_test(test_cli),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -172,6 +172,17 @@ static int tokenize_one(const char *name, const char *dir, const char *in, const
                in, (long long)docs, (long long)bytes, (long long)n, (long long)text_tokens,
                (long long)docs, text_tokens ? (double)bytes / (double)text_tokens : 0.0,
                lm_tokenizer_name(tok), lm_tokenizer_vocab_size(tok), out, lm_time_sec() - t0);
+        /* which separator split the text (issue 25: a plain text file silently became one
+         * document) */
+        printf("tokenize: documents split at %s (--doc-sep %s)%s\n",
+               sep == LM_DOCSEP_FORMFEED ? "lines holding only a form feed"
+               : sep == LM_DOCSEP_BLANK  ? "empty lines"
+                                         : "nothing: the whole file is one document",
+               sep == LM_DOCSEP_FORMFEED ? "ff" : sep == LM_DOCSEP_BLANK ? "blank" : "none",
+               docs == 1 && sep != LM_DOCSEP_NONE
+                   ? "; the file has no such separator, so it is one document (--doc-sep blank "
+                     "splits at empty lines)"
+                   : "");
     }
     free(ids);
     free(text);

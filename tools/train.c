@@ -2,12 +2,42 @@
  * (include/linmoe/train.h). No math here. */
 #include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "linmoe/train.h"
+
+/* SIGINT / SIGTERM: the first asks the trainer to finish the step, write a checkpoint
+ * and return (lm_train_options.stop); a second one kills the process at once. The one
+ * piece of process state a signal handler needs lives here, in the CLI. */
+static volatile sig_atomic_t g_stop;
+
+static void on_stop_signal(int sig) {
+    if (g_stop) {
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    g_stop = sig;
+    static const char msg[] = "\nlinmoe train: interrupted: finishing the current step and "
+                              "writing a checkpoint (interrupt again to abort at once)\n";
+    ssize_t w = write(2, msg, sizeof msg - 1);
+    (void)w;
+}
+
+static void catch_stop_signals(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+}
 
 void lm_cli_train_usage(FILE *f) {
     fprintf(f,
@@ -22,6 +52,8 @@ void lm_cli_train_usage(FILE *f) {
             "  DIR/ckpt/latest (names the newest complete checkpoint)\n"
             "On a terminal a live progress line is shown; otherwise plain lines every\n"
             "train.log_every steps. The final summary is printed to stdout as JSON.\n"
+            "Ctrl-C (SIGINT) or SIGTERM finishes the current step, writes a checkpoint, says\n"
+            "so and exits with 128 + the signal (130, 143); a second one aborts at once.\n"
             "\n"
             "Several processes: `mpirun -np N linmoe train ...` (a build with MPI) trains one\n"
             "model data-parallel on N ranks: every global batch is split over the ranks (the\n"
@@ -175,6 +207,8 @@ int lm_cli_train(int argc, char **argv) {
     }
     o.comm = world;
     lm_train_summary s;
+    o.stop = &g_stop;
+    catch_stop_signals();
     lm_status st = lm_train_run(config ? &c : NULL, &o, &s, &err);
     lm_train_config_free(&c);
     if (st != LM_OK) {
@@ -210,6 +244,7 @@ int lm_cli_train(int argc, char **argv) {
             putchar('\\');
         putchar(*q);
     }
-    printf("\"}\n");
-    return LM_EXIT_OK;
+    printf("\", \"interrupted\": %s}\n", s.interrupted ? "true" : "false");
+    /* interrupted: the shell's convention for a death by that signal (130 for SIGINT) */
+    return s.interrupted ? 128 + (int)g_stop : LM_EXIT_OK;
 }

@@ -104,6 +104,8 @@
 #ifndef LINMOE_TRAIN_H
 #define LINMOE_TRAIN_H
 
+#include <signal.h>
+
 #include "linmoe/backend.h"
 #include "linmoe/core.h"
 #include "linmoe/dist.h"
@@ -210,6 +212,11 @@ typedef struct {
                                    next checkpoint's replica check must catch (0 = off) */
     int progress;               /* -1 auto (live line when stderr is a terminal), 0 plain, 1 live */
     int quiet;                  /* 1: no human-readable output at all */
+    volatile sig_atomic_t *stop; /* NULL, or a flag a signal handler sets (the CLI's SIGINT /
+                                   SIGTERM): once it is non-zero the run finishes the step
+                                   in progress, writes a checkpoint (unless that step just
+                                   wrote one), says so and returns LM_OK with
+                                   summary.interrupted = 1; --resume continues from it */
     lm_device device;           /* cpu (default, zero) or cuda:N: where the steps run
                                    (include/linmoe/gpu_model.h) and so do the evals
                                    (eval.h lm_eval_*_gpu); checkpoints go through the
@@ -243,6 +250,7 @@ typedef struct {
     double ref_flops;      /* reference rate: sgemm FLOP/s measured at start */
     double bits_per_byte;  /* of the last eval (NaN if none) */
     char checkpoint[4096]; /* the last checkpoint written or resumed from ("" if none) */
+    int interrupted;       /* 1: stopped early by options.stop (checkpoint written) */
 } lm_train_summary;
 
 /* Run (or, with o->resume, continue) training as configured. Without resume, a

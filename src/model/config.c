@@ -585,8 +585,23 @@ lm_status lm_model_config_from_string(lm_model_config *c, const char *json, cons
         return lm_errorf(err, LM_ERR_FORMAT, "%s: JSON does not parse near '%.20s'", label,
                          ep ? ep : "?");
     }
-    pctx p = {label, err};
+    lm_error local = {0};
+    pctx p = {label, err ? err : &local};
     lm_status st = parse(c, root, &p, warn, warn_size);
+    if (st != LM_OK && strstr(p.err->msg, "missing required key")) {
+        /* a missing key is often a misspelt one: name the keys the file has that are not
+         * known (hiden_size next to the missing hidden_size) */
+        char unk[1200];
+        const cJSON *la = cJSON_GetObjectItemCaseSensitive(root, "linear_attn_config");
+        unknown_keys(root, cJSON_IsObject(la) ? la : NULL, label, unk, sizeof unk);
+        const char *list = strstr(unk, "unknown keys ignored: ");
+        if (unk[0] && list) {
+            char msg[sizeof p.err->msg];
+            snprintf(msg, sizeof msg, "%s", p.err->msg);
+            lm_errorf(p.err, st, "%s (the file has unknown keys: %s)", msg,
+                      list + strlen("unknown keys ignored: "));
+        }
+    }
     cJSON_Delete(root);
     return st;
 }

@@ -1180,13 +1180,24 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         const int stage_end = x->k.step == st->first_step + st->steps;
         if (stage_end || (c->eval_every > 0 && x->k.step % c->eval_every == 0))
             LM_TRY(run_eval(x, err)); /* every rank: the evals are split over them */
+        int32_t interrupt = o->stop && *o->stop && x->k.step < stop;
+        if (x->world > 1) /* a signal reaches the ranks at different steps: stop together */
+            LM_TRY(lm_comm_allreduce(x->comm, &interrupt, 1, LM_I32, LM_DIST_MAX, err));
         if ((c->checkpoint_every > 0 && x->k.step % c->checkpoint_every == 0) ||
-            x->k.step == stop) {
+            x->k.step == stop || interrupt) {
             lm_loader_get_state(x->ld, &ls);
             LM_TRY(host_sync(x, err));
             LM_TRY(save_checkpoint(x, &ls, err));
             if (!x->live)
                 say(x, "checkpoint %s", x->last_ckpt);
+        }
+        if (interrupt) {
+            say(x,
+                "interrupted: stopped after step %lld of %lld; checkpoint %s written (continue "
+                "with --resume)",
+                (long long)x->k.step, (long long)stop, x->last_ckpt);
+            out->interrupted = 1;
+            break;
         }
     }
     if (x->line_open)
@@ -1232,6 +1243,11 @@ lm_status lm_train_run(const lm_train_config *cin, const lm_train_options *o, lm
     x.live = !o->quiet && (o->progress == 1 || (o->progress < 0 && isatty(fileno(stderr))));
     if (snprintf(x.run, sizeof x.run, "%s", o->run_dir) >= (int)sizeof x.run)
         return lm_errorf(err, LM_ERR_INVALID, "train: run directory path too long");
+    /* a run directory this call creates is removed again when the run fails before
+     * writing anything into it (a bad data path, a missing checkpoint): no empty run
+     * directories left behind (rmdir only removes an empty one) */
+    struct stat run_sb;
+    const int run_existed = stat(x.run, &run_sb) == 0;
     lm_status st = mkdir_p(x.run, err);
     if (st != LM_OK)
         return st;
@@ -1239,18 +1255,22 @@ lm_status lm_train_run(const lm_train_config *cin, const lm_train_options *o, lm
     memset(&saved, 0, sizeof saved);
     const lm_train_config *c = cin;
     if (!c) {
-        if (!o->resume)
-            return lm_errorf(err, LM_ERR_INVALID, "train: no training config (and no --resume)");
+        if (!o->resume) {
+            st = lm_errorf(err, LM_ERR_INVALID, "train: no training config (and no --resume)");
+            goto out;
+        }
         char dir[PATHMAX + 64];
         char *text = NULL;
-        LM_TRY(lm_train_latest_checkpoint(x.run, dir, sizeof dir, err));
-        LM_TRY(lm_train_checkpoint_config(dir, &text, err));
+        st = lm_train_latest_checkpoint(x.run, dir, sizeof dir, err);
+        if (st == LM_OK)
+            st = lm_train_checkpoint_config(dir, &text, err);
         char label[PATHMAX + 128];
         snprintf(label, sizeof label, "%s/train_state.safetensors (train_config)", dir);
-        st = lm_train_config_parse(&saved, text, label, err);
+        if (st == LM_OK)
+            st = lm_train_config_parse(&saved, text, label, err);
         free(text);
         if (st != LM_OK)
-            return st;
+            goto out;
         c = &saved;
     }
     x.c = c;
@@ -1259,6 +1279,9 @@ lm_status lm_train_run(const lm_train_config *cin, const lm_train_options *o, lm
     if (x.line_open)
         fputc('\n', stderr);
     ctx_free(&x);
+out:
     lm_train_config_free(&saved);
+    if (st != LM_OK && !run_existed)
+        (void)rmdir(x.run);
     return st;
 }
