@@ -340,6 +340,32 @@ typedef struct {
     int n_passkey, n_long, n_repeat;
 } step_result;
 
+double lm_train_clip_scale(double gnorm, double grad_clip) {
+    return grad_clip > 0 && gnorm > grad_clip ? grad_clip / (gnorm + 1e-6) : 1.0;
+}
+
+lm_status lm_train_update(const lm_train_config *c, lm_adamw *opt, lm_params *p, lm_model *m,
+                          double gnorm, double lr, int64_t t, double *load, int E,
+                          lm_router_metrics *met, lm_error *err) {
+    lm_adamw_step(opt, p->data, lm_model_grads(m), lm_train_clip_scale(gnorm, c->grad_clip), lr,
+                  c->weight_decay, c->beta1, c->beta2, c->eps, t);
+    for (int i = 0; i < p->cfg.num_hidden_layers; i++) {
+        lm_router_state *rs = lm_model_router_state(m, i);
+        if (!rs)
+            continue;
+        if (load) {
+            double tot = 0;
+            for (int e = 0; e < rs->E; e++)
+                tot += rs->demand[e];
+            for (int e = 0; e < rs->E; e++)
+                load[(size_t)i * E + e] = tot > 0 ? rs->demand[e] / tot : 0;
+        }
+        LM_TRY(
+            lm_router_update_bias(&p->cfg.moe.router, rs, NULL, NULL, met ? &met[i] : NULL, err));
+    }
+    return LM_OK;
+}
+
 static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
     const lm_train_config *c = x->c;
     const lm_train_stage *st = &c->stages[s];
@@ -392,23 +418,9 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
         x->k.bad_streak++;
         x->k.bad_total++;
     } else {
-        double scale = 1.0;
-        if (c->grad_clip > 0 && res->gnorm > c->grad_clip)
-            scale = c->grad_clip / (res->gnorm + 1e-6);
         x->k.opt_step++;
-        lm_adamw_step(&x->opt, x->p.data, g, scale, res->lr, c->weight_decay, c->beta1, c->beta2,
-                      c->eps, x->k.opt_step);
-        for (int i = 0; i < L; i++) {
-            lm_router_state *rs = lm_model_router_state(m, i);
-            if (!rs)
-                continue;
-            double tot = 0;
-            for (int e = 0; e < rs->E; e++)
-                tot += rs->demand[e];
-            for (int e = 0; e < rs->E; e++)
-                x->load[(size_t)i * x->E + e] = tot > 0 ? rs->demand[e] / tot : 0;
-            LM_TRY(lm_router_update_bias(&x->p.cfg.moe.router, rs, NULL, NULL, &x->met[i], err));
-        }
+        LM_TRY(lm_train_update(c, &x->opt, &x->p, m, res->gnorm, res->lr, x->k.opt_step, x->load,
+                               x->E, x->met, err));
         x->k.bad_streak = 0;
     }
     res->skipped = bad;
