@@ -406,6 +406,32 @@ static void reduce_demand(double *buf, int n, void *arg) {
         x->load[(size_t)x->bias_layer * x->E + e] = tot > 0 ? buf[e] / tot : 0;
 }
 
+double lm_train_clip_scale(double gnorm, double grad_clip) {
+    return grad_clip > 0 && gnorm > grad_clip ? grad_clip / (gnorm + 1e-6) : 1.0;
+}
+
+lm_status lm_train_update(const lm_train_config *c, lm_adamw *opt, lm_params *p, lm_model *m,
+                          double gnorm, double lr, int64_t t, double *load, int E,
+                          lm_router_metrics *met, lm_error *err) {
+    lm_adamw_step(opt, p->data, lm_model_grads(m), lm_train_clip_scale(gnorm, c->grad_clip), lr,
+                  c->weight_decay, c->beta1, c->beta2, c->eps, t);
+    for (int i = 0; i < p->cfg.num_hidden_layers; i++) {
+        lm_router_state *rs = lm_model_router_state(m, i);
+        if (!rs)
+            continue;
+        if (load) {
+            double tot = 0;
+            for (int e = 0; e < rs->E; e++)
+                tot += rs->demand[e];
+            for (int e = 0; e < rs->E; e++)
+                load[(size_t)i * E + e] = tot > 0 ? rs->demand[e] / tot : 0;
+        }
+        LM_TRY(
+            lm_router_update_bias(&p->cfg.moe.router, rs, NULL, NULL, met ? &met[i] : NULL, err));
+    }
+    return LM_OK;
+}
+
 static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
     const lm_train_config *c = x->c;
     const lm_train_stage *st = &c->stages[s];
@@ -491,27 +517,30 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
         x->k.bad_streak++;
         x->k.bad_total++;
     } else {
-        double scale = 1.0;
-        if (c->grad_clip > 0 && res->gnorm > c->grad_clip)
-            scale = c->grad_clip / (res->gnorm + 1e-6);
         x->k.opt_step++;
-        lm_adamw_step(&x->opt, x->p.data, gs, scale, res->lr, c->weight_decay, c->beta1, c->beta2,
-                      c->eps, x->k.opt_step);
-        if (W > 1) /* every rank's updated shard to every rank (in place) */
+        if (W == 1) {
+            /* one process: the update tests/test_train_torch.c checks against PyTorch */
+            LM_TRY(lm_train_update(c, &x->opt, &x->p, m, res->gnorm, res->lr, x->k.opt_step,
+                                   x->load, x->E, x->met, err));
+        } else {
+            lm_adamw_step(&x->opt, x->p.data, gs, lm_train_clip_scale(res->gnorm, c->grad_clip),
+                          res->lr, c->weight_decay, c->beta1, c->beta2, c->eps, x->k.opt_step);
+            /* every rank's updated shard to every rank (in place) */
             LM_TRY(lm_comm_allgather(x->comm, x->p.data + x->opt.lo, x->p.data, x->shard, LM_F32,
                                      err));
-        for (int i = 0; i < L; i++) {
-            lm_router_state *rs = lm_model_router_state(m, i);
-            if (!rs)
-                continue;
-            x->bias_layer = i;
-            x->reduce_st = LM_OK;
-            LM_TRY(
-                lm_router_update_bias(&x->p.cfg.moe.router, rs, reduce_demand, x, &x->met[i], err));
-            if (x->reduce_st != LM_OK) {
-                if (err)
-                    *err = x->reduce_err;
-                return x->reduce_st;
+            for (int i = 0; i < L; i++) {
+                lm_router_state *rs = lm_model_router_state(m, i);
+                if (!rs)
+                    continue;
+                x->bias_layer = i;
+                x->reduce_st = LM_OK;
+                LM_TRY(lm_router_update_bias(&x->p.cfg.moe.router, rs, reduce_demand, x, &x->met[i],
+                                             err));
+                if (x->reduce_st != LM_OK) {
+                    if (err)
+                        *err = x->reduce_err;
+                    return x->reduce_st;
+                }
             }
         }
         x->k.bad_streak = 0;

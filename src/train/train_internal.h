@@ -60,6 +60,23 @@ double lm_adamw_grad_norm(lm_adamw *a, const float *g);
 void lm_adamw_step(lm_adamw *a, float *params, const float *gs, double gscale, double lr,
                    double wd, double b1, double b2, double eps, int64_t t);
 
+/* The gradient-clipping coefficient of a step: grad_clip / (gnorm + 1e-6) when
+ * grad_clip > 0 and gnorm > grad_clip, else 1 (torch.nn.utils.clip_grad_norm_'s
+ * coefficient; torch also applies it, clamped to 1, for gnorm in (grad_clip - 1e-6,
+ * grad_clip], where this returns 1: a relative difference below 2e-6 of the gradient). */
+double lm_train_clip_scale(double gnorm, double grad_clip);
+
+/* The update of a CPU training step once the gradients of all its micro-batches are in
+ * lm_model_grads(m) and gnorm = lm_adamw_grad_norm of them: AdamW step t (1-based) with
+ * the clipping coefficient, c's weight decay / betas / eps and this lr, then
+ * lm_router_update_bias of every router layer of m on the step's demand. load
+ * ([num_hidden_layers * E], may be NULL) gets each router layer's demand fractions,
+ * met ([num_hidden_layers], may be NULL) the router metrics. Errors: those of
+ * lm_router_update_bias. train.c's train_step calls it; tests/test_train_torch.c too. */
+lm_status lm_train_update(const lm_train_config *c, lm_adamw *opt, lm_params *p, lm_model *m,
+                          double gnorm, double lr, int64_t t, double *load, int E,
+                          lm_router_metrics *met, lm_error *err);
+
 /* ---------------------------------------------------------------- train state */
 
 /* Counters checkpointed with the optimizer state (train_state.safetensors tensor
