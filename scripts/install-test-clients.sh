@@ -10,7 +10,10 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-scripts/install-deps.sh --clients
+# chromium, curl, python3 (apt). Not fatal: where the distribution has no chromium package
+# (Ubuntu ships it as a snap) the chat-page test skips and says so.
+scripts/install-deps.sh --clients ||
+    echo "install-test-clients: could not install chromium / curl / python3; their tests will skip" >&2
 
 # name version integrity (from `npm view NAME@VERSION dist.integrity`)
 pin="openai 6.49.0 sha512-aYCc0C6L864eR6WSYIwQGyXriw/nIyZx0ObvhzOEVuk0zoBDpynjSbrionWI7q65B5H8jJX0DXR9snEzM6bfPg=="

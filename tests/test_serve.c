@@ -4,10 +4,9 @@
  *    and seeded sampling, a stop token, random arrival in bursts, ~4 % cancelled) go
  *    through 4 pool rows (each row reused ~600 times); every request's tokens equal
  *    those of a run alone in a fresh B = 1 cache with the same seed (same prefill
- *    blocks, lm_model_infer, lm_sampler), and its logits agree within 2 * 1e-5
- *    relative RMS per token (two fp32 evaluations, each within DESIGN.md's fp32 bar:
- *    the batched decode GEMMs round differently from a lone row's, as in test_model's
- *    test_slots);
+ *    blocks, lm_model_infer, lm_sampler), and its logits are bit for bit the lone
+ *    run's (the inference GEMMs are row-wise: ops/cpu/gemm_rowwise.h; check_alone also
+ *    bounds them by 2e-5 relative RMS to report the size of a failure);
  *  - prefix cache: requests sharing long prompt prefixes at 16-way concurrency give
  *    identical tokens and logits within 1e-5 with the cache on and off, hit the cache,
  *    and stay correct when a tiny budget forces evictions;
@@ -292,8 +291,10 @@ static void test_slot_reuse(void **state) {
            "%lld of %lld tokens drawn differently on a near-tie\n",
            NREQ, ROWS, steps, (long long)st.decode_tokens, (double)st.decode_tokens / steps,
            n_cancel, n_stop, worst, (long long)g_flips, (long long)g_tokens);
-    /* near-ties are rare: at most 1 in 1000 tokens */
-    assert_true(g_flips * 1000 <= g_tokens);
+    /* the decode GEMMs are row-wise (src/ops/cpu/gemm_rowwise.h): a row's logits do not
+     * depend on the batch, so nothing may differ */
+    assert_true(worst == 0);
+    assert_int_equal(g_flips, 0);
     assert_true(n_cancel > 20);
     assert_true(n_stop > 100);
     free(rq);

@@ -133,6 +133,12 @@ void lm_moe_ctx_free(lm_moe_ctx *ctx);
 /* The configuration the context was made with. */
 const lm_moe_config *lm_moe_ctx_config(const lm_moe_ctx *ctx);
 
+/* Inference mode (on = 1; the model sets it for lm_model_infer, off for training and
+ * evaluation forwards): expert and shared-expert GEMMs of at most 64 rows are computed
+ * row-wise (src/ops/cpu/gemm_rowwise.h), so each token's output does not depend on the
+ * other tokens of the call (a decode batch equals its rows run alone, bit for bit). */
+void lm_moe_set_inference(lm_moe_ctx *ctx, int on);
+
 /* Forward over T tokens (1 <= T <= max_tokens): out [T, d] (overwritten) from
  * x [T, d]. `st` is the layer's router state (E must match; holds the selection
  * bias; in training it accumulates the step's demand, see moe_router.h).

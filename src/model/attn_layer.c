@@ -396,9 +396,9 @@ lm_status lm_attn_layer_infer(const lm_attn_layer_config *c, int B, int T, int64
     ctx_carve(ctx, N, Cq, Ckv, c->Hq);
 
     /* projections */
-    lm_model_mm(0, 1, N, Cq, d, x, d, w->q_proj, d, 0, ctx->q, Cq);
-    lm_model_mm(0, 1, N, Ckv, d, x, d, w->k_proj, d, 0, ctx->k, Ckv);
-    lm_model_mm(0, 1, N, Ckv, d, x, d, w->v_proj, d, 0, ctx->v, Ckv);
+    lm_model_mm_infer(N, Cq, d, x, d, w->q_proj, d, 0, ctx->q, Cq);
+    lm_model_mm_infer(N, Ckv, d, x, d, w->k_proj, d, 0, ctx->k, Ckv);
+    lm_model_mm_infer(N, Ckv, d, x, d, w->v_proj, d, 0, ctx->v, Ckv);
 
     /* k (rotated) and v of the new tokens into the cache at pos .. pos+T-1 */
     const lm_attn_layer_batch b = {B, T, NULL, 0};
@@ -438,6 +438,6 @@ lm_status lm_attn_layer_infer(const lm_attn_layer_config *c, int B, int T, int64
     }
 
     /* output projection */
-    lm_model_mm(0, 1, N, d, Cq, ctx->o, Cq, w->o_proj, Cq, 0, out, d);
+    lm_model_mm_infer(N, d, Cq, ctx->o, Cq, w->o_proj, Cq, 0, out, d);
     return LM_OK;
 }

@@ -486,9 +486,9 @@ lm_status lm_kda_layer_infer(const lm_kda_layer_config *c, int B, int T,
     ctx_carve(ctx, N, C, Dh, H, T > 1 ? n_state : 0);
 
     /* q, k, v: projection, short conv + SiLU continuing from the conv states */
-    lm_model_mm(0, 1, N, C, d, x, d, w->q_proj, d, 0, ctx->pq, C);
-    lm_model_mm(0, 1, N, C, d, x, d, w->k_proj, d, 0, ctx->pk, C);
-    lm_model_mm(0, 1, N, C, d, x, d, w->v_proj, d, 0, ctx->pv, C);
+    lm_model_mm_infer(N, C, d, x, d, w->q_proj, d, 0, ctx->pq, C);
+    lm_model_mm_infer(N, C, d, x, d, w->k_proj, d, 0, ctx->pk, C);
+    lm_model_mm_infer(N, C, d, x, d, w->v_proj, d, 0, ctx->pv, C);
     const float *pin[3] = {ctx->pq, ctx->pk, ctx->pv};
     const float *cw[3] = {w->q_conv1d, w->k_conv1d, w->v_conv1d};
     float *cout[3] = {ctx->q, ctx->k, ctx->v};
@@ -507,9 +507,9 @@ lm_status lm_kda_layer_infer(const lm_kda_layer_config *c, int B, int T,
     }
 
     /* gate (low rank) and beta */
-    lm_model_mm(0, 1, N, Dh, d, x, d, w->f_a_proj, d, 0, ctx->fa, Dh);
-    lm_model_mm(0, 1, N, C, Dh, ctx->fa, Dh, w->f_b_proj, Dh, 0, ctx->graw, C);
-    lm_model_mm(0, 1, N, H, d, x, d, w->b_proj, d, 0, ctx->braw, H);
+    lm_model_mm_infer(N, Dh, d, x, d, w->f_a_proj, d, 0, ctx->fa, Dh);
+    lm_model_mm_infer(N, C, Dh, ctx->fa, Dh, w->f_b_proj, Dh, 0, ctx->graw, C);
+    lm_model_mm_infer(N, H, d, x, d, w->b_proj, d, 0, ctx->braw, H);
 
     /* the KDA op. The state is not scanned (trusted_state): it is zeros or what an
      * earlier call wrote, and the scan would double a decode step's state traffic. */
@@ -529,10 +529,10 @@ lm_status lm_kda_layer_infer(const lm_kda_layer_config *c, int B, int T,
     }
 
     /* gated head-wise RMSNorm, output projection */
-    lm_model_mm(0, 1, N, Dh, d, x, d, w->g_a_proj, d, 0, ctx->ga, Dh);
-    lm_model_mm(0, 1, N, C, Dh, ctx->ga, Dh, w->g_b_proj, Dh, 0, ctx->gate, C);
+    lm_model_mm_infer(N, Dh, d, x, d, w->g_a_proj, d, 0, ctx->ga, Dh);
+    lm_model_mm_infer(N, C, Dh, ctx->ga, Dh, w->g_b_proj, Dh, 0, ctx->gate, C);
     LM_TRY(lm_gated_rmsnorm_forward(N, H, Dh, LM_GATED_RMSNORM_EPS, ctx->o, ctx->gate, w->o_norm,
                                     ctx->y, NULL, err));
-    lm_model_mm(0, 1, N, d, C, ctx->y, C, w->o_proj, C, 0, out, d);
+    lm_model_mm_infer(N, d, C, ctx->y, C, w->o_proj, C, 0, out, d);
     return LM_OK;
 }

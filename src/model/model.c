@@ -32,7 +32,7 @@ typedef struct {
     lm_attn_layer_grads ag;
     lm_attn_layer_ctx *actx;
     /* FFN */
-    int I;               /* dense width */
+    int I;                /* dense width */
     lm_swiglu_weights sw; /* dense */
     lm_swiglu_grads sg;
     float *hidden;               /* dense: [max_tokens, 2I] saved (activation class) */
@@ -69,11 +69,11 @@ struct lm_model {
     lm_arena scratch; /* scratch */
     layer_rt *ly;
     /* activations, each [max_tokens, d] */
-    float *e;        /* embedding rows */
-    float **h;       /* [nsub] sublayer inputs (mixed / residual stream) */
-    float **xn;      /* [nsub] normed sublayer inputs */
-    float **rstd;    /* [nsub] [max_tokens] */
-    float **run;     /* [nsub] running block sums after sublayer l (AttnRes) */
+    float *e;     /* embedding rows */
+    float **h;    /* [nsub] sublayer inputs (mixed / residual stream) */
+    float **xn;   /* [nsub] normed sublayer inputs */
+    float **rstd; /* [nsub] [max_tokens] */
+    float **run;  /* [nsub] running block sums after sublayer l (AttnRes) */
     float *hfin, *xfin, *rstd_fin, *lse;
     float *tmp; /* scratch [max_tokens, d] */
     /* backward accumulators */
@@ -109,7 +109,8 @@ static float *P(lm_params *p, const char *fmt, int i) {
 }
 
 static float *G_of(lm_model *m, const float *param) {
-    if (!param) return NULL;
+    if (!param)
+        return NULL;
     return m->grads + (param - m->p->data);
 }
 
@@ -158,24 +159,29 @@ int64_t lm_model_max_tokens(const lm_model *m) { return m ? m->max_tokens : 0; }
 float *lm_model_grads(lm_model *m) { return m->grads; }
 
 lm_router_state *lm_model_router_state(lm_model *m, int layer) {
-    if (!m || layer < 0 || layer >= m->L || !m->ly[layer].moe) return NULL;
+    if (!m || layer < 0 || layer >= m->L || !m->ly[layer].moe)
+        return NULL;
     return &m->ly[layer].rs;
 }
 
 const lm_route *lm_model_route(const lm_model *m, int layer) {
-    if (!m || layer < 0 || layer >= m->L || !m->ly[layer].moe) return NULL;
-    if (m->ly[layer].ep_fwd) return lm_moe_ep_route(m->ly[layer].ep);
+    if (!m || layer < 0 || layer >= m->L || !m->ly[layer].moe)
+        return NULL;
+    if (m->ly[layer].ep_fwd)
+        return lm_moe_ep_route(m->ly[layer].ep);
     return lm_moe_ctx_route(m->ly[layer].mctx);
 }
 
 lm_status lm_model_set_rope_theta(lm_model *m, double theta, lm_error *err) {
-    if (!m) return lm_errorf(err, LM_ERR_INVALID, "model: NULL model");
+    if (!m)
+        return lm_errorf(err, LM_ERR_INVALID, "model: NULL model");
     if (!(isfinite(theta) && theta > 0.0 && theta <= 3.0e38))
         return lm_errorf(err, LM_ERR_INVALID, "model: rope_theta = %g must be finite and > 0",
                          theta);
     m->p->cfg.rope_theta = (float)theta;
     for (int i = 0; i < m->L; i++)
-        if (m->ly[i].kind == LM_LAYER_ATTN) m->ly[i].ac.rope_theta = m->p->cfg.rope_theta;
+        if (m->ly[i].kind == LM_LAYER_ATTN)
+            m->ly[i].ac.rope_theta = m->p->cfg.rope_theta;
     return LM_OK;
 }
 
@@ -188,7 +194,8 @@ const float *lm_model_block_partial(const lm_model *m, int l) {
 const float *lm_model_embedding_out(const lm_model *m) { return m ? m->e : NULL; }
 
 void lm_model_free(lm_model *m) {
-    if (!m) return;
+    if (!m)
+        return;
     for (int i = 0; m->ly && i < m->L; i++) {
         layer_rt *l = &m->ly[i];
         lm_kda_layer_ctx_free(l->kctx);
@@ -467,7 +474,8 @@ int lm_mem_plan_format(const lm_mem_plan *p, char *buf, size_t size) {
 
 lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_error *err) {
     *out = NULL;
-    if (!p || !p->data) return lm_errorf(err, LM_ERR_INVALID, "model: no parameters");
+    if (!p || !p->data)
+        return lm_errorf(err, LM_ERR_INVALID, "model: no parameters");
     LM_TRY(lm_model_config_validate(&p->cfg, err));
     if (max_tokens < 1 || max_tokens > ((int64_t)1 << 30))
         return lm_errorf(err, LM_ERR_INVALID, "model: max_tokens = %lld (want 1 .. 2^30)",
@@ -481,9 +489,9 @@ lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_erro
     m->d = c->hidden_size;
     m->V = c->vocab_size;
     m->max_tokens = max_tokens;
-    m->S = c->residual == LM_RES_FULL_ATTNRES ? 1
+    m->S = c->residual == LM_RES_FULL_ATTNRES    ? 1
            : c->residual == LM_RES_BLOCK_ATTNRES ? c->attnres_block_size
-                                                  : m->nsub;
+                                                 : m->nsub;
     m->nblocks = (m->nsub + m->S - 1) / m->S;
     m->ly = LM_CALLOC((size_t)m->L, sizeof(layer_rt));
     lm_status st = LM_OK;
@@ -537,14 +545,18 @@ lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_erro
         } else {
             l->mc = c->moe;
             l->mc.hidden_size = m->d;
-            static const char *const mn[LM_MOE_N_WEIGHTS] = {
-                "mlp.gate.weight",           "mlp.experts.gate_proj",
-                "mlp.experts.up_proj",       "mlp.experts.down_proj",
-                "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
-                "mlp.shared_experts.down_proj"};
-            for (int w = 0; w < LM_MOE_N_WEIGHTS; w++) l->mw.p[w] = PP(mn[w]);
+            static const char *const mn[LM_MOE_N_WEIGHTS] = {"mlp.gate.weight",
+                                                             "mlp.experts.gate_proj",
+                                                             "mlp.experts.up_proj",
+                                                             "mlp.experts.down_proj",
+                                                             "mlp.shared_experts.gate_proj",
+                                                             "mlp.shared_experts.up_proj",
+                                                             "mlp.shared_experts.down_proj"};
+            for (int w = 0; w < LM_MOE_N_WEIGHTS; w++)
+                l->mw.p[w] = PP(mn[w]);
             st = lm_moe_ctx_new(&l->mctx, &l->mc, (int)max_tokens, err);
-            if (st == LM_OK) st = lm_router_state_init(&l->rs, l->mc.router.num_experts, err);
+            if (st == LM_OK)
+                st = lm_router_state_init(&l->rs, l->mc.router.num_experts, err);
             if (st == LM_OK) {
                 l->rs_own_bias = l->rs.e_score_correction_bias;
                 l->rs.e_score_correction_bias = PP("mlp.gate.e_score_correction_bias");
@@ -629,9 +641,11 @@ static int ar_sources(const lm_model *m, int l, int *src_idx) {
     int n = 0;
     src_idx[n++] = -1;
     const int bl = l / m->S;
-    for (int j = 0; j < bl && (j + 1) * m->S - 1 < m->nsub; j++) src_idx[n++] = (j + 1) * m->S - 1;
+    for (int j = 0; j < bl && (j + 1) * m->S - 1 < m->nsub; j++)
+        src_idx[n++] = (j + 1) * m->S - 1;
     if (l == m->nsub) {
-        if (src_idx[n - 1] != m->nsub - 1) src_idx[n++] = m->nsub - 1;
+        if (src_idx[n - 1] != m->nsub - 1)
+            src_idx[n++] = m->nsub - 1;
     } else if (l % m->S != 0) {
         src_idx[n++] = l - 1;
     }
@@ -648,7 +662,8 @@ static void ar_config(const lm_model *m, lm_attnres_config *ac, int L, int64_t N
 
 static void add_into(float *y, const float *x, int64_t n) {
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) y[i] += x[i];
+    for (int64_t i = 0; i < n; i++)
+        y[i] += x[i];
 }
 
 /* ---------------------------------------------------------------- forward */
@@ -664,14 +679,14 @@ typedef struct {
 struct lm_model_cache {
     int B;
     int64_t max_len;
-    int64_t pos;              /* the rows' common position during an infer call */
-    int64_t *pos_row;         /* [B] tokens consumed per row (a view: its parent's entry) */
-    lm_kda_layer_state *ks;   /* [L] */
-    lm_attn_layer_cache *kv;  /* [L] */
-    float *buf;               /* owned, NULL for a view */
+    int64_t pos;             /* the rows' common position during an infer call */
+    int64_t *pos_row;        /* [B] tokens consumed per row (a view: its parent's entry) */
+    lm_kda_layer_state *ks;  /* [L] */
+    lm_attn_layer_cache *kv; /* [L] */
+    float *buf;              /* owned, NULL for a view */
     int64_t buf_floats;
-    lm_model_cache *parent;   /* a view of one row of parent, or NULL */
-    int row;                  /* the view's row in parent */
+    lm_model_cache *parent; /* a view of one row of parent, or NULL */
+    int row;                /* the view's row in parent */
     int L;
     int64_t conv_n, st_n, kv_n; /* floats per row: a conv state, a recurrent state, K or V */
 };
@@ -704,6 +719,7 @@ static lm_status sublayer_forward(lm_model *m, int l, const fwd_mode *fm, const 
     if (ly->ep_fwd)
         return lm_moe_ep_forward(ly->ep, &ly->mw_ep, &ly->rs, x, (int)N, fm->cu, fm->n_cu, 1, out,
                                  err);
+    lm_moe_set_inference(ly->mctx, fm->cache != NULL);
     return lm_moe_forward(ly->mctx, &ly->mw, &ly->rs, x, (int)N, fm->cu, fm->n_cu,
                           fm->cache ? 0 : fm->training, out, err);
 }
@@ -726,7 +742,8 @@ static lm_status run_forward(lm_model *m, const fwd_mode *fm, const int32_t *ids
             if (ns == 1) {
                 memcpy(h, m->e, (size_t)(N * d) * sizeof(float));
             } else {
-                for (int j = 0; j < ns; j++) srcs[j] = sidx[j] < 0 ? m->e : m->run[sidx[j]];
+                for (int j = 0; j < ns; j++)
+                    srcs[j] = sidx[j] < 0 ? m->e : m->run[sidx[j]];
                 lm_attnres_config ac;
                 ar_config(m, &ac, ns, N);
                 LM_TRY(lm_attnres_forward_ptrs(&ac, srcs, ly->arq[l % 2], ly->arn[l % 2], h, err));
@@ -740,20 +757,23 @@ static lm_status run_forward(lm_model *m, const fwd_mode *fm, const int32_t *ids
         if (st != LM_OK) {
             char buf[sizeof(err->msg)];
             snprintf(buf, sizeof buf, "%s", err ? err->msg : "");
-            return lm_errorf(err, st, "model: layer %d %s: %s", l / 2,
-                             l % 2 ? "ffn" : "mixer", buf);
+            return lm_errorf(err, st, "model: layer %d %s: %s", l / 2, l % 2 ? "ffn" : "mixer",
+                             buf);
         }
         if (attnres) {
-            if (l % m->S != 0) add_into(o, m->run[l - 1], N * d);
+            if (l % m->S != 0)
+                add_into(o, m->run[l - 1], N * d);
         } else {
             float *hn = l + 1 < m->nsub ? m->h[l + 1] : m->hfin;
 #pragma omp parallel for schedule(static)
-            for (int64_t i = 0; i < N * d; i++) hn[i] = h[i] + o[i];
+            for (int64_t i = 0; i < N * d; i++)
+                hn[i] = h[i] + o[i];
         }
     }
     if (attnres) {
         int ns = ar_sources(m, m->nsub, sidx);
-        for (int j = 0; j < ns; j++) srcs[j] = sidx[j] < 0 ? m->e : m->run[sidx[j]];
+        for (int j = 0; j < ns; j++)
+            srcs[j] = sidx[j] < 0 ? m->e : m->run[sidx[j]];
         lm_attnres_config ac;
         ar_config(m, &ac, ns, N);
         LM_TRY(lm_attnres_forward_ptrs(&ac, srcs, m->arq_fin, m->arn_fin, m->hfin, err));
@@ -764,9 +784,11 @@ static lm_status run_forward(lm_model *m, const fwd_mode *fm, const int32_t *ids
 
 static lm_status check_ids(const lm_model *m, const int32_t *ids, int64_t N, const char *what,
                            int allow_ignore, lm_error *err) {
-    if (!ids) return lm_errorf(err, LM_ERR_INVALID, "model: %s is NULL", what);
+    if (!ids)
+        return lm_errorf(err, LM_ERR_INVALID, "model: %s is NULL", what);
     for (int64_t n = 0; n < N; n++) {
-        if (allow_ignore && ids[n] == LM_MODEL_IGNORE) continue;
+        if (allow_ignore && ids[n] == LM_MODEL_IGNORE)
+            continue;
         if (ids[n] < 0 || ids[n] >= m->V)
             return lm_errorf(err, LM_ERR_INVALID,
                              "model: %s[%lld] = %d is outside [0, vocab_size = %d)", what,
@@ -782,7 +804,8 @@ static void write_logits(lm_model *m, int64_t N, float *logits) {
 lm_status lm_model_forward(lm_model *m, const lm_model_batch *b, const int32_t *ids,
                            const int32_t *labels, int training, float *logits, double *loss,
                            int64_t *n_labels, lm_error *err) {
-    if (!m || !b) return lm_errorf(err, LM_ERR_INVALID, "model: NULL model or batch");
+    if (!m || !b)
+        return lm_errorf(err, LM_ERR_INVALID, "model: NULL model or batch");
     m->have_fwd = 0;
     if (b->B < 1 || b->T < 1)
         return lm_errorf(err, LM_ERR_INVALID, "model: batch B = %d, T = %d (want >= 1)", b->B,
@@ -805,19 +828,24 @@ lm_status lm_model_forward(lm_model *m, const lm_model_batch *b, const int32_t *
                              (long long)b->cu_seqlens[b->n_cu_seqlens - 1]);
         for (int j = 1; j < b->n_cu_seqlens; j++)
             if (b->cu_seqlens[j] < b->cu_seqlens[j - 1])
-                return lm_errorf(err, LM_ERR_INVALID,
-                                 "model: cu_seqlens[%d] = %lld < cu_seqlens[%d] = %lld", j,
-                                 (long long)b->cu_seqlens[j], j - 1,
-                                 (long long)b->cu_seqlens[j - 1]);
+                return lm_errorf(
+                    err, LM_ERR_INVALID, "model: cu_seqlens[%d] = %lld < cu_seqlens[%d] = %lld", j,
+                    (long long)b->cu_seqlens[j], j - 1, (long long)b->cu_seqlens[j - 1]);
         memcpy(m->cu, b->cu_seqlens, (size_t)b->n_cu_seqlens * sizeof(int64_t));
     }
     LM_TRY(check_ids(m, ids, N, "ids", 0, err));
-    if (labels) LM_TRY(check_ids(m, labels, N, "labels", 1, err));
+    if (labels)
+        LM_TRY(check_ids(m, labels, N, "labels", 1, err));
     memcpy(m->ids, ids, (size_t)N * sizeof(int32_t));
-    fwd_mode fm = {b->B, b->T, b->cu_seqlens ? m->cu : NULL, b->cu_seqlens ? b->n_cu_seqlens : 0,
-                   training ? 1 : 0, NULL};
+    fwd_mode fm = {b->B,
+                   b->T,
+                   b->cu_seqlens ? m->cu : NULL,
+                   b->cu_seqlens ? b->n_cu_seqlens : 0,
+                   training ? 1 : 0,
+                   NULL};
     LM_TRY(run_forward(m, &fm, m->ids, err));
-    if (logits) write_logits(m, N, logits);
+    if (logits)
+        write_logits(m, N, logits);
     double total = 0;
     int64_t cnt = 0;
     if (labels) {
@@ -832,7 +860,8 @@ lm_status lm_model_forward(lm_model *m, const lm_model_batch *b, const int32_t *
         LM_TRY(lm_cross_entropy_forward(&cc, m->xfin, m->W_head, m->labels, &total, &cnt, m->lse,
                                         err));
         for (int i = 0; i < m->L; i++)
-            if (m->ly[i].moe) total += lm_model_route(m, i)->aux_loss;
+            if (m->ly[i].moe)
+                total += lm_model_route(m, i)->aux_loss;
     }
     m->B = b->B;
     m->T = b->T;
@@ -842,8 +871,10 @@ lm_status lm_model_forward(lm_model *m, const lm_model_batch *b, const int32_t *
     m->n_labels = cnt;
     m->loss = total;
     m->have_fwd = 1;
-    if (loss) *loss = total;
-    if (n_labels) *n_labels = cnt;
+    if (loss)
+        *loss = total;
+    if (n_labels)
+        *n_labels = cnt;
     return LM_OK;
 }
 
@@ -927,8 +958,7 @@ static lm_status sublayer_backward(lm_model *m, int l, const float *dout, lm_err
 
 lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_error *err) {
     if (!m || !m->have_fwd || !m->have_labels)
-        return lm_errorf(err, LM_ERR_INVALID,
-                         "model: backward needs a forward with labels first");
+        return lm_errorf(err, LM_ERR_INVALID, "model: backward needs a forward with labels first");
     if (!isfinite(loss_scale))
         return lm_errorf(err, LM_ERR_INVALID, "model: loss_scale = %g is not finite",
                          (double)loss_scale);
@@ -954,8 +984,8 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
     LM_TRY(lm_cross_entropy_backward(&cc, m->xfin, m->W_head, m->labels, m->lse, loss_scale, m->tmp,
                                      G_dst(m, m->W_head, 0), err));
     stage_add(m, m->W_head, 0, nhead);
-    LM_TRY(lm_rmsnorm_backward_ws(N, (int)d, eps, m->hfin, m->norm_fin, m->rstd_fin, m->tmp,
-                                  m->dh, G_dst(m, m->norm_fin, 0), m->norm_ws, err));
+    LM_TRY(lm_rmsnorm_backward_ws(N, (int)d, eps, m->hfin, m->norm_fin, m->rstd_fin, m->tmp, m->dh,
+                                  G_dst(m, m->norm_fin, 0), m->norm_ws, err));
     stage_add(m, m->norm_fin, 0, d);
     const int attnres = m->run != NULL;
     const float *srcs[LM_MAX_LAYERS * 2 + 2];
@@ -966,14 +996,13 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
      * current sublayer, or the last block in the final aggregation). */
     memset(m->dE, 0, (size_t)Nd * sizeof(float));
     if (attnres) {
-        for (int j = 0; j < m->nblocks; j++) memset(m->dB[j], 0, (size_t)Nd * sizeof(float));
+        for (int j = 0; j < m->nblocks; j++)
+            memset(m->dB[j], 0, (size_t)Nd * sizeof(float));
         memset(m->G, 0, (size_t)Nd * sizeof(float));
         int ns = ar_sources(m, m->nsub, sidx);
         for (int j = 0; j < ns; j++) {
             srcs[j] = sidx[j] < 0 ? m->e : m->run[sidx[j]];
-            dsrc[j] = sidx[j] < 0 ? m->dE
-                      : sidx[j] == m->nsub - 1 ? m->G
-                                               : m->dB[sidx[j] / m->S];
+            dsrc[j] = sidx[j] < 0 ? m->dE : sidx[j] == m->nsub - 1 ? m->G : m->dB[sidx[j] / m->S];
         }
         lm_attnres_config ac;
         ar_config(m, &ac, ns, N);
@@ -1011,9 +1040,9 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
         }
         for (int j = 0; j < ns; j++) {
             srcs[j] = sidx[j] < 0 ? m->e : m->run[sidx[j]];
-            dsrc[j] = sidx[j] < 0                         ? m->dE
+            dsrc[j] = sidx[j] < 0                           ? m->dE
                       : (l % m->S != 0 && sidx[j] == l - 1) ? m->G
-                                                             : m->dB[sidx[j] / m->S];
+                                                            : m->dB[sidx[j] / m->S];
         }
         /* G (= dL/d run[l]) flows unchanged into run[l-1] (run[l] = run[l-1] + o_l);
          * the AR adds its part gradient on top. At a block's first sublayer G is
@@ -1024,12 +1053,14 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
         LM_TRY(lm_attnres_backward_ptrs(&ac, srcs, ly->arq[l % 2], ly->arn[l % 2], m->dh, dsrc,
                                         G_of(m, ly->arq[l % 2]), G_of(m, ly->arn[l % 2]), err));
     }
-    if (!attnres) memcpy(m->dE, m->G, (size_t)Nd * sizeof(float));
+    if (!attnres)
+        memcpy(m->dE, m->G, (size_t)Nd * sizeof(float));
     /* embedding rows: fixed token order (serial over tokens, parallel over columns) */
     float *dW = G_of(m, m->W_emb);
 #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < d; j++)
-        for (int64_t n = 0; n < N; n++) dW[(int64_t)m->ids[n] * d + j] += m->dE[n * d + j];
+        for (int64_t n = 0; n < N; n++)
+            dW[(int64_t)m->ids[n] * d + j] += m->dE[n * d + j];
     /* buffers carry no gradient */
     for (int t = 0; t < m->p->n; t++)
         if (m->p->t[t].buffer)
@@ -1041,15 +1072,18 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
 /* ---------------------------------------------------------------- depth weights */
 
 int lm_model_attnres_weights(const lm_model *m, int l, double *p_mean, int max_out) {
-    if (!m || !m->run || l < 0 || l > m->nsub || m->N < 1) return 0;
+    if (!m || !m->run || l < 0 || l > m->nsub || m->N < 1)
+        return 0;
     int sidx[LM_MAX_LAYERS * 2 + 2];
     const int ns = ar_sources(m, l, sidx);
-    if (ns > max_out) return 0;
+    if (ns > max_out)
+        return 0;
     const float *q = l == m->nsub ? m->arq_fin : m->ly[l / 2].arq[l % 2];
     const float *g = l == m->nsub ? m->arn_fin : m->ly[l / 2].arn[l % 2];
     const int64_t N = m->N, d = m->d;
     const double eps = m->c->rms_norm_eps;
-    for (int j = 0; j < ns; j++) p_mean[j] = 0;
+    for (int j = 0; j < ns; j++)
+        p_mean[j] = 0;
     if (ns == 1) {
         p_mean[0] = 1;
         return 1;
@@ -1065,10 +1099,13 @@ int lm_model_attnres_weights(const lm_model *m, int l, double *p_mean, int max_o
                 dot += (double)q[k] * g[k] * C[k];
             }
             s[j] = dot / sqrt(ms / (double)d + eps);
-            if (s[j] > mx) mx = s[j];
+            if (s[j] > mx)
+                mx = s[j];
         }
-        for (int j = 0; j < ns; j++) z += exp(s[j] - mx);
-        for (int j = 0; j < ns; j++) p_mean[j] += exp(s[j] - mx) / z / (double)N;
+        for (int j = 0; j < ns; j++)
+            z += exp(s[j] - mx);
+        for (int j = 0; j < ns; j++)
+            p_mean[j] += exp(s[j] - mx) / z / (double)N;
     }
     return ns;
 }
@@ -1088,8 +1125,7 @@ double lm_model_train_flops_per_token(const lm_model_config *c, int T) {
             extra += H * (6 * dk * dv + Cc * (6 * dk + 4 * dv) + 16 * dk * dv +
                           Cc * (12 * dk + 10 * dv) + 4 * Cc * Cc);
         } else {
-            const double Hq = c->num_attention_heads, Hkv = c->num_key_value_heads,
-                         D = c->head_dim;
+            const double Hq = c->num_attention_heads, Hkv = c->num_key_value_heads, D = c->head_dim;
             mm += (Hq * D + 2 * Hkv * D) * d + d * Hq * D;
             extra += 6.0 * T * Hq * D; /* causal: half of 12*T*Hq*D */
         }
@@ -1110,16 +1146,17 @@ lm_status lm_model_cache_new(lm_model_cache **out, const lm_model *m, int B, int
                              lm_error *err) {
     *out = NULL;
     if (!m || B < 1 || max_len < 1 || (int64_t)B * max_len > ((int64_t)1 << 40))
-        return lm_errorf(err, LM_ERR_INVALID, "model cache: B = %d, max_len = %lld (want >= 1)",
-                         B, (long long)max_len);
+        return lm_errorf(err, LM_ERR_INVALID, "model cache: B = %d, max_len = %lld (want >= 1)", B,
+                         (long long)max_len);
     const lm_model_config *c = m->c;
     int64_t total = 0;
     const int64_t C = (int64_t)c->kda_num_heads * c->kda_head_dim,
                   Wm = c->short_conv_kernel_size - 1;
-    const int64_t kda_f = 3 * B * C * Wm + (int64_t)B * c->kda_num_heads * c->kda_head_dim *
-                                                c->kda_head_dim;
+    const int64_t kda_f =
+        3 * B * C * Wm + (int64_t)B * c->kda_num_heads * c->kda_head_dim * c->kda_head_dim;
     const int64_t kv_f = 2 * B * max_len * (int64_t)c->num_key_value_heads * c->head_dim;
-    for (int i = 0; i < m->L; i++) total += c->kinds[i] == LM_LAYER_KDA ? kda_f : kv_f;
+    for (int i = 0; i < m->L; i++)
+        total += c->kinds[i] == LM_LAYER_KDA ? kda_f : kv_f;
     lm_model_cache *k = LM_CALLOC(1, sizeof(*k));
     k->B = B;
     k->max_len = max_len;
@@ -1164,7 +1201,8 @@ lm_status lm_model_cache_new(lm_model_cache **out, const lm_model *m, int B, int
 }
 
 void lm_model_cache_free(lm_model_cache *c) {
-    if (!c) return;
+    if (!c)
+        return;
     if (!c->parent) {
         free(c->buf);
         free(c->pos_row);
@@ -1216,16 +1254,20 @@ lm_status lm_model_cache_view(lm_model_cache **out, lm_model_cache *c, const lm_
 }
 
 void lm_model_cache_reset_row(lm_model_cache *c, int row) {
-    if (!c) return;
+    if (!c)
+        return;
     if (c->parent) { /* a view: its row `row` */
-        if (row < 0 || row >= c->B) return;
+        if (row < 0 || row >= c->B)
+            return;
         row += c->row;
         c = c->parent;
     }
-    if (row < 0 || row >= c->B) return;
+    if (row < 0 || row >= c->B)
+        return;
     for (int i = 0; i < c->L; i++) {
-        if (!c->ks[i].state) continue; /* a KV cache needs no clearing: only positions
-                                           below the row's are read */
+        if (!c->ks[i].state)
+            continue; /* a KV cache needs no clearing: only positions
+                          below the row's are read */
         memset(c->ks[i].conv_q + row * c->conv_n, 0, sizeof(float) * (size_t)c->conv_n);
         memset(c->ks[i].conv_k + row * c->conv_n, 0, sizeof(float) * (size_t)c->conv_n);
         memset(c->ks[i].conv_v + row * c->conv_n, 0, sizeof(float) * (size_t)c->conv_n);
@@ -1238,9 +1280,10 @@ lm_status lm_model_cache_copy_row(lm_model_cache *c, int dst, int src, lm_error 
     if (!c || c->parent)
         return lm_errorf(err, LM_ERR_INVALID, "model cache copy_row: needs a cache (not a view)");
     if (dst < 0 || dst >= c->B || src < 0 || src >= c->B)
-        return lm_errorf(err, LM_ERR_INVALID,
-                         "model cache copy_row: rows %d <- %d outside [0, %d)", dst, src, c->B);
-    if (dst == src) return LM_OK;
+        return lm_errorf(err, LM_ERR_INVALID, "model cache copy_row: rows %d <- %d outside [0, %d)",
+                         dst, src, c->B);
+    if (dst == src)
+        return LM_OK;
     const int64_t pos = c->pos_row[src];
     for (int i = 0; i < c->L; i++) {
         if (c->ks[i].state) {
@@ -1267,11 +1310,15 @@ void lm_model_cache_row_sizes(const lm_model_cache *c, int64_t *recurrent_floats
                               int64_t *kv_floats_per_pos) {
     int64_t r = 0, kv = 0;
     for (int i = 0; c && i < c->L; i++) {
-        if (c->ks[i].state) r += 3 * c->conv_n + c->st_n;
-        if (c->kv[i].k_cache) kv += 2 * (c->kv_n / c->max_len);
+        if (c->ks[i].state)
+            r += 3 * c->conv_n + c->st_n;
+        if (c->kv[i].k_cache)
+            kv += 2 * (c->kv_n / c->max_len);
     }
-    if (recurrent_floats) *recurrent_floats = r;
-    if (kv_floats_per_pos) *kv_floats_per_pos = kv;
+    if (recurrent_floats)
+        *recurrent_floats = r;
+    if (kv_floats_per_pos)
+        *kv_floats_per_pos = kv;
 }
 
 /* The owning cache and row of (c, row): a view's row in its parent. */
@@ -1295,8 +1342,7 @@ lm_status lm_model_cache_save_row(const lm_model_cache *c, int row, int64_t t0, 
     const lm_model_cache *o = row_owner(c, &row);
     for (int i = 0; i < o->L; i++) {
         if (recurrent && o->ks[i].state) {
-            const float *p[4] = {o->ks[i].conv_q, o->ks[i].conv_k, o->ks[i].conv_v,
-                                 o->ks[i].state};
+            const float *p[4] = {o->ks[i].conv_q, o->ks[i].conv_k, o->ks[i].conv_v, o->ks[i].state};
             for (int j = 0; j < 4; j++) {
                 const int64_t n = j < 3 ? o->conv_n : o->st_n;
                 memcpy(recurrent, p[j] + row * n, sizeof(float) * (size_t)n);
@@ -1308,7 +1354,8 @@ lm_status lm_model_cache_save_row(const lm_model_cache *c, int row, int64_t t0, 
         const int64_t per = o->kv_n / o->max_len;
         for (int64_t t = t0; t < t1; t++)
             for (int i = 0; i < o->L; i++) {
-                if (!o->kv[i].k_cache) continue;
+                if (!o->kv[i].k_cache)
+                    continue;
                 memcpy(kv, o->kv[i].k_cache + row * o->kv_n + t * per, sizeof(float) * (size_t)per);
                 kv += per;
                 memcpy(kv, o->kv[i].v_cache + row * o->kv_n + t * per, sizeof(float) * (size_t)per);
@@ -1343,7 +1390,8 @@ lm_status lm_model_cache_load_row(lm_model_cache *c, int row, int64_t t0, int64_
         const int64_t per = o->kv_n / o->max_len;
         for (int64_t t = t0; t < t1; t++)
             for (int i = 0; i < o->L; i++) {
-                if (!o->kv[i].k_cache) continue;
+                if (!o->kv[i].k_cache)
+                    continue;
                 memcpy(o->kv[i].k_cache + row * o->kv_n + t * per, kv, sizeof(float) * (size_t)per);
                 kv += per;
                 memcpy(o->kv[i].v_cache + row * o->kv_n + t * per, kv, sizeof(float) * (size_t)per);
@@ -1355,9 +1403,11 @@ lm_status lm_model_cache_load_row(lm_model_cache *c, int row, int64_t t0, int64_
 }
 
 void lm_model_cache_reset(lm_model_cache *c) {
-    if (!c) return;
+    if (!c)
+        return;
     if (c->parent) {
-        for (int r = 0; r < c->B; r++) lm_model_cache_reset_row(c, r);
+        for (int r = 0; r < c->B; r++)
+            lm_model_cache_reset_row(c, r);
         return;
     }
     memset(c->buf, 0, (size_t)c->buf_floats * sizeof(float));
@@ -1371,10 +1421,12 @@ int64_t lm_model_cache_row_pos(const lm_model_cache *c, int row) {
     return c && row >= 0 && row < c->B ? c->pos_row[row] : 0;
 }
 
-lm_status lm_model_infer(lm_model *m, lm_model_cache *c, const int32_t *ids, int T,
-                         int last_only, float *logits, lm_error *err) {
-    if (!m || !c) return lm_errorf(err, LM_ERR_INVALID, "model infer: NULL model or cache");
-    if (T < 1) return lm_errorf(err, LM_ERR_INVALID, "model infer: T = %d (want >= 1)", T);
+lm_status lm_model_infer(lm_model *m, lm_model_cache *c, const int32_t *ids, int T, int last_only,
+                         float *logits, lm_error *err) {
+    if (!m || !c)
+        return lm_errorf(err, LM_ERR_INVALID, "model infer: NULL model or cache");
+    if (T < 1)
+        return lm_errorf(err, LM_ERR_INVALID, "model infer: T = %d (want >= 1)", T);
     const int64_t N = (int64_t)c->B * T;
     if (N > m->max_tokens)
         return lm_errorf(err, LM_ERR_INVALID,
@@ -1410,13 +1462,14 @@ lm_status lm_model_infer(lm_model *m, lm_model_cache *c, const int32_t *ids, int
     for (int b = 0; b < c->B; b++)
         c->pos_row[b] += T;
     c->pos = c->pos_row[0];
-    if (!logits) return LM_OK;
+    if (!logits)
+        return LM_OK;
     if (!last_only) {
         write_logits(m, N, logits);
         return LM_OK;
     }
     for (int b = 0; b < c->B; b++)
-        lm_model_mm(0, 1, 1, m->V, m->d, m->xfin + ((int64_t)b * T + T - 1) * m->d, m->d,
-                    m->W_head, m->d, 0, logits + (int64_t)b * m->V, m->V);
+        lm_model_mm(0, 1, 1, m->V, m->d, m->xfin + ((int64_t)b * T + T - 1) * m->d, m->d, m->W_head,
+                    m->d, 0, logits + (int64_t)b * m->V, m->V);
     return LM_OK;
 }

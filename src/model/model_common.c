@@ -1,6 +1,7 @@
 #include <math.h>
 
 #include "model/model_internal.h"
+#include "ops/cpu/gemm_rowwise.h"
 
 void lm_model_mm(int tA, int tB, int M, int N, int K, const float *A, int lda, const float *B,
                  int ldb, int accum, float *C, int ldc) {
@@ -24,9 +25,18 @@ void lm_model_mm(int tA, int tB, int M, int N, int K, const float *A, int lda, c
     lm_blas_set_threads(blas0);
 }
 
+void lm_model_mm_infer(int M, int N, int K, const float *A, int lda, const float *B, int ldb,
+                       int accum, float *C, int ldc) {
+    if (M <= LM_GEMM_ROWWISE_MAX_M)
+        lm_gemm_rowwise(M, N, K, A, lda, B, ldb, accum, C, ldc);
+    else
+        lm_model_mm(0, 1, M, N, K, A, lda, B, ldb, accum, C, ldc);
+}
+
 lm_status lm_model_check_finite(const char *layer, const char *what, const char *name,
                                 const float *p, int64_t n, lm_error *err) {
-    if (!p) return lm_errorf(err, LM_ERR_INVALID, "%s %s: '%s' is required", layer, what, name);
+    if (!p)
+        return lm_errorf(err, LM_ERR_INVALID, "%s %s: '%s' is required", layer, what, name);
     for (int64_t i = 0; i < n; i++)
         if (!isfinite(p[i]))
             return lm_errorf(err, LM_ERR_NONFINITE,

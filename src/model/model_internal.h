@@ -17,6 +17,12 @@
 void lm_model_mm(int tA, int tB, int M, int N, int K, const float *A, int lda, const float *B,
                  int ldb, int accum, float *C, int ldc);
 
+/* The inference path's C[M,N] (+)= A[M,K] B[N,K]^T: row-wise (ops/cpu/gemm_rowwise.h:
+ * each row's result independent of the others, so a decode batch equals its rows run
+ * alone) for M <= LM_GEMM_ROWWISE_MAX_M, else lm_model_mm(0, 1, ...). */
+void lm_model_mm_infer(int M, int N, int K, const float *A, int lda, const float *B, int ldb,
+                       int accum, float *C, int ldc);
+
 /* LM_ERR_INVALID naming `layer`, `what` (forward/backward) and the tensor when `p` is
  * NULL; LM_ERR_NONFINITE when it holds a non-finite value (the first one's index and
  * value). */

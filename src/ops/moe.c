@@ -305,6 +305,11 @@ static void build_permutation(lm_moe_ctx *x) {
     }
 }
 
+void lm_moe_set_inference(lm_moe_ctx *ctx, int on) {
+    if (ctx)
+        ctx->infer = on != 0;
+}
+
 lm_status lm_moe_forward(lm_moe_ctx *ctx, const lm_moe_weights *w, lm_router_state *st,
                          const float *x, int T, const int64_t *cu_seqlens, int n_cu, int training,
                          float *out, lm_error *err) {
@@ -330,7 +335,7 @@ lm_status lm_moe_forward(lm_moe_ctx *ctx, const lm_moe_weights *w, lm_router_sta
                 (double)x[i], (long long)(i / d), (long long)(i % d));
     ctx->T = 0; /* no valid forward until this one completes */
 
-    moe_run run = {ctx, w, x, NULL, out, NULL, NULL, 0};
+    moe_run run = {ctx, w, x, NULL, out, NULL, NULL, 0, ctx->infer};
     int n = add_rows_tasks(ctx->tasks, 0, MOE_T_LOGITS_ROWS, T, 2.0 * d * ctx->E);
     lm_moe_cpu_run_tasks(&run, ctx->tasks, n);
     LM_TRY(lm_router_forward(&ctx->c.router, st, ctx->logits, T, cu_seqlens, n_cu, training,
@@ -370,7 +375,7 @@ lm_status lm_moe_backward(lm_moe_ctx *ctx, const lm_moe_weights *w, const float 
     if (!g)
         g = &none;
     const int T = ctx->T, d = ctx->d, f = ctx->f, fs = ctx->fs, E = ctx->E;
-    moe_run run = {ctx, w, x, dout, NULL, dx, g, 1};
+    moe_run run = {ctx, w, x, dout, NULL, dx, g, 1, 0};
     memset(ctx->dw, 0, sizeof(float) * (size_t)T * ctx->k); /* dropped assignments: 0 */
 
     /* phase 1: routed experts (dw, expert grads, routed dx rows), shared rows (dx

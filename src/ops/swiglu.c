@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ops/cpu/gemm_rowwise.h"
 #include "ops/layers_internal.h"
 
 #define RB 64 /* tokens per row task */
@@ -66,9 +67,17 @@ static void swiglu_rows(int m, int F, const float *H, float *A) {
 
 /* Forward row task i: tokens [i*RB, i*RB + RB) of N. */
 static void forward_block(int i, int64_t N, int D, int F, const lm_swiglu_weights *w,
-                          const float *x, float *hid, float *A, float *out) {
+                          const float *x, float *hid, float *A, float *out, int infer) {
     const int64_t r0 = (int64_t)i * RB;
     const int m = (int)(N - r0 < RB ? N - r0 : RB);
+    if (infer) { /* no hidden saved: inference, row-wise GEMMs (ops/cpu/gemm_rowwise.h) */
+        float *H = hid + r0 * 2 * F;
+        lm_gemm_infer(m, F, D, x + r0 * D, D, w->gate_proj, D, 0, H, 2 * F);
+        lm_gemm_infer(m, F, D, x + r0 * D, D, w->up_proj, D, 0, H + F, 2 * F);
+        swiglu_rows(m, F, H, A + r0 * F);
+        lm_gemm_infer(m, D, F, A + r0 * F, F, w->down_proj, F, 0, out + r0 * D, D);
+        return;
+    }
     project(r0, m, D, F, w, x, hid);
     swiglu_rows(m, F, hid + r0 * 2 * F, A + r0 * F);
     lm_sgemm(0, 1, m, D, F, 1.0f, A + r0 * F, F, w->down_proj, F, 0.0f, out + r0 * D, D);
@@ -93,10 +102,10 @@ lm_status lm_swiglu_forward(int64_t N, int D, int F, const lm_swiglu_weights *w,
     if (nt > 1) {
 #pragma omp parallel for schedule(dynamic, 1)
         for (int i = 0; i < nt; i++)
-            forward_block(i, N, D, F, w, x, hid, A, out);
+            forward_block(i, N, D, F, w, x, hid, A, out, hidden == NULL);
     } else {
         for (int i = 0; i < nt; i++)
-            forward_block(i, N, D, F, w, x, hid, A, out);
+            forward_block(i, N, D, F, w, x, hid, A, out, hidden == NULL);
     }
     lm_layers_blas_restore(g);
     free(own);

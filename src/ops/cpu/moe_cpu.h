@@ -43,8 +43,9 @@ struct lm_moe_ctx {
     lm_moe_config c;
     int E, k, d, f, fs;
     int max_T;
-    int T;           /* tokens of the last forward; 0: no forward yet */
-    int training;    /* flag of the last forward */
+    int T;        /* tokens of the last forward; 0: no forward yet */
+    int infer;    /* lm_moe_set_inference: row-wise expert GEMMs */
+    int training; /* flag of the last forward */
     float aux_scale; /* factor on the aux loss's gradient in the backward (default 1) */
     lm_route route;
     /* permutation of the last forward: expert e owns rows [seg_off[e], seg_off[e+1])
@@ -79,6 +80,7 @@ typedef struct {
     float *out, *dx;
     lm_moe_grads *g;
     int backward;
+    int infer; /* forward without training: row-wise GEMMs for small segments */
 } moe_run;
 
 void lm_moe_cpu_run_tasks(const moe_run *run, moe_task *tasks, int n);

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "linmoe/core.h"
+#include "ops/cpu/gemm_rowwise.h"
 #include "ops/cpu/kda_internal.h" /* lm_fexp: vectorisable fp32 exp */
 #include "ops/cpu/moe_cpu.h"
 
@@ -68,6 +69,13 @@ static void expert_forward(const moe_run *run, int e) {
     for (int r = 0; r < m; r++)
         memcpy(xp + (int64_t)r * d, run->x + (int64_t)(x->perm_slot[r0 + r] / k) * d,
                (size_t)d * sizeof(float));
+    if (run->infer) { /* inference: row-wise for few rows (gemm_rowwise.h) */
+        lm_gemm_infer(m, f, d, xp, d, Wg, d, 0, H, 2 * f);
+        lm_gemm_infer(m, f, d, xp, d, Wu, d, 0, H + f, 2 * f);
+        swiglu_fwd(m, f, H, 2 * f, A, f);
+        lm_gemm_infer(m, d, f, A, f, Wd, f, 0, Y, d);
+        return;
+    }
     lm_sgemm(0, 1, m, f, d, 1.0f, xp, d, Wg, d, 0.0f, H, 2 * f);
     lm_sgemm(0, 1, m, f, d, 1.0f, xp, d, Wu, d, 0.0f, H + f, 2 * f);
     lm_moe_cpu_swiglu_fwd(m, f, H, 2 * f, A, f);
@@ -144,6 +152,13 @@ static void shared_rows_forward(const moe_run *run, int t0, int t1) {
     const float *Wd = run->w->p[LM_MOE_SHARED_DOWN_PROJ];
     const float *xr = run->x + (int64_t)t0 * d;
     float *H = x->Hs + (int64_t)t0 * 2 * fs, *A = x->As + (int64_t)t0 * fs;
+    if (run->infer) {
+        lm_gemm_infer(m, fs, d, xr, d, Wg, d, 0, H, 2 * fs);
+        lm_gemm_infer(m, fs, d, xr, d, Wu, d, 0, H + fs, 2 * fs);
+        swiglu_fwd(m, fs, H, 2 * fs, A, fs);
+        lm_gemm_infer(m, d, fs, A, fs, Wd, fs, 0, run->out + (int64_t)t0 * d, d);
+        return;
+    }
     lm_sgemm(0, 1, m, fs, d, 1.0f, xr, d, Wg, d, 0.0f, H, 2 * fs);
     lm_sgemm(0, 1, m, fs, d, 1.0f, xr, d, Wu, d, 0.0f, H + fs, 2 * fs);
     lm_moe_cpu_swiglu_fwd(m, fs, H, 2 * fs, A, fs);
