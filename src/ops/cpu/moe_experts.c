@@ -72,7 +72,7 @@ static void expert_forward(const moe_run *run, int e) {
     if (run->infer) { /* inference: row-wise for few rows (gemm_rowwise.h) */
         lm_gemm_infer(m, f, d, xp, d, Wg, d, 0, H, 2 * f);
         lm_gemm_infer(m, f, d, xp, d, Wu, d, 0, H + f, 2 * f);
-        swiglu_fwd(m, f, H, 2 * f, A, f);
+        lm_moe_cpu_swiglu_fwd(m, f, H, 2 * f, A, f);
         lm_gemm_infer(m, d, f, A, f, Wd, f, 0, Y, d);
         return;
     }
@@ -155,7 +155,7 @@ static void shared_rows_forward(const moe_run *run, int t0, int t1) {
     if (run->infer) {
         lm_gemm_infer(m, fs, d, xr, d, Wg, d, 0, H, 2 * fs);
         lm_gemm_infer(m, fs, d, xr, d, Wu, d, 0, H + fs, 2 * fs);
-        swiglu_fwd(m, fs, H, 2 * fs, A, fs);
+        lm_moe_cpu_swiglu_fwd(m, fs, H, 2 * fs, A, fs);
         lm_gemm_infer(m, d, fs, A, fs, Wd, fs, 0, run->out + (int64_t)t0 * d, d);
         return;
     }
