@@ -58,11 +58,12 @@ typedef enum { LM_GATE_NONE = 0, LM_GATE_SOFTPLUS = 1, LM_GATE_BOUNDED = 2 } lm_
 /* Diagonal-tile path of the chunked kernels (reference/kda.md §3.1-3.3):
  *   AUTO    SHARED when the log-decay is bounded (gate BOUNDED, or NONE with
  *           lower_bound given and every g >= lower_bound), SAFE otherwise.
- *   SHARED  16x16 diagonal tiles by one matmul with factors relative to the tile's
- *           first row (magnitudes <= exp(15*|lower_bound|) <= e^75, inside fp32's
- *           range), so that no output row depends on a later token even in its
- *           rounding: prefill is bit-exactly causal (appending tokens never changes
- *           earlier outputs; the midpoint used before moved them by ~3e-8).
+ *   SHARED  (CPU) 16x16 diagonal tiles by matmuls with factors relative to the first
+ *           row of each 8-row half (magnitudes <= exp(8*|lower_bound|) <= e^40), so
+ *           that no output row depends on a later token even in its rounding: prefill
+ *           is bit-exactly causal (appending tokens never changes earlier outputs; the
+ *           tile midpoint used before moved them by ~3e-8). The CUDA kernels keep the
+ *           midpoint (not bit-exactly causal).
  *   SAFE    per-pair exp(G_r - G_i) (never overflows, any gate). */
 typedef enum { LM_DIAG_AUTO = 0, LM_DIAG_SHARED = 1, LM_DIAG_SAFE = 2 } lm_kda_diag;
 

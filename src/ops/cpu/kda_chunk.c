@@ -2,10 +2,12 @@
  *
  * Math: reference/kda.md §2.1 (per-chunk quantities), §3.1 (16-token sub-tiles:
  * off-diagonal tiles with both factors relative to the first row of the row tile;
- * diagonal tiles by one matmul relative to the tile's first row too when the log-decay
- * is bounded (factors within e^{+-15|lb|}; not the midpoint, whose G depends on later
- * rows: each row's rounding would then depend on later tokens), per-pair exp of
- * differences otherwise), §3.1 "Inverse" (forward
+ * diagonal tiles, when the log-decay is bounded, by matmuls relative to the first row
+ * of each 8-row half (the second half's rows against the first half's columns as an
+ * off-diagonal piece): factors within e^{+-8|lb|}, and every reference at or before the
+ * rows that use it, so no row's rounding depends on later tokens (the tile midpoint
+ * did; the tile's first row alone gave e^{+-15|lb|} and lost precision in dg);
+ * per-pair exp of differences otherwise), §3.1 "Inverse" (forward
  * substitution on 16x16 diagonal blocks, then block merge), §4.1 (backward). The
  * backward below is derived in docs/kda-math.md; every line names the forward
  * product it differentiates.
@@ -23,6 +25,7 @@
 #include "ops/cpu/kda_cpu.h"
 
 #define BC 16 /* sub-tile rows */
+#define BH 8  /* rows per reference inside a shared diagonal tile */
 
 typedef struct {
     int C, K, V, M; /* M = max(C, K, V) */
@@ -256,9 +259,17 @@ static void chunk_intra(ws_t *w, int c, int shared) {
     for (int r0 = 0; r0 < c; r0 += BC) {
         int L = c - r0 < BC ? c - r0 : BC;
         if (r0 > 0) tile_fwd(w, r0, L, 0, r0, r0, 0);
-        if (shared)
-            tile_fwd(w, r0, L, r0, r0 + L, r0, 1); /* rows relative to the tile start: causal */
-        else
+        if (shared) {
+            /* rows relative to references at or before them (causal): the tile's first row
+             * for its first half, the second half's first row for the rest (factors within
+             * e^{+-8|lb|}, the range the tile midpoint gave) */
+            const int h = L < BH ? L : BH;
+            tile_fwd(w, r0, h, r0, r0 + h, r0, 1);
+            if (L > h) {
+                tile_fwd(w, r0 + h, L - h, r0, r0 + h, r0 + h, 0);
+                tile_fwd(w, r0 + h, L - h, r0 + h, r0 + L, r0 + h, 1);
+            }
+        } else
             tile_fwd_safe_diag(w, r0, L);
     }
     ut_inverse(w, c);
@@ -508,9 +519,14 @@ static void chunk_backward(ws_t *w, int c, int shared, const float *S0, float *d
     for (int r0 = 0; r0 < c; r0 += BC) {
         int L = c - r0 < BC ? c - r0 : BC;
         if (r0 > 0) tile_bwd(w, r0, L, 0, r0, r0);
-        if (shared)
-            tile_bwd(w, r0, L, r0, r0 + L, r0);
-        else
+        if (shared) { /* the forward's three pieces */
+            const int h = L < BH ? L : BH;
+            tile_bwd(w, r0, h, r0, r0 + h, r0);
+            if (L > h) {
+                tile_bwd(w, r0 + h, L - h, r0, r0 + h, r0 + h);
+                tile_bwd(w, r0 + h, L - h, r0 + h, r0 + L, r0 + h);
+            }
+        } else
             tile_bwd_safe_diag(w, r0, L);
     }
     /* assemble dq, dk, dG; then dg = reverse cumsum of dG */
