@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "linmoe/passkey.h"
 #include "eval/eval_internal.h"
+#include "linmoe/passkey.h"
 
 #define EVAL_MAX_ROWS 256
 #define EVAL_MAX_BATCH_TOKENS ((int64_t)1 << 20)
@@ -71,6 +71,7 @@ typedef struct {
     lm_eval_stats *stats;
     double attn_positions; /* sum of B*T over batches, for the AttnRes average */
     double *attn_tmp;
+    const lm_eval_options *po; /* progress (lm_eval_report), or NULL */
 } bpb_state;
 
 static lm_status stats_init(lm_eval_stats *s, const lm_model_config *c, lm_error *err) {
@@ -168,6 +169,8 @@ static lm_status run_windows(bpb_state *s, const window *w, int nb, lm_error *er
     s->nll += loss * (double)cnt;
     s->tokens += cnt;
     stats_add(s, w, nb, T);
+    if (s->po && s->po->progress)
+        s->po->progress(s->po->progress_ctx, "bits per byte", 0, s->tokens, (int64_t)s->val->count);
     return LM_OK;
 }
 
@@ -279,8 +282,9 @@ lm_status lm_eval_bpb_walk(const lm_tokenizer *tok, const lm_shard *val, int mod
     return st;
 }
 
-lm_status lm_eval_bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
-                            lm_eval_bpb_result *out, lm_eval_stats *stats, lm_error *err) {
+static lm_status bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
+                           lm_eval_bpb_result *out, lm_eval_stats *stats, const lm_eval_options *po,
+                           lm_error *err) {
     if (!m || !tok || !val || !out)
         return lm_errorf(err, LM_ERR_INVALID, "eval: NULL model, tokenizer, shard or result");
     memset(out, 0, sizeof(*out));
@@ -290,6 +294,7 @@ lm_status lm_eval_bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard
     bpb_state s = {0};
     s.m = m;
     s.val = val;
+    s.po = po;
     s.eot = lm_tokenizer_eot(tok);
     const int64_t rows = EVAL_MAX_BATCH_TOKENS / (seq_len > 1 ? seq_len : 1);
     s.rows = rows < 1 ? 1 : rows > EVAL_MAX_ROWS ? EVAL_MAX_ROWS : (int)rows;
@@ -328,6 +333,11 @@ lm_status lm_eval_bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard
     out->tokens = s.tokens;
     out->bits_per_byte = out->bytes > 0 ? s.nll / log(2.0) / (double)out->bytes : NAN;
     return LM_OK;
+}
+
+lm_status lm_eval_bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
+                            lm_eval_bpb_result *out, lm_eval_stats *stats, lm_error *err) {
+    return bpb_stats(m, tok, val, seq_len, out, stats, NULL, err);
 }
 
 lm_status lm_eval_bpb(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
@@ -370,8 +380,9 @@ static lm_status prefill(lm_model *m, lm_model_cache *c, const int32_t *ids, int
     }
 }
 
-lm_status lm_eval_passkey(lm_model *m, lm_tokenizer *tok, const lm_shard *filler, int length,
-                          int samples, uint64_t seed, lm_eval_passkey_result *out, lm_error *err) {
+static lm_status passkey(lm_model *m, lm_tokenizer *tok, const lm_shard *filler, int length,
+                         int samples, uint64_t seed, lm_eval_passkey_result *out,
+                         const lm_eval_options *po, lm_error *err) {
     if (!m || !tok || !filler || !out)
         return lm_errorf(err, LM_ERR_INVALID, "eval: NULL model, tokenizer, filler or result");
     memset(out, 0, sizeof(*out));
@@ -418,6 +429,8 @@ lm_status lm_eval_passkey(lm_model *m, lm_tokenizer *tok, const lm_shard *filler
             out->prefix_tokens += prefix;
         }
         lm_passkey_doc_free(&d);
+        if (st == LM_OK && po && po->progress)
+            po->progress(po->progress_ctx, "passkey", length, s + 1, samples);
     }
     free(logits);
     lm_model_cache_free(c);
@@ -430,6 +443,11 @@ lm_status lm_eval_passkey(lm_model *m, lm_tokenizer *tok, const lm_shard *filler
     out->correct = correct;
     out->accuracy = (double)correct / samples;
     return LM_OK;
+}
+
+lm_status lm_eval_passkey(lm_model *m, lm_tokenizer *tok, const lm_shard *filler, int length,
+                          int samples, uint64_t seed, lm_eval_passkey_result *out, lm_error *err) {
+    return passkey(m, tok, filler, length, samples, seed, out, NULL, err);
 }
 
 /* ---------------------------------------------------------------- report */
@@ -461,7 +479,7 @@ lm_status lm_eval_report(lm_model *m, lm_tokenizer *tok, const lm_shard *val,
                          o->n_passkey);
     lm_eval_bpb_result r;
     lm_eval_stats stats = {0};
-    LM_TRY(lm_eval_bpb_stats(m, tok, val, o->seq_len, &r, &stats, err));
+    LM_TRY(bpb_stats(m, tok, val, o->seq_len, &r, &stats, o, err));
     lm_eval_passkey_result *pk = NULL;
     lm_status st = LM_OK;
     if (o->n_passkey > 0) {
@@ -470,8 +488,8 @@ lm_status lm_eval_report(lm_model *m, lm_tokenizer *tok, const lm_shard *val,
             st = lm_errorf(err, LM_ERR_NOMEM, "eval: out of memory");
     }
     for (int i = 0; st == LM_OK && i < o->n_passkey; i++)
-        st = lm_eval_passkey(m, tok, o->filler ? o->filler : val, o->passkey_lengths[i],
-                             o->passkey_samples, o->passkey_seed, &pk[i], err);
+        st = passkey(m, tok, o->filler ? o->filler : val, o->passkey_lengths[i], o->passkey_samples,
+                     o->passkey_seed, &pk[i], o, err);
     if (st != LM_OK) {
         free(pk);
         lm_eval_stats_free(&stats);
