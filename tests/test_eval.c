@@ -452,7 +452,7 @@ static void test_report_and_errors(void **state) {
     lm_model *m = NULL;
     assert_int_equal(lm_model_new(&m, &p, 256, &err), LM_OK);
     const int pl[2] = {128, 256};
-    lm_eval_options o = {64, pl, 2, 3, 5, NULL};
+    lm_eval_options o = {64, pl, 2, 3, 5, NULL, NULL, NULL};
     cJSON *obj = cJSON_CreateObject();
     assert_int_equal(lm_eval_report(m, tok, &s, &o, obj, &err), LM_OK);
     assert_int_equal((int)cJSON_GetObjectItem(obj, "seq_len")->valuedouble, 64);
@@ -581,6 +581,57 @@ static void test_cli_eval_generate(void **state) {
                      pk.prefix_tokens);
     assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(o, "moe")), 4);
     assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(o, "attnres")), 11);
+    /* issue 25: a summary in words. Not on a terminal (here): the JSON on stdout as
+     * before, the summary on stderr */
+    {
+        char args[2048];
+        const char *bin = getenv("LINMOE_BIN");
+        snprintf(args, sizeof args,
+                 "'%s' eval --ckpt '%s' --val '%s' --seq-len 64 --passkey-lengths 200 "
+                 "--passkey-samples 6 --passkey-seed 9 --threads 1",
+                 bin, ck, val);
+        char cmd[2200];
+        snprintf(cmd, sizeof cmd, "%s 2>/dev/null", args);
+        FILE *pp = popen(cmd, "r");
+        assert_non_null(pp);
+        size_t got = fread(out, 1, sizeof out - 1, pp);
+        out[got] = '\0';
+        assert_int_equal(pclose(pp), 0);
+        cJSON *j = cJSON_Parse(out); /* stdout alone is the JSON object */
+        assert_non_null(j);
+        cJSON_Delete(j);
+        snprintf(cmd, sizeof cmd, "%s 2>&1 >/dev/null", args);
+        pp = popen(cmd, "r");
+        assert_non_null(pp);
+        got = fread(out, 1, sizeof out - 1, pp);
+        out[got] = '\0';
+        assert_int_equal(pclose(pp), 0);
+        char want[128];
+        snprintf(want, sizeof want, "bits per byte %.4f over %lld bytes", bpb, (long long)r.bytes);
+        lm_assert_says(out, want);
+        char want2[128];
+        snprintf(want2, sizeof want2, "passkey at 200: %.3f (%d/6)", (double)pk.correct / 6,
+                 pk.correct);
+        lm_assert_says(out, want2);
+        /* on a terminal (script(1) gives the command a pty): progress, then the summary
+         * on stdout and no JSON */
+        if (system("command -v script >/dev/null 2>&1") == 0) {
+            snprintf(cmd, sizeof cmd, "script -qec \"%s\" /dev/null", args);
+            pp = popen(cmd, "r");
+            assert_non_null(pp);
+            got = fread(out, 1, sizeof out - 1, pp);
+            out[got] = '\0';
+            assert_int_equal(pclose(pp), 0);
+            print_message("on a terminal:\n%s\n", out);
+            lm_assert_says(out, "bits per byte: ");
+            lm_assert_says(out, "% of");
+            lm_assert_says(out, "passkey 200: 6 of 6 samples");
+            lm_assert_says(out, want);
+            lm_assert_says(out, want2);
+            lm_assert_says(out, "--json FILE");
+            assert_null(strstr(out, "\"bits_per_byte\""));
+        }
+    }
     cJSON_Delete(o);
     lm_shard_close(&s);
 

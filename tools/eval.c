@@ -3,9 +3,11 @@
  * AttnRes depth weights) and print one JSON object. No math here. */
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "linmoe/eval.h"
@@ -27,8 +29,10 @@ void lm_cli_eval_usage(FILE *f) {
             "                   [--passkey-samples N] [--passkey-seed S] [--filler SHARD]\n"
             "                   [--threads N] [--json OUT]\n"
             "\n"
-            "Evaluates the checkpoint DIR (config.json + model.safetensors) and prints one JSON\n"
-            "object to stdout (and to OUT with --json):\n"
+            "Evaluates the checkpoint DIR (config.json + model.safetensors): a summary line\n"
+            "(bits per byte, passkey accuracy) on stderr, and one JSON object to stdout (and\n"
+            "to OUT with --json); when stdout is a terminal it gets the summary instead of\n"
+            "the JSON. On a terminal stderr shows the progress. The JSON holds:\n"
             "  bits_per_byte  total -log2 p of every token of the validation shard's documents,\n"
             "                 each cut into consecutive windows of --seq-len tokens scored from a\n"
             "                 fresh state after <|endoftext|>, over the documents' UTF-8 bytes\n"
@@ -57,6 +61,57 @@ void lm_cli_eval_usage(FILE *f) {
             "  --json OUT             also write the JSON object to OUT\n"
             "\n"
             "exit status: 0 success, 1 bad input, 2 usage error\n");
+}
+
+/* The live progress line on a terminal (stderr), at most every 0.2 s. */
+typedef struct {
+    double t0, last;
+    int open;
+} progress_line;
+
+static void on_progress(void *ctx, const char *what, int length, int64_t done, int64_t total) {
+    progress_line *p = ctx;
+    const double now = lm_time_sec();
+    if (now - p->last < 0.2 && done < total)
+        return;
+    p->last = now;
+    if (length > 0)
+        fprintf(stderr, "\r\033[K" PROG ": %s %d: %lld of %lld samples (%.0f s)", what, length,
+                (long long)done, (long long)total, now - p->t0);
+    else
+        fprintf(stderr, "\r\033[K" PROG ": %s: %.0f %% of %lld tokens (%.0f s)", what,
+                total > 0 ? 100.0 * (double)done / (double)total : 0.0, (long long)total,
+                now - p->t0);
+    fflush(stderr);
+    p->open = 1;
+}
+
+/* The report in words (issue 25: only JSON came out): bits per byte and passkey. */
+static void print_summary(FILE *f, const cJSON *root, const char *ckpt, double seconds) {
+    const cJSON *bpb = cJSON_GetObjectItem(root, "bits_per_byte");
+    const cJSON *bytes = cJSON_GetObjectItem(root, "bytes");
+    const cJSON *docs = cJSON_GetObjectItem(root, "documents");
+    const cJSON *seq = cJSON_GetObjectItem(root, "seq_len");
+    fprintf(f, "%s: bits per byte %.4f over %.0f bytes (%.0f documents, windows of %.0f tokens)",
+            ckpt, cJSON_IsNumber(bpb) ? bpb->valuedouble : NAN,
+            cJSON_IsNumber(bytes) ? bytes->valuedouble : 0.0,
+            cJSON_IsNumber(docs) ? docs->valuedouble : 0.0,
+            cJSON_IsNumber(seq) ? seq->valuedouble : 0.0);
+    const cJSON *pk = cJSON_GetObjectItem(root, "passkey"), *e;
+    int first = 1;
+    cJSON_ArrayForEach(e, pk) {
+        const cJSON *len = cJSON_GetObjectItem(e, "length"),
+                    *acc = cJSON_GetObjectItem(e, "accuracy");
+        const cJSON *cor = cJSON_GetObjectItem(e, "correct"),
+                    *n = cJSON_GetObjectItem(e, "samples");
+        fprintf(f, "%s %.0f: %.3f (%.0f/%.0f)", first ? "; passkey at" : ",",
+                cJSON_IsNumber(len) ? len->valuedouble : 0.0,
+                cJSON_IsNumber(acc) ? acc->valuedouble : NAN,
+                cJSON_IsNumber(cor) ? cor->valuedouble : 0.0,
+                cJSON_IsNumber(n) ? n->valuedouble : 0.0);
+        first = 0;
+    }
+    fprintf(f, " (%.1f s)\n", seconds);
 }
 
 static int flag_val(int argc, char **argv, int *i, const char *name, const char **val) {
@@ -229,9 +284,19 @@ int lm_cli_eval(int argc, char **argv) {
         fprintf(stderr, PROG ": out of memory\n");
         goto done;
     }
-    lm_eval_options o = {(int)seq_len, lengths,        n_lengths,
-                         (int)samples, (uint64_t)seed, filler_path ? &filler : NULL};
-    if (lm_eval_report(m, tok, &val, &o, root, &err) != LM_OK) {
+    lm_eval_options o = {(int)seq_len,   lengths,
+                         n_lengths,      (int)samples,
+                         (uint64_t)seed, filler_path ? &filler : NULL,
+                         NULL,           NULL};
+    progress_line pl = {lm_time_sec(), 0.0, 0};
+    if (isatty(2)) { /* progress on a terminal */
+        o.progress = on_progress;
+        o.progress_ctx = &pl;
+    }
+    lm_status est = lm_eval_report(m, tok, &val, &o, root, &err);
+    if (pl.open)
+        fprintf(stderr, "\r\033[K");
+    if (est != LM_OK) {
         fprintf(stderr, PROG ": %s\n", err.msg);
         goto done;
     }
@@ -240,7 +305,17 @@ int lm_cli_eval(int argc, char **argv) {
         fprintf(stderr, PROG ": out of memory printing the JSON\n");
         goto done;
     }
-    printf("%s\n", text);
+    /* the JSON goes to stdout for programs (a pipe or file) and to --json OUT; on a
+     * terminal stdout gets the summary in words instead, which stderr always has */
+    const int tty_out = isatty(1);
+    if (tty_out) {
+        print_summary(stdout, root, ckpt, lm_time_sec() - pl.t0);
+        if (!json_out)
+            printf("(the full report as JSON: --json FILE, or redirect stdout)\n");
+    } else {
+        printf("%s\n", text);
+        print_summary(stderr, root, ckpt, lm_time_sec() - pl.t0);
+    }
     fflush(stdout);
     rc = json_out && write_file(json_out, text) != 0 ? LM_EXIT_BAD_INPUT : LM_EXIT_OK;
     free(text);

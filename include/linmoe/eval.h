@@ -138,6 +138,12 @@ typedef struct {
     int passkey_samples; /* >= 1 when n_passkey > 0 */
     uint64_t passkey_seed;
     const lm_shard *filler; /* passkey filler; NULL: the validation shard */
+    /* optional progress report (the CLI's terminal line): called after every scored batch
+     * of the bits-per-byte pass ("bits per byte", tokens scored, of about `total`: the
+     * shard's tokens) and after every passkey sample ("passkey", samples done, of total,
+     * `length` the document length); NULL: none */
+    void (*progress)(void *ctx, const char *what, int length, int64_t done, int64_t total);
+    void *progress_ctx;
 } lm_eval_options;
 
 /* Run the evals and add to the JSON object `obj` (cJSON *, not owned):

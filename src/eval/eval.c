@@ -77,6 +77,7 @@ typedef struct {
     int rank, world;
     int64_t widx;
     window *sub;
+    const lm_eval_options *po; /* progress (lm_eval_report), or NULL */
 } bpb_state;
 
 static lm_status stats_init(lm_eval_stats *s, const lm_model_config *c, lm_error *err) {
@@ -174,6 +175,8 @@ static lm_status run_windows(bpb_state *s, const window *w, int nb, lm_error *er
     s->nll += loss * (double)cnt;
     s->tokens += cnt;
     stats_add(s, w, nb, T);
+    if (s->po && s->po->progress)
+        s->po->progress(s->po->progress_ctx, "bits per byte", 0, s->tokens, (int64_t)s->val->count);
     return LM_OK;
 }
 
@@ -294,7 +297,7 @@ lm_status lm_eval_bpb_walk(const lm_tokenizer *tok, const lm_shard *val, int mod
 
 static lm_status bpb_run(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
                          int rank, int world, lm_eval_bpb_result *out, lm_eval_stats *stats,
-                         lm_error *err) {
+                         const lm_eval_options *po, lm_error *err) {
     if (!m || !tok || !val || !out)
         return lm_errorf(err, LM_ERR_INVALID, "eval: NULL model, tokenizer, shard or result");
     if (world < 1 || rank < 0 || rank >= world)
@@ -306,6 +309,7 @@ static lm_status bpb_run(lm_model *m, const lm_tokenizer *tok, const lm_shard *v
     bpb_state s = {0};
     s.m = m;
     s.val = val;
+    s.po = po;
     s.eot = lm_tokenizer_eot(tok);
     const int64_t rows = EVAL_MAX_BATCH_TOKENS / (seq_len > 1 ? seq_len : 1);
     s.rows = rows < 1 ? 1 : rows > EVAL_MAX_ROWS ? EVAL_MAX_ROWS : (int)rows;
@@ -352,7 +356,7 @@ static lm_status bpb_run(lm_model *m, const lm_tokenizer *tok, const lm_shard *v
 
 lm_status lm_eval_bpb_stats(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
                             lm_eval_bpb_result *out, lm_eval_stats *stats, lm_error *err) {
-    return bpb_run(m, tok, val, seq_len, 0, 1, out, stats, err);
+    return bpb_run(m, tok, val, seq_len, 0, 1, out, stats, NULL, err);
 }
 
 lm_status lm_eval_bpb(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
@@ -362,7 +366,7 @@ lm_status lm_eval_bpb(lm_model *m, const lm_tokenizer *tok, const lm_shard *val,
 
 lm_status lm_eval_bpb_part(lm_model *m, const lm_tokenizer *tok, const lm_shard *val, int seq_len,
                            int rank, int world, lm_eval_bpb_result *out, lm_error *err) {
-    return bpb_run(m, tok, val, seq_len, rank, world, out, NULL, err);
+    return bpb_run(m, tok, val, seq_len, rank, world, out, NULL, NULL, err);
 }
 
 /* ---------------------------------------------------------------- passkey */
@@ -402,7 +406,8 @@ static lm_status prefill(lm_model *m, lm_model_cache *c, const int32_t *ids, int
 
 static lm_status passkey_run(lm_model *m, lm_tokenizer *tok, const lm_shard *filler, int length,
                              int samples, uint64_t seed, int rank, int world,
-                             lm_eval_passkey_result *out, lm_error *err) {
+                             lm_eval_passkey_result *out, const lm_eval_options *po,
+                             lm_error *err) {
     if (!m || !tok || !filler || !out)
         return lm_errorf(err, LM_ERR_INVALID, "eval: NULL model, tokenizer, filler or result");
     if (world < 1 || rank < 0 || rank >= world)
@@ -454,6 +459,8 @@ static lm_status passkey_run(lm_model *m, lm_tokenizer *tok, const lm_shard *fil
             out->prefix_tokens += prefix;
         }
         lm_passkey_doc_free(&d);
+        if (st == LM_OK && po && po->progress)
+            po->progress(po->progress_ctx, "passkey", length, s + 1, samples);
     }
     free(logits);
     lm_model_cache_free(c);
@@ -470,13 +477,13 @@ static lm_status passkey_run(lm_model *m, lm_tokenizer *tok, const lm_shard *fil
 
 lm_status lm_eval_passkey(lm_model *m, lm_tokenizer *tok, const lm_shard *filler, int length,
                           int samples, uint64_t seed, lm_eval_passkey_result *out, lm_error *err) {
-    return passkey_run(m, tok, filler, length, samples, seed, 0, 1, out, err);
+    return passkey_run(m, tok, filler, length, samples, seed, 0, 1, out, NULL, err);
 }
 
 lm_status lm_eval_passkey_part(lm_model *m, lm_tokenizer *tok, const lm_shard *filler, int length,
                                int samples, uint64_t seed, int rank, int world,
                                lm_eval_passkey_result *out, lm_error *err) {
-    return passkey_run(m, tok, filler, length, samples, seed, rank, world, out, err);
+    return passkey_run(m, tok, filler, length, samples, seed, rank, world, out, NULL, err);
 }
 
 /* ---------------------------------------------------------------- report */
@@ -508,7 +515,7 @@ lm_status lm_eval_report(lm_model *m, lm_tokenizer *tok, const lm_shard *val,
                          o->n_passkey);
     lm_eval_bpb_result r;
     lm_eval_stats stats = {0};
-    LM_TRY(lm_eval_bpb_stats(m, tok, val, o->seq_len, &r, &stats, err));
+    LM_TRY(bpb_run(m, tok, val, o->seq_len, 0, 1, &r, &stats, o, err));
     lm_eval_passkey_result *pk = NULL;
     lm_status st = LM_OK;
     if (o->n_passkey > 0) {
@@ -517,8 +524,8 @@ lm_status lm_eval_report(lm_model *m, lm_tokenizer *tok, const lm_shard *val,
             st = lm_errorf(err, LM_ERR_NOMEM, "eval: out of memory");
     }
     for (int i = 0; st == LM_OK && i < o->n_passkey; i++)
-        st = lm_eval_passkey(m, tok, o->filler ? o->filler : val, o->passkey_lengths[i],
-                             o->passkey_samples, o->passkey_seed, &pk[i], err);
+        st = passkey_run(m, tok, o->filler ? o->filler : val, o->passkey_lengths[i],
+                         o->passkey_samples, o->passkey_seed, 0, 1, &pk[i], o, err);
     if (st != LM_OK) {
         free(pk);
         lm_eval_stats_free(&stats);

@@ -166,7 +166,14 @@ lm_status lm_model_config_validate(const lm_model_config *c, lm_error *err) {
 typedef struct {
     const char *label;
     lm_error *err;
+    int missing; /* the error is a missing required key */
 } pctx;
+
+static lm_status missing_key(pctx *p, const char *prefix, const char *key) {
+    p->missing = 1;
+    return lm_errorf(p->err, LM_ERR_INVALID, "%s: missing required key '%s%s'", p->label, prefix,
+                     key);
+}
 
 static lm_status get_num(pctx *p, const cJSON *o, const char *prefix, const char *key, int required,
                          double *out, int *found) {
@@ -174,8 +181,7 @@ static lm_status get_num(pctx *p, const cJSON *o, const char *prefix, const char
     *found = 0;
     if (!it || cJSON_IsNull(it)) {
         if (required)
-            return lm_errorf(p->err, LM_ERR_INVALID, "%s: missing required key '%s%s'", p->label,
-                             prefix, key);
+            return missing_key(p, prefix, key);
         return LM_OK;
     }
     if (cJSON_IsBool(it)) {
@@ -324,8 +330,7 @@ static lm_status get_layer_list(pctx *p, const cJSON *la, const char *key, int L
     const cJSON *it = cJSON_GetObjectItemCaseSensitive(la, key);
     if (!it) {
         if (required)
-            return lm_errorf(p->err, LM_ERR_INVALID,
-                             "%s: missing required key 'linear_attn_config.%s'", p->label, key);
+            return missing_key(p, "linear_attn_config.", key);
         return LM_OK;
     }
     if (!cJSON_IsArray(it))
@@ -409,22 +414,27 @@ static int in_list(const char *s, const char **l) {
     return 0;
 }
 
-static void unknown_keys(const cJSON *root, const cJSON *la, const char *label, char *warn,
-                         size_t warn_size) {
-    char buf[1024];
+/* The keys of root (and of linear_attn_config) that are not known, comma-separated. */
+static void unknown_key_list(const cJSON *root, const cJSON *la, char *buf, size_t size) {
     size_t n = 0;
     buf[0] = '\0';
     const cJSON *e;
     cJSON_ArrayForEach(e, root) {
-        if (!in_list(e->string, k_top_keys) && n < sizeof buf)
-            n += (size_t)snprintf(buf + n, sizeof buf - n, "%s%s", n ? ", " : "", e->string);
+        if (!in_list(e->string, k_top_keys) && n < size)
+            n += (size_t)snprintf(buf + n, size - n, "%s%s", n ? ", " : "", e->string);
     }
     if (cJSON_IsObject(la))
         cJSON_ArrayForEach(e, la) {
-            if (!in_list(e->string, k_la_keys) && n < sizeof buf)
-                n += (size_t)snprintf(buf + n, sizeof buf - n, "%slinear_attn_config.%s",
-                                      n ? ", " : "", e->string);
+            if (!in_list(e->string, k_la_keys) && n < size)
+                n += (size_t)snprintf(buf + n, size - n, "%slinear_attn_config.%s", n ? ", " : "",
+                                      e->string);
         }
+}
+
+static void unknown_keys(const cJSON *root, const cJSON *la, const char *label, char *warn,
+                         size_t warn_size) {
+    char buf[1024];
+    unknown_key_list(root, la, buf, sizeof buf);
     if (warn && warn_size)
         warn[0] = '\0';
     if (!buf[0])
@@ -449,8 +459,7 @@ static lm_status parse(lm_model_config *c, const cJSON *root, pctx *p, char *war
                          p->label, L, LM_MAX_LAYERS);
     const cJSON *la = cJSON_GetObjectItemCaseSensitive(root, "linear_attn_config");
     if (!la)
-        return lm_errorf(p->err, LM_ERR_INVALID, "%s: missing required key 'linear_attn_config'",
-                         p->label);
+        return missing_key(p, "", "linear_attn_config");
     if (!cJSON_IsObject(la))
         return lm_errorf(p->err, LM_ERR_INVALID, "%s: key 'linear_attn_config' must be an object",
                          p->label);
@@ -586,20 +595,18 @@ lm_status lm_model_config_from_string(lm_model_config *c, const char *json, cons
                          ep ? ep : "?");
     }
     lm_error local = {0};
-    pctx p = {label, err ? err : &local};
+    pctx p = {label, err ? err : &local, 0};
     lm_status st = parse(c, root, &p, warn, warn_size);
-    if (st != LM_OK && strstr(p.err->msg, "missing required key")) {
+    if (st != LM_OK && p.missing) {
         /* a missing key is often a misspelt one: name the keys the file has that are not
          * known (hiden_size next to the missing hidden_size) */
-        char unk[1200];
+        char unk[1024];
         const cJSON *la = cJSON_GetObjectItemCaseSensitive(root, "linear_attn_config");
-        unknown_keys(root, cJSON_IsObject(la) ? la : NULL, label, unk, sizeof unk);
-        const char *list = strstr(unk, "unknown keys ignored: ");
-        if (unk[0] && list) {
+        unknown_key_list(root, la, unk, sizeof unk);
+        if (unk[0]) {
             char msg[sizeof p.err->msg];
             snprintf(msg, sizeof msg, "%s", p.err->msg);
-            lm_errorf(p.err, st, "%s (the file has unknown keys: %s)", msg,
-                      list + strlen("unknown keys ignored: "));
+            lm_errorf(p.err, st, "%s (the file has unknown keys: %s)", msg, unk);
         }
     }
     cJSON_Delete(root);

@@ -195,13 +195,14 @@ lm_status lm_kda_prep_forward(const lm_kda_config *c, const lm_kda_inputs *in, l
     }
     if (bad_row < BT * HV) {
         const int hv = (int)(bad_row % HV);
+        const double A = in->A_log ? (double)in->A_log[hv] : 0.0;
+        lm_kda_prep_free(p); /* the buffers are the caller's only on success */
         return lm_errorf(err, LM_ERR_NONFINITE,
                          "kda: the %s gate's log-decay overflows fp32 at token %lld, value head %d "
                          "(A_log[%d] = %g, exp(A_log) = %g): finite inputs, but exp(A_log) times "
                          "the gate input exceeds fp32 (keep A_log well below 88)",
                          gm == LM_GATE_SOFTPLUS ? "softplus" : "bounded", (long long)(bad_row / HV),
-                         hv, hv, in->A_log ? (double)in->A_log[hv] : 0.0,
-                         in->A_log ? exp((double)in->A_log[hv]) : 1.0);
+                         hv, hv, A, in->A_log ? exp(A) : 1.0);
     }
     return LM_OK;
 }
