@@ -33,6 +33,7 @@ import time
 ap = argparse.ArgumentParser()
 ap.add_argument("--bin", required=True)
 ap.add_argument("--train-bin")
+ap.add_argument("--ckpt", help="a checkpoint to serve (default: train configs/tiny-train.json)")
 ap.add_argument("--requests", type=int, default=2000)
 ap.add_argument("--concurrency", type=int, default=64)
 ap.add_argument("--templates", type=int, default=40)
@@ -56,17 +57,13 @@ def fail(msg):
 
 
 try:
-    # a small trained checkpoint (configs/tiny-train.json on the Brown splits)
-    for s in ("train", "val"):
-        subprocess.run([train_bin, "tokenize", "--tokenizer", "byte", "--in", f"data/brown/{s}.txt",
-                        "--out", f"{tmp}/{s}.bin"], check=True, capture_output=True)
-    cfg = open("configs/tiny-train.json").read()
-    cfg = cfg.replace("data/brown/train.bin", f"{tmp}/train.bin").replace("data/brown/val.bin", f"{tmp}/val.bin")
-    open(f"{tmp}/train.json", "w").write(cfg)
-    subprocess.run([train_bin, "train", "--config", f"{tmp}/train.json", "--run-dir", f"{tmp}/run"],
-                   check=True, capture_output=True)
-
-    server = subprocess.Popen([args.bin, "serve", "--ckpt", f"{tmp}/run", "--port", "0", "--threads", "2",
+    # a small trained checkpoint: --ckpt (the CTest fixture), else tiny-train trained here
+    ckpt = args.ckpt
+    if not ckpt or not os.path.exists(os.path.join(ckpt, "ckpt", "latest")):
+        env = dict(os.environ, LINMOE_BIN=train_bin)
+        subprocess.run(["bash", "tests/scripts/server_fixture.sh", tmp], check=True, capture_output=True, env=env)
+        ckpt = f"{tmp}/serve-fixture/run"
+    server = subprocess.Popen([args.bin, "serve", "--ckpt", ckpt, "--port", "0", "--threads", "2",
                                "--max-seqs", "16", "--max-queue", "64", "--max-len", "1024"],
                               stdout=subprocess.PIPE, stderr=open(f"{tmp}/serve.err", "w"), text=True)
     line = server.stdout.readline()
