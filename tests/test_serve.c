@@ -10,6 +10,8 @@
  *  - prefix cache: requests sharing long prompt prefixes at 16-way concurrency give
  *    identical tokens and logits within 1e-5 with the cache on and off, hit the cache,
  *    and stay correct when a tiny budget forces evictions;
+ *  - chunked prefill: a long prompt is prefilled block by block while the running
+ *    sequences decode a token in every step;
  *  - limits: a full queue (LM_ERR_BUSY), a prompt longer than the context
  *    (LM_ERR_RANGE), bad tokens / max_tokens (LM_ERR_INVALID); cancelling waiting and
  *    running requests frees their rows at once.
@@ -488,8 +490,64 @@ static void test_limits(void **state) {
     fixture_free(&f);
 }
 
+/* Chunked prefill: while a 45-token prompt is prefilled in blocks of 16 within a budget of
+ * 20 tokens per step, the two decoding sequences get one token in every step (the prefill
+ * never stalls them), and the prompt takes ceil(45 / 16) = 3 steps. */
+static void test_chunked_prefill(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f, 64);
+    lm_engine_config c;
+    lm_engine_config_default(&c);
+    c.max_seqs = 3;
+    c.max_len = MAXLEN;
+    c.block_tokens = BLOCK;
+    c.max_batch_tokens = 20;
+    c.state_cache_bytes = 0;
+    sink k = {f.V, 0, 0, NULL};
+    lm_error err = {0};
+    lm_engine *e;
+    assert_int_equal(lm_engine_new(&e, f.m, &c, on_event, &k, &err), LM_OK);
+    req r[3];
+    memset(r, 0, sizeof r);
+    uint64_t rs = 9;
+    for (int i = 0; i < 3; i++) {
+        make_req(&r[i], &rs, f.V, NULL, 0);
+        r[i].stop = -1;
+        r[i].stop_mod = 0;
+        r[i].max_tokens = MAXGEN;
+        r[i].n_prompt = i < 2 ? 3 : 45;
+        r[i].logits = malloc(sizeof(float) * MAXGEN * (size_t)f.V);
+    }
+    for (int i = 0; i < 2; i++) {
+        lm_engine_request q = to_engine(&r[i]);
+        assert_int_equal(lm_engine_submit(e, &q, &r[i].id, &err), LM_OK);
+        assert_int_equal(lm_engine_step(e, NULL, &err), LM_OK);
+    }
+    lm_engine_request q = to_engine(&r[2]);
+    assert_int_equal(lm_engine_submit(e, &q, &r[2].id, &err), LM_OK);
+    int steps = 0;
+    while (r[2].n_tok == 0) {
+        const int a = r[0].n_tok, b = r[1].n_tok;
+        assert_int_equal(lm_engine_step(e, NULL, &err), LM_OK);
+        steps++;
+        assert_int_equal(r[0].n_tok, a + 1);
+        assert_int_equal(r[1].n_tok, b + 1);
+    }
+    assert_int_equal(steps, 3);
+    while (lm_engine_pending(e) > 0)
+        assert_int_equal(lm_engine_step(e, NULL, &err), LM_OK);
+    for (int i = 0; i < 3; i++) {
+        check_alone(f.m, &r[i], f.V);
+        free(r[i].logits);
+    }
+    lm_engine_free(e);
+    fixture_free(&f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_chunked_prefill),
         cmocka_unit_test(test_limits),
         cmocka_unit_test(test_prefix_cache),
         cmocka_unit_test(test_slot_reuse),

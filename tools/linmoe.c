@@ -136,55 +136,58 @@ static void usage_op(FILE *f) {
 }
 
 static void usage_bench(FILE *f) {
-    fprintf(f,
-            "usage: %s bench kda|moe|attnres|model|ops [--json FILE] [--threads N] [--quick]\n"
-            "          [--device cpu|cuda] [--config FILE] [--no-peer] [--recompute] [--ops LIST]\n"
-            "\n"
-            "Measures the limit in the same run on the same threads, then the target:\n"
-            "kda: the KDA recurrent forward, chunked forward and chunked forward+backward for\n"
-            "  the bounded and the softplus gate at (B,T,H,D) = (1,4096,4,128) and\n"
-            "  (4,2048,4,64); limit: OpenBLAS sgemm 2048x2048x2048.\n"
-            "moe: the MoE layer forward and forward+backward at (T,d,E,k,f,shared) =\n"
-            "  (4096,512,64,8,256,1) and (4096,256,16,2,256,1), active-FLOP GFLOP/s; limit sgemm.\n"
-            "attnres: the AttnRes aggregation forward and backward (accumulating) at N = 4096,\n"
-            "  D = 256 and 1024, L = 2, 5, 9, 17 sources; GB/s of the bytes it must move\n"
-            "  against the copy bandwidth (256 MiB, OpenMP) as the limit.\n"
-            "kda --device cuda: on an NVIDIA GPU (bf16 in/out): inference forward, training\n"
-            "  forward and forward+backward for both gates at (B,T,H,D) = (1,8192,64,128),\n"
-            "  (8,4096,16,128), (1,32768,16,128), and the decode step at B=64, H=32, D=128;\n"
-            "  limits: cuBLAS bf16 GEMM 8192^3 TFLOP/s and device copy GB/s, same run; rows\n"
-            "  whose kernels are missing print \"not built\" (scripts/gpu/bench-c.sh runs it on\n"
-            "  the GPU machine; scripts/gpu/bench.sh has fla beside it for ratio_to_peer).\n"
-            "model: one training step (forward with next-token labels + backward) of\n"
-            "  configs/bench-cpu.json (or --config FILE) at its batch_size x seq_len; FLOPs of\n"
-            "  lm_model_train_flops_per_token; limit sgemm; forward/backward split; and the\n"
-            "  PyTorch reference step (scripts/reference/bench_step.py, first of python3 and\n"
-            "  /usr/bin/python3 with torch) on the same threads as the peer: ratio_to_peer =\n"
-            "  its step time / linmoe's (> 1: linmoe faster), null when it is unavailable.\n"
-            "model --device cuda: one full training step (forward, backward, AdamW) of the GPU\n"
-            "  model, configs/gpu-dense.json by default (gpu-moe.json: --config), at its\n"
-            "  batch_size x seq_len: ms per step, tokens/s, MFU against the bf16 matmul rate\n"
-            "  measured in the same run, peak device memory, each op class's share\n"
-            "  (scripts/gpu/bench_model.sh runs it beside fla's KDAForCausalLM).\n"
-            "ops --device cuda: every CUDA op of the model (embedding, norms, swiglu,\n"
-            "  short_conv, gemm, attention, router, moe, attnres, cross_entropy, adamw; --ops\n"
-            "  a comma-separated subset) forward and forward+backward at the GPU configs'\n"
-            "  shapes (hidden 1024 / 2048, 32768 tokens), each against its floor: FLOPs at the\n"
-            "  bf16 matmul rate and bytes at the copy bandwidth, both measured in the same run.\n"
-            "  scripts/gpu/bench_ops.sh runs it beside the PyTorch / fla peers in one process.\n"
-            "Prints a table (median of the repeats after one warmup).\n"
-            "\n"
-            "options:\n"
-            "  --json FILE    also write the records as JSON to FILE\n"
-            "  --threads N    threads for linmoe and OpenBLAS (default: number of cores)\n"
-            "  --quick        fewer repeats (smoke test; numbers are noisier)\n"
-            "  --device D     cpu (default); cuda: kda only (needs a CUDA build and a GPU)\n"
-            "  --config FILE  model: the model config (default: configs/bench-cpu.json, looked\n"
-            "                 up from the working directory and the binary upward)\n"
-            "  --no-peer      model: skip the PyTorch reference step\n"
-            "  --recompute    model --device cuda: activation recompute on every layer\n"
-            "  --help         this help\n",
-            g_prog);
+    fprintf(
+        f,
+        "usage: %s bench kda|moe|attnres|model|ops [--json FILE] [--threads N] [--quick]\n"
+        "       %s bench serve --ckpt DIR [...]   (the HTTP server under concurrent streaming\n"
+        "          clients: tokens/s, TTFT, TPOT, prefix-cache speed-up; `bench serve --help`)\n"
+        "          [--device cpu|cuda] [--config FILE] [--no-peer] [--recompute] [--ops LIST]\n"
+        "\n"
+        "Measures the limit in the same run on the same threads, then the target:\n"
+        "kda: the KDA recurrent forward, chunked forward and chunked forward+backward for\n"
+        "  the bounded and the softplus gate at (B,T,H,D) = (1,4096,4,128) and\n"
+        "  (4,2048,4,64); limit: OpenBLAS sgemm 2048x2048x2048.\n"
+        "moe: the MoE layer forward and forward+backward at (T,d,E,k,f,shared) =\n"
+        "  (4096,512,64,8,256,1) and (4096,256,16,2,256,1), active-FLOP GFLOP/s; limit sgemm.\n"
+        "attnres: the AttnRes aggregation forward and backward (accumulating) at N = 4096,\n"
+        "  D = 256 and 1024, L = 2, 5, 9, 17 sources; GB/s of the bytes it must move\n"
+        "  against the copy bandwidth (256 MiB, OpenMP) as the limit.\n"
+        "kda --device cuda: on an NVIDIA GPU (bf16 in/out): inference forward, training\n"
+        "  forward and forward+backward for both gates at (B,T,H,D) = (1,8192,64,128),\n"
+        "  (8,4096,16,128), (1,32768,16,128), and the decode step at B=64, H=32, D=128;\n"
+        "  limits: cuBLAS bf16 GEMM 8192^3 TFLOP/s and device copy GB/s, same run; rows\n"
+        "  whose kernels are missing print \"not built\" (scripts/gpu/bench-c.sh runs it on\n"
+        "  the GPU machine; scripts/gpu/bench.sh has fla beside it for ratio_to_peer).\n"
+        "model: one training step (forward with next-token labels + backward) of\n"
+        "  configs/bench-cpu.json (or --config FILE) at its batch_size x seq_len; FLOPs of\n"
+        "  lm_model_train_flops_per_token; limit sgemm; forward/backward split; and the\n"
+        "  PyTorch reference step (scripts/reference/bench_step.py, first of python3 and\n"
+        "  /usr/bin/python3 with torch) on the same threads as the peer: ratio_to_peer =\n"
+        "  its step time / linmoe's (> 1: linmoe faster), null when it is unavailable.\n"
+        "model --device cuda: one full training step (forward, backward, AdamW) of the GPU\n"
+        "  model, configs/gpu-dense.json by default (gpu-moe.json: --config), at its\n"
+        "  batch_size x seq_len: ms per step, tokens/s, MFU against the bf16 matmul rate\n"
+        "  measured in the same run, peak device memory, each op class's share\n"
+        "  (scripts/gpu/bench_model.sh runs it beside fla's KDAForCausalLM).\n"
+        "ops --device cuda: every CUDA op of the model (embedding, norms, swiglu,\n"
+        "  short_conv, gemm, attention, router, moe, attnres, cross_entropy, adamw; --ops\n"
+        "  a comma-separated subset) forward and forward+backward at the GPU configs'\n"
+        "  shapes (hidden 1024 / 2048, 32768 tokens), each against its floor: FLOPs at the\n"
+        "  bf16 matmul rate and bytes at the copy bandwidth, both measured in the same run.\n"
+        "  scripts/gpu/bench_ops.sh runs it beside the PyTorch / fla peers in one process.\n"
+        "Prints a table (median of the repeats after one warmup).\n"
+        "\n"
+        "options:\n"
+        "  --json FILE    also write the records as JSON to FILE\n"
+        "  --threads N    threads for linmoe and OpenBLAS (default: number of cores)\n"
+        "  --quick        fewer repeats (smoke test; numbers are noisier)\n"
+        "  --device D     cpu (default); cuda: kda only (needs a CUDA build and a GPU)\n"
+        "  --config FILE  model: the model config (default: configs/bench-cpu.json, looked\n"
+        "                 up from the working directory and the binary upward)\n"
+        "  --no-peer      model: skip the PyTorch reference step\n"
+        "  --recompute    model --device cuda: activation recompute on every layer\n"
+        "  --help         this help\n",
+        g_prog, g_prog);
 }
 
 static void usage_version(FILE *f) {
@@ -328,8 +331,13 @@ static int parse_threads(const char *s, int *out) {
     return 0;
 }
 
+/* `linmoe bench serve` (bench/bench_serve.c): its own flags (--ckpt, --concurrency, ...). */
+int lm_bench_serve(int argc, char **argv);
+
 static int cmd_bench(int argc, char **argv) {
     /* argv[0] == "bench" */
+    if (argc >= 2 && strcmp(argv[1], "serve") == 0)
+        return lm_bench_serve(argc - 1, argv + 1);
     for (int i = 1; i < argc; i++)
         if (is_help(argv[i])) {
             usage_bench(stdout);

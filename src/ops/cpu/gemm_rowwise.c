@@ -1,7 +1,8 @@
-/* Row-wise GEMM (gemm_rowwise.h): 4 x 4 tiles of (rows of A) x (rows of B), each tile
- * element a 16-lane accumulator over k; rows past the end of a tile repeat the tile's
- * first row and are not stored, so a tile's arithmetic does not depend on how full it
- * is. Threads split the columns (B rows) in fixed tiles. */
+/* Row-wise GEMM (gemm_rowwise.h): each row of A against tiles of 16 rows of B (columns
+ * of C at fixed offsets, multiples of 16), one 16-lane accumulator per column over k, then
+ * one transpose-add tree for the 16 sums. The arithmetic of C[m, n] depends on n's place
+ * in its tile, which is the same in every call, and never on m or M. Threads split the
+ * column tiles. */
 #include "ops/cpu/gemm_rowwise.h"
 
 #include <string.h>
@@ -11,54 +12,83 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-static void tile(int mb, int nb, int K, const float *A, int lda, const float *B, int ldb, int accum,
-                 float *C, int ldc) {
-    const float *a[4], *b[4];
-    for (int i = 0; i < 4; i++)
-        a[i] = A + (int64_t)(i < mb ? i : 0) * lda;
-    for (int j = 0; j < 4; j++)
-        b[j] = B + (int64_t)(j < nb ? j : 0) * ldb;
-    __m512 acc[4][4];
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++)
-            acc[i][j] = _mm512_setzero_ps();
-    for (int k = 0; k < K; k += 16) {
-        const __mmask16 mk = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
-        const __m512 b0 = _mm512_maskz_loadu_ps(mk, b[0] + k),
-                     b1 = _mm512_maskz_loadu_ps(mk, b[1] + k),
-                     b2 = _mm512_maskz_loadu_ps(mk, b[2] + k),
-                     b3 = _mm512_maskz_loadu_ps(mk, b[3] + k);
-        for (int i = 0; i < 4; i++) {
-            const __m512 x = _mm512_maskz_loadu_ps(mk, a[i] + k);
-            acc[i][0] = _mm512_fmadd_ps(x, b0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(x, b1, acc[i][1]);
-            acc[i][2] = _mm512_fmadd_ps(x, b2, acc[i][2]);
-            acc[i][3] = _mm512_fmadd_ps(x, b3, acc[i][3]);
-        }
+/* The 16 sums of a[0..15]'s lanes: out[j] = sum of a[j] (a transpose-add tree whose shape
+ * depends on j only, never on the row). */
+static inline __m512 reduce16(const __m512 *a) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < nb; j++) {
-            const float s = _mm512_reduce_add_ps(acc[i][j]);
-            float *c = C + (int64_t)i * ldc + j;
-            *c = accum ? *c + s : s;
-        }
+    const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                    _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                    _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
+}
+
+/* One row of A against B rows n0 .. n0+nb-1 (nb <= 16; missing rows repeat the first and
+ * are not stored). Sixteen named accumulators and one row stride, so that they all stay
+ * in registers (an array of them was spilled to the stack by gcc 12). */
+static void tile(int nb, int K, const float *a, const float *B, int ldb, int accum, float *c) {
+#define ROW(j) (B + (int64_t)((j) < nb ? (j) : 0) * ldb)
+    const float *r0 = ROW(0), *r1 = ROW(1), *r2 = ROW(2), *r3 = ROW(3), *r4 = ROW(4), *r5 = ROW(5),
+                *r6 = ROW(6), *r7 = ROW(7), *r8 = ROW(8), *r9 = ROW(9), *r10 = ROW(10),
+                *r11 = ROW(11), *r12 = ROW(12), *r13 = ROW(13), *r14 = ROW(14), *r15 = ROW(15);
+#undef ROW
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0,
+           c8 = c0, c9 = c0, c10 = c0, c11 = c0, c12 = c0, c13 = c0, c14 = c0, c15 = c0;
+    int k = 0;
+#define STEP(M)                                                                                    \
+    do {                                                                                           \
+        const __m512 x = _mm512_maskz_loadu_ps(M, a + k);                                          \
+        c0 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r0 + k), c0);                             \
+        c1 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r1 + k), c1);                             \
+        c2 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r2 + k), c2);                             \
+        c3 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r3 + k), c3);                             \
+        c4 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r4 + k), c4);                             \
+        c5 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r5 + k), c5);                             \
+        c6 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r6 + k), c6);                             \
+        c7 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r7 + k), c7);                             \
+        c8 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r8 + k), c8);                             \
+        c9 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r9 + k), c9);                             \
+        c10 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r10 + k), c10);                          \
+        c11 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r11 + k), c11);                          \
+        c12 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r12 + k), c12);                          \
+        c13 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r13 + k), c13);                          \
+        c14 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r14 + k), c14);                          \
+        c15 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(M, r15 + k), c15);                          \
+    } while (0)
+    /* the full 16-float steps unmasked (a mask of all ones: the same arithmetic) */
+    for (; k + 16 <= K; k += 16)
+        STEP((__mmask16)0xffff);
+    if (k < K)
+        STEP((__mmask16)((1u << (K - k)) - 1));
+#undef STEP
+    const __m512 acc[16] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15};
+    const __mmask16 ms = nb >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nb) - 1);
+    __m512 r = reduce16(acc);
+    if (accum)
+        r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(ms, c));
+    _mm512_mask_storeu_ps(c, ms, r);
 }
 #else
-/* Portable: the same lane structure in scalar code. */
-static void tile(int mb, int nb, int K, const float *A, int lda, const float *B, int ldb, int accum,
-                 float *C, int ldc) {
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < nb; j++) {
-            const float *a = A + (int64_t)i * lda, *b = B + (int64_t)j * ldb;
-            float lane[16] = {0};
-            for (int k = 0; k < K; k++)
-                lane[k % 16] += a[k] * b[k];
-            for (int w = 8; w >= 1; w /= 2)
-                for (int l = 0; l < w; l++)
-                    lane[l] += lane[l + w];
-            float *c = C + (int64_t)i * ldc + j;
-            *c = accum ? *c + lane[0] : lane[0];
-        }
+/* Portable: each element a 16-lane sum over k, then the same fixed tree. */
+static void tile(int nb, int K, const float *a, const float *B, int ldb, int accum, float *c) {
+    for (int j = 0; j < nb; j++) {
+        const float *b = B + (int64_t)j * ldb;
+        float lane[16] = {0};
+        for (int k = 0; k < K; k++)
+            lane[k % 16] += a[k] * b[k];
+        for (int w = 8; w >= 1; w /= 2)
+            for (int l = 0; l < w; l++)
+                lane[l] += lane[l + w];
+        c[j] = accum ? c[j] + lane[0] : lane[0];
+    }
 }
 #endif
 
@@ -73,14 +103,14 @@ void lm_gemm_rowwise(int M, int N, int K, const float *A, int lda, const float *
                 memset(C + (int64_t)i * ldc, 0, sizeof(float) * (size_t)N);
         return;
     }
-    const int nt = (N + 3) / 4;
+    const int nt = (N + 15) / 16;
     const int64_t work = (int64_t)M * N * K;
 #pragma omp parallel for schedule(static) if (work >= (1 << 17))
     for (int t = 0; t < nt; t++) {
-        const int n0 = 4 * t, nb = N - n0 < 4 ? N - n0 : 4;
-        for (int m0 = 0; m0 < M; m0 += 4)
-            tile(M - m0 < 4 ? M - m0 : 4, nb, K, A + (int64_t)m0 * lda, lda, B + (int64_t)n0 * ldb,
-                 ldb, accum, C + (int64_t)m0 * ldc + n0, ldc);
+        const int n0 = 16 * t, nb = N - n0 < 16 ? N - n0 : 16;
+        for (int m = 0; m < M; m++)
+            tile(nb, K, A + (int64_t)m * lda, B + (int64_t)n0 * ldb, ldb, accum,
+                 C + (int64_t)m * ldc + n0);
     }
 }
 
