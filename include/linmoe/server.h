@@ -69,6 +69,15 @@ int lm_server_port(const lm_server *s);
  * joined, everything freed. */
 void lm_server_stop(lm_server *s);
 
+/* The request checks of POST /v1/completions (chat = 0) and /v1/chat/completions
+ * (chat = 1) on `len` bytes of body, without a model or a socket: UTF-8, JSON depth,
+ * JSON syntax, then every parameter as the server parses it (prompt encoded with tok,
+ * token ids checked against vocab, lengths against a context of max_len tokens).
+ * Returns the HTTP status the server would answer before queueing (200: accepted,
+ * 400, 413, 503). For the fuzz target tests/fuzz (and tests). */
+int lm_server_check_request(lm_tokenizer *tok, int vocab, int64_t max_len, int chat,
+                            const char *body, size_t len);
+
 /* The chat template for base models (documented in docs/serving.md): for each message
  * "System: ...\n\n", "User: ...\n\n" or "Assistant: ...\n\n" by role, then
  * "Assistant:". Returns a malloc'd string (NULL: out of memory). roles/contents [n]. */

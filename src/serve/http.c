@@ -80,6 +80,7 @@ struct lm_server {
     char host[256], key[512], name[256];
     lm_model *m;
     lm_tokenizer *tok;
+    int vocab; /* the model's vocab_size (prompt token ids are checked against it) */
     pthread_mutex_t tok_mu;
     lm_engine *eng;
     struct MHD_Daemon *d;
@@ -661,7 +662,7 @@ static job *parse_request(lm_server *s, int chat, const cJSON *o, perr *pe) {
     j->refs = 1;
     j->chat = chat;
     j->logprobs = -1;
-    const int V = lm_model_params(s->m)->cfg.vocab_size;
+    const int V = s->vocab;
     const int64_t ctx = s->c.engine.max_len;
 #define BADJ(param, ...)                                                                           \
     do {                                                                                           \
@@ -1588,6 +1589,7 @@ lm_status lm_server_start(lm_server **out, lm_model *m, lm_tokenizer *tok,
     s->c.model_name = s->name;
     s->m = m;
     s->tok = tok;
+    s->vocab = lm_model_params(m)->cfg.vocab_size;
     pthread_mutex_init(&s->mu, NULL);
     pthread_mutex_init(&s->mmu, NULL);
     pthread_mutex_init(&s->tok_mu, NULL);
@@ -1647,4 +1649,44 @@ void lm_server_stop(lm_server *s) {
     pthread_mutex_destroy(&s->tok_mu);
     pthread_cond_destroy(&s->cv);
     free(s);
+}
+
+/* The checks of do_generate without a model or a socket (server.h). */
+int lm_server_check_request(lm_tokenizer *tok, int vocab, int64_t max_len, int chat,
+                            const char *body, size_t len) {
+    lm_server *s = calloc(1, sizeof(*s));
+    LM_CHECK(s != NULL);
+    lm_server_config_default(&s->c);
+    s->c.engine.max_len = max_len;
+    s->tok = tok;
+    s->vocab = vocab;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->tok_mu, NULL);
+    int status = 200;
+    cJSON *e = NULL;
+    if (lm_utf8_invalid_at(body, len) >= 0 || json_depth(body, len) > s->c.max_json_depth) {
+        status = 400;
+    } else {
+        const char *end = NULL;
+        cJSON *o = cJSON_ParseWithLengthOpts(body, len, &end, 0);
+        if (!o) {
+            status = 400;
+        } else {
+            perr pe = {0, NULL};
+            job *j = parse_request(s, chat, o, &pe);
+            cJSON_Delete(o);
+            if (j) {
+                job_id(s, j);
+                job_unref(j);
+            } else {
+                status = pe.status;
+                e = pe.err;
+            }
+        }
+    }
+    cJSON_Delete(e);
+    pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->tok_mu);
+    free(s);
+    return status;
 }

@@ -394,3 +394,13 @@ lm_status lm_train_state_load(const char *dir, const lm_params *p, lm_adamw *a, 
     lm_st_free(&st);
     return s;
 }
+
+lm_status lm_train_state_parse(const void *bytes, size_t size, const char *label,
+                               const lm_params *p, lm_adamw *a, lm_model *m, lm_train_counters *k,
+                               lm_loader_state *ls, lm_error *err) {
+    lm_safetensors st;
+    LM_TRY(lm_st_parse(bytes, size, label, &st, err));
+    lm_status s = load_body(&st, label, p, a, m, k, ls, err);
+    lm_st_free(&st);
+    return s;
+}

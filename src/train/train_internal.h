@@ -111,6 +111,11 @@ lm_status lm_train_ckpt_save(const char *run_dir, const lm_params *p, const lm_a
  * Errors name the file and the tensor. */
 lm_status lm_train_state_load(const char *dir, const lm_params *p, lm_adamw *a, lm_model *m,
                               lm_train_counters *k, lm_loader_state *ls, lm_error *err);
+/* The same from the `size` bytes of a train_state.safetensors in memory (`label`
+ * names it in messages): the entry of the fuzz target tests/fuzz (train_state). */
+lm_status lm_train_state_parse(const void *bytes, size_t size, const char *label,
+                               const lm_params *p, lm_adamw *a, lm_model *m, lm_train_counters *k,
+                               lm_loader_state *ls, lm_error *err);
 
 /* Remove leftover RUN/ckpt/.tmp-* directories of an interrupted checkpoint. */
 void lm_train_ckpt_cleanup(const char *run_dir);
