@@ -53,7 +53,8 @@ done
 
 : > "$OUT/summary.txt"
 run_one() {
-  local t=$1 log="$OUT/fuzz_$t.log"
+  local t=$1
+  local log="$OUT/fuzz_$t.log"
   mkdir -p "$OUT/corpus/$t" "$OUT/crash/$t"
   if OMP_NUM_THREADS=1 ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 \
      UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
