@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "linmoe/safetensors.h"
@@ -32,6 +33,19 @@ static void rm_flat_dir(const char *dir) {
     }
     closedir(d);
     rmdir(dir);
+}
+
+/* Test hook (scripts/soak.sh): LINMOE_TEST_CKPT_PAUSE_US=N sleeps N microseconds at each
+ * stage of a checkpoint write (model file written, train state written, directory renamed
+ * into place), so that a SIGKILL at a random moment lands inside writes often. Unset: no
+ * pause. */
+static void test_pause(void) {
+    const char *s = getenv("LINMOE_TEST_CKPT_PAUSE_US");
+    const long us = s ? atol(s) : 0;
+    if (us > 0) {
+        struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+        nanosleep(&ts, NULL);
+    }
 }
 
 static int fsync_path(const char *path) {
@@ -221,10 +235,15 @@ lm_status lm_train_ckpt_save(const char *run_dir, const lm_params *p, const lm_a
     if (dir_out)
         snprintf(dir_out, dir_size, "%s", fin);
     rm_flat_dir(tmp);
-    LM_TRY(lm_params_save(p, tmp, err));
     lm_st_writer w;
     lm_st_writer_init(&w);
-    lm_status st = add_state(&w, p, a, m, k, ls, config_text, err);
+    /* a failed model file (disk full) takes the error path below too: the message says
+     * the previous checkpoint is intact (tests/scripts/full_disk.sh) */
+    lm_status st = lm_params_save(p, tmp, err);
+    if (st == LM_OK) {
+        test_pause();
+        st = add_state(&w, p, a, m, k, ls, config_text, err);
+    }
     snprintf(path, sizeof path, "%s/train_state.safetensors", tmp);
     if (st == LM_OK && fail_inject) {
         /* test hook: a write that dies half-way (a partial temporary file, no rename) */
@@ -242,6 +261,8 @@ lm_status lm_train_ckpt_save(const char *run_dir, const lm_params *p, const lm_a
     if (st == LM_OK)
         st = lm_st_writer_save(&w, path, err);
     lm_st_writer_free(&w);
+    if (st == LM_OK)
+        test_pause();
     if (st == LM_OK && fsync_path(tmp) != 0)
         st = lm_errorf(err, LM_ERR_IO, "checkpoint: fsync of %s failed: %s", tmp, strerror(errno));
     struct stat sb;
@@ -264,6 +285,7 @@ lm_status lm_train_ckpt_save(const char *run_dir, const lm_params *p, const lm_a
                          (long long)k->step, buf);
     }
     fsync_path(ck);
+    test_pause();
     char latest[PATHMAX + 16], name[64];
     snprintf(latest, sizeof latest, "%s/latest", ck);
     snprintf(name, sizeof name, "step-%07lld\n", (long long)k->step);
