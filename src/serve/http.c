@@ -1120,7 +1120,8 @@ static cJSON *chunk_obj(lm_server *s, job *j, const char *text, size_t n, int64_
     cJSON_AddNumberToObject(c, "index", 0);
     char *tmp = malloc(n + 1);
     LM_CHECK(tmp != NULL);
-    memcpy(tmp, text, n);
+    if (n > 0) /* text may be NULL for an empty chunk (the final one): UBSan */
+        memcpy(tmp, text, n);
     tmp[n] = '\0';
     if (j->chat) {
         cJSON *d = cJSON_AddObjectToObject(c, "delta");
