@@ -376,14 +376,14 @@ typedef struct {
     int64_t acts;
 } rc_run;
 
-static void run_steps(const lm_params *p0, const uint8_t *rc, rc_run *out) {
+static void run_steps(lm_cuda_ctx *ctx, const lm_params *p0, const uint8_t *rc, rc_run *out) {
     lm_error e = {0};
     lm_params p = {0};
     assert_int_equal(lm_params_init(&p, &p0->cfg, &e), LM_OK);
     memcpy(p.data, p0->data, sizeof(float) * (size_t)p.numel);
     const lm_gpu_model_opts o = {rc};
     lm_gpu_model *gm = NULL;
-    if (lm_gpu_model_new_opts(&gm, g_ctx, &p, 74, 8, &o, &e) != LM_OK)
+    if (lm_gpu_model_new_opts(&gm, ctx, &p, 74, 8, &o, &e) != LM_OK)
         fail_msg("recompute: gpu new: %s", e.msg);
     out->acts = lm_gpu_model_mem_plan(gm)->bytes[LM_MEM_ACTS];
     const int64_t cu[] = {0, 0, 1, 18, 18, 58, 64};
@@ -467,10 +467,10 @@ static void test_recompute(void **state) {
         /* rw: a first run, which also grows the context's workspaces (the ops may size
          * work splits by them); r0 repeats it, the control: a difference there is the
          * step's own non-determinism, not recompute's */
-        run_steps(&p, NULL, &rw);
-        run_steps(&p, NULL, &r0);
-        run_steps(&p, all, &r1);
-        run_steps(&p, some, &r2);
+        run_steps(g_ctx, &p, NULL, &rw);
+        run_steps(g_ctx, &p, NULL, &r0);
+        run_steps(g_ctx, &p, all, &r1);
+        run_steps(g_ctx, &p, some, &r2);
         const rc_run *rr[3] = {&rw, &r1, &r2};
         static const char *const label[3] = {"none again", "all", "layers 1,4"};
         for (int k = 0; k < 3; k++) {
@@ -552,6 +552,143 @@ static void test_recompute(void **state) {
     }
 }
 
+/* rel. RMS difference of two float arrays (0 when bit-identical) and a NaN count */
+static double rel_rms_diff(const float *a, const float *b, int64_t n, int64_t *nonfinite) {
+    double d = 0, r = 0;
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (!isfinite(a[i]) || !isfinite(b[i])) {
+            bad++;
+            continue;
+        }
+        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        r += (double)b[i] * b[i];
+    }
+    *nonfinite = bad;
+    return r > 0 ? sqrt(d / r) : sqrt(d);
+}
+
+/* A context carries no state from one model to the next, and no op reads device memory it
+ * did not write: the two-step run of test_recompute on a fresh context is the reference;
+ * the same run on a fresh context whose every allocation and scratch request is filled with
+ * NaN ("poison"), and two runs in turn on one shared context, must all be bit-identical to
+ * it. On the H200 (2026-12-02) it fails: the reference is right (finite step-2 gradients,
+ * step-2 loss 5.536684); the three later runs give 5.532657 and NaN gradients whatever is
+ * poisoned (LM_TEST_POISON_BISECT=1 poisons each allocation class and each allocation alone:
+ * no change), so it is not a read of unwritten device memory; but a run whose context is
+ * created after a second, idle context passes again (LM_TEST_POISON_BISECT=2). A context
+ * that reuses the host address (or the stream / library handles) of a freed one fails:
+ * something keyed by those outlives its context. */
+static void test_ctx_isolation(void **state) {
+    (void)state;
+    lm_error e = {0};
+    lm_model_config cfg;
+    assert_int_equal(lm_model_config_load(&cfg, "configs/tiny.json", NULL, 0, &e), LM_OK);
+    lm_params p = {0};
+    assert_int_equal(lm_params_init(&p, &cfg, &e), LM_OK);
+    lm_params_init_weights(&p, 5);
+    for (int t = 0; t < p.n; t++)
+        if (strstr(p.t[t].name, "mlp.gate.weight"))
+            for (int64_t i = 0; i < p.t[t].numel; i++)
+                p.data[p.t[t].offset + i] *= 10.0f;
+    rc_run ref, runs[3];
+    static const char *const label[3] = {"fresh + poison", "shared, 1st", "shared, 2nd"};
+    lm_cuda_ctx *c = NULL;
+    assert_int_equal(lm_cuda_ctx_new(&c, 0, &e), LM_OK);
+    run_steps(c, &p, NULL, &ref);
+    lm_cuda_ctx_free(c);
+    assert_int_equal(lm_cuda_ctx_new(&c, 0, &e), LM_OK);
+    assert_int_equal(lm_cuda_ctx_set_option(c, "poison", 7, &e), LM_OK);
+    run_steps(c, &p, NULL, &runs[0]);
+    lm_cuda_ctx_free(c);
+    assert_int_equal(lm_cuda_ctx_new(&c, 0, &e), LM_OK);
+    run_steps(c, &p, NULL, &runs[1]);
+    run_steps(c, &p, NULL, &runs[2]);
+    lm_cuda_ctx_free(c);
+    {
+        int64_t ng = 0, np = 0;
+        for (int64_t i = 0; i < p.numel; i++)
+            ng += !isfinite(ref.grads[i]), np += !isfinite(ref.params[i]);
+        printf("isolation reference       grad norms %.9g %.9g, non-finite: %lld gradients, %lld "
+               "parameters\n", ref.gnorm[0], ref.gnorm[1], (long long)ng, (long long)np);
+    }
+    int all_same = 1;
+    for (int k = 0; k < 3; k++) {
+        const rc_run *r = &runs[k];
+        int same = memcmp(r->loss, ref.loss, sizeof ref.loss) == 0 &&
+                   memcmp(r->gnorm, ref.gnorm, sizeof ref.gnorm) == 0 &&
+                   memcmp(r->bias, ref.bias, sizeof ref.bias) == 0;
+        int64_t ng = 0, np = 0;
+        for (int64_t i = 0; i < p.numel; i++)
+            ng += !isfinite(r->grads[i]), np += !isfinite(r->params[i]);
+        printf("isolation %-15s grad norms %.9g %.9g, non-finite: %lld gradients, %lld "
+               "parameters\n", label[k], r->gnorm[0], r->gnorm[1], (long long)ng, (long long)np);
+        printf("isolation %-15s losses %.6f %.6f %.6f %.6f (ref %.6f %.6f %.6f %.6f)\n", label[k],
+               r->loss[0], r->loss[1], r->loss[2], r->loss[3], ref.loss[0], ref.loss[1],
+               ref.loss[2], ref.loss[3]);
+        for (int t = 0; t < p.n; t++) {
+            const lm_param_info *ti = &p.t[t];
+            int64_t bg = 0, bp = 0;
+            const double dg = rel_rms_diff(r->grads + ti->offset, ref.grads + ti->offset,
+                                           ti->numel, &bg);
+            const double dp = rel_rms_diff(r->params + ti->offset, ref.params + ti->offset,
+                                           ti->numel, &bp);
+            if (dg != 0 || dp != 0 || bg || bp) {
+                same = 0;
+                printf("  %-60s grad %.3g (%lld non-finite), param %.3g (%lld non-finite)\n",
+                       ti->name, dg, (long long)bg, dp, (long long)bp);
+            }
+        }
+        printf("isolation %-15s %s\n", label[k], same ? "bit-identical" : "DIFFERS");
+        all_same &= same;
+    }
+    /* LM_TEST_POISON_BISECT=1: which memory a run reads before writing it (diagnostic) */
+    const char *bis = getenv("LM_TEST_POISON_BISECT");
+    for (int mode = 0; bis && *bis == '1' && mode < 3 + 64; mode++) {
+        const int mask = mode < 3 ? 1 << mode : 1, index = mode < 3 ? -1 : mode - 3;
+        rc_run r;
+        assert_int_equal(lm_cuda_ctx_new(&c, 0, &e), LM_OK);
+        assert_int_equal(lm_cuda_ctx_set_option(c, "poison", mask, &e), LM_OK);
+        assert_int_equal(lm_cuda_ctx_set_option(c, "poison.index", index, &e), LM_OK);
+        run_steps(c, &p, NULL, &r);
+        lm_cuda_ctx_free(c);
+        int64_t ng = 0;
+        for (int64_t i = 0; i < p.numel; i++)
+            ng += !isfinite(r.grads[i]);
+        printf("bisect poison mask %d index %d: losses %.6f %.6f, %lld non-finite gradients\n",
+               mask, index, r.loss[2], r.loss[3], (long long)ng);
+        fflush(stdout);
+        free(r.grads), free(r.params);
+    }
+    /* LM_TEST_POISON_BISECT=2: a run whose allocations land on memory no earlier run used
+     * (a held block of 256 MiB takes the freed places first) */
+    for (int mode = 0; bis && *bis == '2' && mode < 2; mode++) {
+        lm_cuda_ctx *side = NULL;
+        void *hold = NULL;
+        assert_int_equal(lm_cuda_ctx_new(&side, 0, &e), LM_OK);
+        if (mode == 1)
+            assert_int_equal(lm_cuda_ctx_alloc(side, &hold, (size_t)256 << 20, &e), LM_OK);
+        rc_run r;
+        assert_int_equal(lm_cuda_ctx_new(&c, 0, &e), LM_OK);
+        run_steps(c, &p, NULL, &r);
+        lm_cuda_ctx_free(c);
+        int64_t ng = 0;
+        for (int64_t i = 0; i < p.numel; i++)
+            ng += !isfinite(r.grads[i]);
+        printf("bisect %s: losses %.6f %.6f, %lld non-finite gradients\n",
+               mode ? "256 MiB held" : "nothing held", r.loss[2], r.loss[3], (long long)ng);
+        fflush(stdout);
+        free(r.grads), free(r.params);
+        lm_cuda_ctx_free_mem(side, hold);
+        lm_cuda_ctx_free(side);
+    }
+    for (int k = 0; k < 3; k++)
+        free(runs[k].grads), free(runs[k].params);
+    free(ref.grads), free(ref.params);
+    lm_params_free(&p);
+    assert_true(all_same);
+}
+
 /* A config the CUDA backend cannot run is refused before any allocation, naming the key. */
 static void test_refusal(void **state) {
     (void)state;
@@ -577,6 +714,7 @@ int main(void) {
         cmocka_unit_test(test_refusal),
         cmocka_unit_test(test_evals),
         cmocka_unit_test(test_parity),
+        cmocka_unit_test(test_ctx_isolation),
         cmocka_unit_test(test_recompute),
     };
     /* LM_TEST_FILTER: run the tests whose names match (cmocka's pattern, e.g.

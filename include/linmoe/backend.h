@@ -99,6 +99,12 @@ lm_status lm_cuda_ctx_copy(lm_cuda_ctx *ctx, void *dst, const void *src, size_t 
  *   "kda.tma"       1 (default) = tensor-copy loads in the recurrences, 0 = cp.async
  *   "kda.profile"   1 = per-kernel event timing printed to stderr (0 default)
  *   "deterministic" 1 (default) = deterministic reductions everywhere
+ *   "poison"        fill memory with 0xFF bytes (NaN) when it is handed out, to expose reads
+ *                   of memory not written first (0 default; slow): a mask of 1 = the
+ *                   context's allocations (lm_cuda_ctx_alloc), 2 = the ops' scratch requests,
+ *                   4 = the KDA ops' own workspaces; 7 = all
+ *   "poison.index"  -1 (default) = every allocation of mask bit 1, else only the one with this
+ *                   index (the context's allocations counted from 0), to find a culprit
  * Errors: LM_ERR_INVALID for an unknown key or a value out of its range. */
 lm_status lm_cuda_ctx_set_option(lm_cuda_ctx *ctx, const char *key, int value, lm_error *err);
 int lm_cuda_ctx_get_option(const lm_cuda_ctx *ctx, const char *key); /* -1: unknown key */

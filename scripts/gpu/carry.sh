@@ -31,7 +31,7 @@ mkdir -p gpu-carry
 grep -qx '/gpu-carry/' .git/info/exclude 2>/dev/null || echo '/gpu-carry/' >>.git/info/exclude
 files=("$GPU/linmoe" "$GPU/lib")
 if ((TESTS)); then
-    for t in test_gpu_model test_kda_cuda test_kda_decode_cuda test_cuda_ctx test_backend_ops; do
+    for t in test_gpu_model test_kda_cuda test_kda_decode_cuda test_cuda_ctx test_backend_ops test_dist_nccl; do
         [[ -x "$GPU/$t" ]] && files+=("$GPU/$t")
     done
 fi

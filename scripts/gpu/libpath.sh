@@ -3,6 +3,7 @@
 #   $LINMOE_GPU_DIR/lib   what scripts/gpu/pack.sh copied (default build-gpu/lib)
 #   cuDNN                 not packed either (the engines are 250+ MB): torch's pip wheel
 #                         nvidia-cudnn-cu13 has libcudnn.so.9 and its sub-libraries
+#   NCCL                  not packed (218 MB): torch's pip wheel nvidia-nccl has libnccl.so.2
 #   cuBLAS                not packed (libcublas + libcublasLt are 600 MB): the GPU
 #                         image has it twice, in torch's pip wheels (nvidia/.../lib) and
 #                         in the CUDA toolkit (/usr/local/cuda/lib64). The pip copy
@@ -19,7 +20,7 @@ try:
 except Exception:
     raise SystemExit(0)
 dirs = []
-for lib in ("libcublas.so*", "libcudnn.so*"):
+for lib in ("libcublas.so*", "libcudnn.so*", "libnccl.so*"):
     for root in list(getattr(nvidia, "__path__", [])):
         hits = sorted(glob.glob(os.path.join(root, "**", lib), recursive=True))
         if hits:

@@ -3,14 +3,15 @@
 # tool carries build-gpu/): the KDA grid and decode tests, the context test (two contexts
 # on two threads, no allocation in steady state), the GPU model against the CPU model
 # (test_gpu_model) and test_backend_ops (every op against
-# the CPU reference; its table goes to $OUT/backend_ops.txt when $OUT is set).
+# the CPU reference; its table goes to $OUT/backend_ops.txt when $OUT is set) and the NCCL
+# communicator on world size 1 (test_dist_nccl).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source scripts/gpu/libpath.sh # $LINMOE_GPU_DIR/lib, cuBLAS / cuDNN (pip wheels, /usr/local/cuda)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 log="${OUT:-/tmp}"
 rc=0
-for t in test_kda_cuda test_kda_decode_cuda test_cuda_ctx test_gpu_model; do
+for t in test_kda_cuda test_kda_decode_cuda test_cuda_ctx test_dist_nccl test_gpu_model; do
     "$LINMOE_GPU_DIR/$t" >"$log/$t.log" 2>&1
     r=$?
     echo "$t: exit $r ($(grep -cE '^\[ *(OK|PASSED) *\]' "$log/$t.log") ok lines)"

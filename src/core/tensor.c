@@ -2,6 +2,7 @@
 #include "linmoe/core.h"
 
 #include <string.h>
+#include <stdint.h>
 
 static const struct {
     const char *name;
@@ -87,4 +88,39 @@ int64_t lm_tensor_offset(const lm_tensor *t, const int64_t *idx) {
     for (int i = 0; i < t->ndim; i++)
         off += idx[i] * t->stride[i];
     return off;
+}
+
+/* 1 when any of the n floats at x has an all-ones exponent (NaN or Inf) */
+static int block_has_nonfinite(const float *x, int64_t n) {
+    uint32_t bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        bad |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
+    }
+    return bad != 0;
+}
+
+int64_t lm_f32_first_nonfinite(const float *x, int64_t n) {
+    if (!x || n <= 0)
+        return -1;
+    enum { BLK = 8192 };
+    const int64_t nb = (n + BLK - 1) / BLK;
+    int64_t first_blk = INT64_MAX;
+#pragma omp parallel for schedule(static) reduction(min : first_blk) if (n >= (int64_t)1 << 20)
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t i0 = b * BLK, len = n - i0 < BLK ? n - i0 : BLK;
+        if (b < first_blk && block_has_nonfinite(x + i0, len))
+            first_blk = b;
+    }
+    if (first_blk == INT64_MAX)
+        return -1;
+    for (int64_t i = first_blk * BLK; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        if ((u & 0x7f800000u) == 0x7f800000u)
+            return i;
+    }
+    return -1;
 }

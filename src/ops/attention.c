@@ -117,11 +117,11 @@ static void rope_table(const lm_attention_config *c, int64_t len, const float **
 /* ---------------------------------------------------------------- validation */
 
 static lm_status check_finite(const float *x, int64_t n, const char *name, lm_error *err) {
-    for (int64_t i = 0; i < n; i++)
-        if (!isfinite(x[i]))
-            return lm_errorf(err, LM_ERR_NONFINITE,
-                             "attention: input '%s' has a non-finite value (%g) at element %lld",
-                             name, (double)x[i], (long long)i);
+    const int64_t i = lm_f32_first_nonfinite(x, n);
+    if (i >= 0)
+        return lm_errorf(err, LM_ERR_NONFINITE,
+                         "attention: input '%s' has a non-finite value (%g) at element %lld",
+                         name, (double)x[i], (long long)i);
     return LM_OK;
 }
 

@@ -20,12 +20,11 @@ void lm_kda_config_default(lm_kda_config *c, int B, int T, int H, int HV, int K,
 }
 
 static lm_status check_finite(const float *x, int64_t n, const char *name, lm_error *err) {
-    if (!x) return LM_OK;
-    for (int64_t i = 0; i < n; i++)
-        if (!isfinite(x[i]))
-            return lm_errorf(err, LM_ERR_NONFINITE,
-                             "kda: input '%s' has a non-finite value (%g) at element %lld", name,
-                             (double)x[i], (long long)i);
+    const int64_t i = lm_f32_first_nonfinite(x, n);
+    if (i >= 0)
+        return lm_errorf(err, LM_ERR_NONFINITE,
+                         "kda: input '%s' has a non-finite value (%g) at element %lld", name,
+                         (double)x[i], (long long)i);
     return LM_OK;
 }
 

@@ -1,6 +1,7 @@
 /* The CUDA context (include/linmoe/backend.h): stream, cuBLAS / cuBLASLt handles and
  * workspace, grow-only scratch, pinned staging, options and per-op-family state. */
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "ops/cuda/ctx.cuh"
@@ -22,6 +23,8 @@ const OptionDef OPTIONS[] = {
     {"kda.tma", 0, 1, &lm_cuda_ctx::kda_tma},
     {"kda.profile", 0, 1, &lm_cuda_ctx::kda_profile},
     {"deterministic", 0, 1, &lm_cuda_ctx::deterministic},
+    {"poison", 0, 7, &lm_cuda_ctx::poison},
+    {"poison.index", -1, 1 << 30, &lm_cuda_ctx::poison_index},
 };
 const OptionDef *find_option(const char *key) {
     if (!key)
@@ -68,6 +71,7 @@ static lm_status ctx_init(lm_cuda_ctx *c, int device, void *stream, bool own, lm
     c->device = device;
     c->kda_wgmma = c->kda_pdl = c->kda_tma = 1;
     c->deterministic = 1;
+    c->poison_index = -1;
     LM_CK(cudaSetDevice(device));
     LM_CK(cudaDeviceGetAttribute(&c->sm_count, cudaDevAttrMultiProcessorCount, device));
     if (own) {
@@ -169,6 +173,17 @@ extern "C" lm_status lm_cuda_ctx_alloc(lm_cuda_ctx *ctx, void **ptr, size_t byte
                          ctx->device, cudaGetErrorString(e));
     }
     ctx->n_alloc++;
+    const int idx = ctx->n_ctx_alloc++;
+    if (ctx->poison_index >= 0 && idx != ctx->poison_index)
+        return LM_OK;
+    if (ctx->poison_index >= 0 && (ctx->poison & LM_POISON_ALLOC)) /* say which one it is */
+        fprintf(stderr, "cuda: poisoned allocation %d: %zu bytes\n", idx, bytes);
+    return lm_cuda_ctx_poison(ctx, LM_POISON_ALLOC, *ptr, bytes, err);
+}
+
+lm_status lm_cuda_ctx_poison(lm_cuda_ctx *ctx, int kind, void *ptr, size_t bytes, lm_error *err) {
+    if ((ctx->poison & kind) && ptr && bytes)
+        LM_CK(cudaMemsetAsync(ptr, 0xFF, bytes, ctx->stream));
     return LM_OK;
 }
 
@@ -204,7 +219,7 @@ lm_status lm_cuda_ctx_scratch(lm_cuda_ctx *ctx, int slot, size_t bytes, void **p
         ctx->scratch_cap[slot] = cap;
     }
     *ptr = ctx->scratch[slot];
-    return LM_OK;
+    return lm_cuda_ctx_poison(ctx, LM_POISON_SCRATCH, *ptr, bytes, err); /* contents undefined */
 }
 
 bool lm_cuda_ctx_first_use(lm_cuda_ctx *ctx, const void *kernel) {

@@ -57,7 +57,8 @@ struct lm_cuda_ctx {
     bool pinned_pending;
     int sm_count;
     /* options (backend.h lm_cuda_ctx_set_option) */
-    int kda_bv, kda_wgmma, kda_pdl, kda_tma, kda_profile, deterministic;
+    int kda_bv, kda_wgmma, kda_pdl, kda_tma, kda_profile, deterministic, poison, poison_index;
+    int n_ctx_alloc; /* lm_cuda_ctx_alloc calls so far (poison.index) */
     /* kernels opted in to large dynamic shared memory on this context's device */
     const void *opted[64];
     int n_opted;
@@ -97,6 +98,12 @@ lm_status lm_cuda_ctx_enter(lm_cuda_ctx *ctx, lm_error *err);
 /* Scratch slot `slot` of at least `bytes`, grown (after a stream synchronisation, and
  * counted) when smaller; the contents are undefined. */
 lm_status lm_cuda_ctx_scratch(lm_cuda_ctx *ctx, int slot, size_t bytes, void **ptr, lm_error *err);
+
+/* With the context option "poison" set: fills [ptr, ptr + bytes) with 0xFF bytes (NaN in
+ * fp32 and bf16) on the context's stream, so that a read of memory nobody wrote shows as NaN
+ * instead of reading what an earlier owner of the memory left there. */
+lm_status lm_cuda_ctx_poison(lm_cuda_ctx *ctx, int kind, void *ptr, size_t bytes, lm_error *err);
+enum { LM_POISON_ALLOC = 1, LM_POISON_SCRATCH = 2, LM_POISON_KDA = 4 };
 
 /* True the first time `kernel` is seen by this context (then recorded): the caller sets
  * its shared-memory attribute. */

@@ -1527,7 +1527,7 @@ static lm_status fwd_ws_reserve(lm_cuda_ctx *ctx, FwdState *st, size_t bytes, bo
     }
     ctx->n_alloc++;
     st->ws_cap = bytes;
-    return LM_OK;
+    return lm_cuda_ctx_poison(ctx, LM_POISON_KDA, st->ws, bytes, err);
 }
 
 lm_status kda_cuda_forward_run(lm_cuda_ctx *ctx, lm_kda_config *c, const lm_kda_cuda_inputs *in,

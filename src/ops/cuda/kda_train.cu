@@ -1673,7 +1673,7 @@ lm_status devbuf_reserve(lm_cuda_ctx *ctx, DevBuf &b, size_t bytes, lm_error *er
     }
     ctx->n_alloc++;
     b.cap = bytes;
-    return LM_OK;
+    return lm_cuda_ctx_poison(ctx, LM_POISON_KDA, b.buf, bytes, err);
 }
 
 /* frees b (after a stream synchronisation) */
