@@ -944,11 +944,42 @@ static void test_vs_generate(void **state) {
     assert_true(hits >= 10);
 }
 
+/* The scheduler thread runs the model on the caller's lm_set_num_threads count (or
+ * config.threads), not on OpenMP's default for a new thread (every core). */
+static int model_threads(int port) {
+    double v = 0;
+    for (int i = 0; i < 200 && v <= 0; i++) { /* the scheduler thread sets it on start */
+        v = metric(port, "linmoe_model_threads");
+        if (v <= 0)
+            nanosleep(&(struct timespec){0, 5000000}, NULL);
+    }
+    return (int)v;
+}
+
+static void test_threads(void **state) {
+    (void)state;
+    const int def = lm_get_num_threads();
+    lm_server_config c;
+    base_config(&c);
+    fix f;
+    for (int want = 1; want <= 2; want++) {
+        lm_set_num_threads(want); /* the caller's count, c.threads = 0 */
+        fix_start(&f, &c);
+        assert_int_equal(model_threads(f.port), want);
+        fix_stop(&f);
+    }
+    lm_set_num_threads(2);
+    c.threads = 1; /* an explicit count wins */
+    fix_start(&f, &c);
+    assert_int_equal(model_threads(f.port), 1);
+    fix_stop(&f);
+    lm_set_num_threads(def);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_endpoints),
-        cmocka_unit_test(test_security),
-        cmocka_unit_test(test_faults),
+        cmocka_unit_test(test_endpoints),   cmocka_unit_test(test_threads),
+        cmocka_unit_test(test_security),    cmocka_unit_test(test_faults),
         cmocka_unit_test(test_vs_generate),
     };
     int rc = cmocka_run_group_tests(tests, lm_cli_setup_dir, lm_cli_teardown_dir);
