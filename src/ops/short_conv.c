@@ -286,27 +286,5 @@ lm_status lm_short_conv_step(int B, int C, int W, lm_activation act, const float
     c.activation = act;
     if (!conv_state && W > 1)
         return lm_errorf(err, LM_ERR_INVALID, "%s: decode step needs 'conv_state' [B, C, W-1]", OP);
-    LM_TRY(validate(&c, x, weight, conv_state, err));
-    if (!y)
-        return lm_errorf(err, LM_ERR_INVALID, "%s: output 'y' is required", OP);
-    if (y == x || (conv_state && (conv_state == x || conv_state == y)))
-        return lm_errorf(err, LM_ERR_INVALID, "%s: 'y' and 'conv_state' must not alias 'x'", OP);
-    /* forward_task's arithmetic for T = 1 (taps j = 0..W-1 added in order from 0, the
-     * state rows then x), without its block gather and scatter of the state */
-    const int S = W - 1, silu = act == LM_ACT_SILU;
-    for (int64_t n = 0; n < B; n++)
-        for (int64_t ch = 0; ch < C; ch++) {
-            float *st = conv_state ? conv_state + (n * C + ch) * S : NULL;
-            const float *wt = weight + ch * W, xv = x[n * C + ch];
-            float acc = 0.0f;
-            for (int j = 0; j < S; j++)
-                acc += wt[j] * st[j];
-            acc += wt[S] * xv;
-            y[n * C + ch] = silu ? acc * lm_layers_sigmoid(acc) : acc;
-            for (int i = 0; i + 1 < S; i++)
-                st[i] = st[i + 1];
-            if (S > 0)
-                st[S - 1] = xv;
-        }
-    return LM_OK;
+    return lm_short_conv_forward(&c, x, weight, conv_state, y, conv_state, err);
 }
