@@ -31,8 +31,10 @@ static lm_status check_finite(const float *x, int64_t n, const char *name, lm_er
         const int64_t i1 = n - i0 < 1024 ? n : i0 + 1024;
         float z = 0.0f;
 #pragma omp simd reduction(+ : z)
-        for (int64_t i = i0; i < i1; i++) z += x[i] * 0.0f;
-        if (z == 0.0f) continue;
+        for (int64_t i = i0; i < i1; i++)
+            z += x[i] * 0.0f;
+        if (z == 0.0f)
+            continue;
         for (int64_t i = i0; i < i1; i++)
             if (!isfinite(x[i]))
                 return lm_errorf(err, LM_ERR_NONFINITE,
@@ -178,9 +180,8 @@ rec_pass_a(const int JB, int K, int V, const float *src, float *dst, const float
  * Pass 1 reads S once with the p and o' accumulators of 32 columns in registers (even
  * and odd rows in separate ones, for two independent FMA chains), pass 2 writes it
  * once. */
-static void rec_decode_token(int K, int V, float *S, const float *e, const float *k,
-                             const float *q, const float *v, float b, float kq, float *u,
-                             float *o) {
+static void rec_decode_token(int K, int V, float *S, const float *e, const float *k, const float *q,
+                             const float *v, float b, float kq, float *u, float *o) {
     for (int j0 = 0; j0 < V; j0 += 32) {
         __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0, o0 = p0, o1 = p0, o2 = p0,
                o3 = p0;
@@ -214,8 +215,10 @@ static void rec_decode_token(int K, int V, float *S, const float *e, const float
             o1 = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), x1, o1);
         }
         const __m512 bb = _mm512_set1_ps(b), kk = _mm512_set1_ps(kq);
-        const __m512 u0 = _mm512_mul_ps(bb, _mm512_sub_ps(_mm512_loadu_ps(v + j0), _mm512_add_ps(p0, p2))),
-                     u1 = _mm512_mul_ps(bb, _mm512_sub_ps(_mm512_loadu_ps(v + j0 + 16), _mm512_add_ps(p1, p3)));
+        const __m512 u0 = _mm512_mul_ps(
+                         bb, _mm512_sub_ps(_mm512_loadu_ps(v + j0), _mm512_add_ps(p0, p2))),
+                     u1 = _mm512_mul_ps(
+                         bb, _mm512_sub_ps(_mm512_loadu_ps(v + j0 + 16), _mm512_add_ps(p1, p3)));
         _mm512_storeu_ps(u + j0, u0);
         _mm512_storeu_ps(u + j0 + 16, u1);
         _mm512_storeu_ps(o + j0, _mm512_fmadd_ps(u0, kk, _mm512_add_ps(o0, o2)));
@@ -272,8 +275,8 @@ lm_status lm_kda_recurrent_forward(lm_kda_config *c, const lm_kda_inputs *in, lm
                     eb[d] = lm_fexp(g[d]);
                     kq += (double)k[d] * q[d];
                 }
-                rec_decode_token(K, V, S, eb, k, q, in->v + (t * HV + hv) * V,
-                                 p.beta[t * HV + hv], (float)kq, u, out->o + (t * HV + hv) * V);
+                rec_decode_token(K, V, S, eb, k, q, in->v + (t * HV + hv) * V, p.beta[t * HV + hv],
+                                 (float)kq, u, out->o + (t * HV + hv) * V);
                 continue;
             }
 #endif
