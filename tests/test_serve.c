@@ -6,7 +6,8 @@
  *    those of a run alone in a fresh B = 1 cache with the same seed (same prefill
  *    blocks, lm_model_infer, lm_sampler), and its logits are bit for bit the lone
  *    run's (the inference GEMMs are row-wise: ops/cpu/gemm_rowwise.h; check_alone also
- *    bounds them by 2e-5 relative RMS to report the size of a failure);
+ *    bounds them by 2e-5 relative RMS to report the size of a failure); again with the
+ *    decode rows split over 3 threads;
  *  - prefix cache: requests sharing long prompt prefixes at 16-way concurrency give
  *    identical tokens and logits within 1e-5 with the cache on and off, hit the cache,
  *    and stay correct when a tiny budget forces evictions;
@@ -231,8 +232,7 @@ static void fixture_free(fixture *f) {
 }
 
 /* Slots reused thousands of times, every output against a fresh-state run. */
-static void test_slot_reuse(void **state) {
-    (void)state;
+static void slot_reuse(int decode_threads) {
     enum { NREQ = 2400, ROWS = 4 };
     fixture f;
     fixture_init(&f, 64);
@@ -244,6 +244,7 @@ static void test_slot_reuse(void **state) {
     c.block_tokens = BLOCK;
     c.state_cache_bytes = 0;
     c.max_queue = NREQ;
+    c.decode_threads = decode_threads;
     sink k = {f.V, 0, 0, NULL};
     lm_error err = {0};
     lm_engine *e;
@@ -288,11 +289,12 @@ static void test_slot_reuse(void **state) {
         worst = w > worst ? w : worst;
         free(rq[i].logits);
     }
-    printf("slot reuse: %d requests through %d rows in %d steps (%lld decode tokens, %.2f rows "
-           "per step), %d cancelled, %d stopped: logits worst rel RMS %.3g vs each run alone; "
-           "%lld of %lld tokens drawn differently on a near-tie\n",
-           NREQ, ROWS, steps, (long long)st.decode_tokens, (double)st.decode_tokens / steps,
-           n_cancel, n_stop, worst, (long long)g_flips, (long long)g_tokens);
+    printf("slot reuse, %d decode thread(s): %d requests through %d rows in %d steps (%lld "
+           "decode tokens, %.2f rows per step), %d cancelled, %d stopped: logits worst rel RMS "
+           "%.3g vs each run alone; %lld of %lld tokens drawn differently on a near-tie\n",
+           decode_threads, NREQ, ROWS, steps, (long long)st.decode_tokens,
+           (double)st.decode_tokens / steps, n_cancel, n_stop, worst, (long long)g_flips,
+           (long long)g_tokens);
     /* the decode GEMMs are row-wise (src/ops/cpu/gemm_rowwise.h): a row's logits do not
      * depend on the batch, so nothing may differ */
     assert_true(worst == 0);
@@ -302,6 +304,18 @@ static void test_slot_reuse(void **state) {
     free(rq);
     lm_engine_free(e);
     fixture_free(&f);
+}
+
+static void test_slot_reuse(void **state) {
+    (void)state;
+    slot_reuse(1);
+}
+
+/* The decode rows split over 3 threads (groups of 1-2 of the 4 rows, the split moving
+ * as rows come and go): still every row bit for bit its run alone. */
+static void test_slot_reuse_threads(void **state) {
+    (void)state;
+    slot_reuse(3);
 }
 
 /* Run `n` requests (16-way) through an engine with the given cache budget. */
@@ -547,10 +561,9 @@ static void test_chunked_prefill(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_chunked_prefill),
-        cmocka_unit_test(test_limits),
-        cmocka_unit_test(test_prefix_cache),
-        cmocka_unit_test(test_slot_reuse),
+        cmocka_unit_test(test_chunked_prefill),    cmocka_unit_test(test_limits),
+        cmocka_unit_test(test_prefix_cache),       cmocka_unit_test(test_slot_reuse),
+        cmocka_unit_test(test_slot_reuse_threads),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

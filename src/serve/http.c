@@ -1606,13 +1606,13 @@ lm_status lm_server_start(lm_server **out, lm_model *m, lm_tokenizer *tok,
     pthread_mutex_init(&s->mmu, NULL);
     pthread_mutex_init(&s->tok_mu, NULL);
     pthread_cond_init(&s->cv, NULL);
-    lm_status st = lm_engine_new(&s->eng, m, &c->engine, on_event, s, err);
+    if (s->c.threads <= 0)
+        s->c.threads = lm_get_num_threads();
+    lm_status st = lm_engine_new(&s->eng, m, &s->c.engine, on_event, s, err);
     if (st != LM_OK) {
         free(s);
         return st;
     }
-    if (s->c.threads <= 0)
-        s->c.threads = lm_get_num_threads();
     if (pthread_create(&s->sched, NULL, scheduler, s) != 0) {
         lm_engine_free(s->eng);
         free(s);
