@@ -30,6 +30,7 @@
 
 #include "linmoe/model.h"
 #include "linmoe/serve.h"
+#include "model_util.h"
 #include "test_util.h"
 
 #ifndef LM_SOURCE_DIR
@@ -39,39 +40,7 @@
 enum { MAXGEN = 8, MAXP = 48, MAXLEN = 64, BLOCK = 16 };
 
 static void load_tiny(lm_model_config *c) {
-    lm_error err = {0};
-    char warn[256];
-    lm_status st =
-        lm_model_config_load(c, LM_SOURCE_DIR "/configs/tiny.json", warn, sizeof warn, &err);
-    if (st != LM_OK)
-        fprintf(stderr, "%s\n", err.msg);
-    assert_int_equal(st, LM_OK);
-}
-
-/* Non-trivial parameters (as tests/test_model.c): matrices normal(0, 1/sqrt(fan_in)),
- * embeddings N(0, 1), gains 1 + 0.1 N, AttnRes queries 0.3 N, biases 0.05 N. */
-static void randomize(lm_params *p, uint64_t seed) {
-    lm_params_init_weights(p, seed);
-    lm_rng r;
-    lm_rng_init(&r, seed ^ 0x5eedULL);
-    for (int t = 0; t < p->n; t++) {
-        const lm_param_info *in = &p->t[t];
-        float *x = p->data + in->offset;
-        double std = 0, mean = 0;
-        if (in->init == LM_INIT_NORMAL) {
-            std = strstr(in->name, "embed_tokens") ? 1.0
-                                                   : 1.0 / sqrt((double)in->shape[in->ndim - 1]);
-        } else if (in->init == LM_INIT_ONES) {
-            mean = 1;
-            std = 0.1;
-        } else if (in->init == LM_INIT_ZEROS) {
-            std = in->buffer ? 0.05 : 0.3;
-        } else {
-            continue;
-        }
-        for (int64_t i = 0; i < in->numel; i++)
-            x[i] = (float)(mean + std * lm_rng_normal(&r));
-    }
+    lm_test_load_model_config(c, LM_SOURCE_DIR "/configs/tiny.json");
 }
 
 typedef struct {
@@ -221,7 +190,7 @@ static void fixture_init(fixture *f, int64_t max_tokens) {
     load_tiny(&cfg);
     lm_error err = {0};
     assert_int_equal(lm_params_init(&f->p, &cfg, &err), LM_OK);
-    randomize(&f->p, 23);
+    lm_test_randomize_params(&f->p, 23);
     f->V = cfg.vocab_size;
     assert_int_equal(lm_model_new(&f->m, &f->p, max_tokens, &err), LM_OK);
 }

@@ -37,6 +37,7 @@
 #include "linmoe/model.h"
 #include "linmoe/params.h"
 #include "linmoe/server.h"
+#include "model_util.h"
 #include "test_util.h"
 
 #ifndef LM_SOURCE_DIR
@@ -44,30 +45,6 @@
 #endif
 
 /* ---------------------------------------------------------------- fixture */
-
-static void randomize(lm_params *p, uint64_t seed) {
-    lm_params_init_weights(p, seed);
-    lm_rng r;
-    lm_rng_init(&r, seed ^ 0x5eedULL);
-    for (int t = 0; t < p->n; t++) {
-        const lm_param_info *in = &p->t[t];
-        float *x = p->data + in->offset;
-        double std = 0, mean = 0;
-        if (in->init == LM_INIT_NORMAL) {
-            std = strstr(in->name, "embed_tokens") ? 1.0
-                                                   : 1.0 / sqrt((double)in->shape[in->ndim - 1]);
-        } else if (in->init == LM_INIT_ONES) {
-            mean = 1;
-            std = 0.1;
-        } else if (in->init == LM_INIT_ZEROS) {
-            std = in->buffer ? 0.05 : 0.3;
-        } else {
-            continue;
-        }
-        for (int64_t i = 0; i < in->numel; i++)
-            x[i] = (float)(mean + std * lm_rng_normal(&r));
-    }
-}
 
 typedef struct {
     lm_params p;
@@ -84,12 +61,9 @@ static void fix_start(fix *f, const lm_server_config *c) {
     lm_error err = {0};
     if (!g_have_p) {
         lm_model_config cfg;
-        char warn[256];
-        assert_int_equal(
-            lm_model_config_load(&cfg, LM_SOURCE_DIR "/configs/tiny.json", warn, sizeof warn, &err),
-            LM_OK);
+        lm_test_load_model_config(&cfg, LM_SOURCE_DIR "/configs/tiny.json");
         assert_int_equal(lm_params_init(&g_p, &cfg, &err), LM_OK);
-        randomize(&g_p, 23);
+        lm_test_randomize_params(&g_p, 23);
         /* also a checkpoint, for `linmoe generate` */
         assert_int_equal(lm_params_save(&g_p, lm_cli_path("ckpt"), &err), LM_OK);
         g_have_p = 1;
