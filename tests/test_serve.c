@@ -470,6 +470,10 @@ static void test_limits(void **state) {
     c.block_tokens = 0;
     assert_int_equal(lm_engine_new(&e, f.m, &c, on_event, &k, &err), LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "block_tokens"));
+    c.block_tokens = BLOCK;
+    c.decode_threads = 0;
+    assert_int_equal(lm_engine_new(&e, f.m, &c, on_event, &k, &err), LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "decode_threads = 0"));
     fixture_free(&f);
 }
 
