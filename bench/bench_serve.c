@@ -170,28 +170,35 @@ static int parse_list(const char *s, int *out, int max) {
 }
 
 int lm_bench_serve(int argc, char **argv) {
-    const char *ckpt = NULL, *json_path = NULL, *conc = "1,4,16,64", *tok_name = NULL,
-               *gpt2_dir = "data/gpt2";
-    long P = 64, G = 128, R = 2, L = 1000, threads = 0, reps = 3;
+    const char *json_path = NULL, *conc = "1,4,16,64";
+    long P = 64, G = 128, R = 2, L = 1000, reps = 3;
+    lm_cli_serve_opts so;
+    lm_cli_serve_opts_default(&so);
     for (int i = 1; i < argc; i++) {
         const char *v = NULL;
-        int r;
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             printf(
                 "usage: linmoe bench serve --ckpt DIR [--concurrency 1,4,16,64] [--prompt-tokens "
                 "64]\n"
                 "                          [--gen-tokens 128] [--requests 2] [--long-prompt "
                 "1000]\n"
-                "                          [--threads N] [--json FILE]\n\n"
+                "                          [--threads N] [--decode-threads N] [--json FILE]\n\n"
                 "Starts `linmoe serve` on DIR (in this process, loopback, a free port) and, for\n"
                 "each concurrency N, runs N streaming clients at once, each sending --requests\n"
                 "greedy completions of --prompt-tokens random tokens generating --gen-tokens\n"
                 "tokens (ignore_eos). Reports aggregate generated tokens/s (all tokens / wall\n"
                 "time of the round), time to first token and time per output token (p50, p99),\n"
                 "and the speed-up over 1 stream; then the time to first token of a repeated\n"
-                "--long-prompt-token prompt, cold and with a prefix-cache hit (median of 3).\n");
+                "--long-prompt-token prompt, cold and with a prefix-cache hit (median of 3).\n\n"
+                "options shared with `linmoe serve`:\n%s",
+                lm_cli_serve_opts_help);
             return LM_EXIT_OK;
         }
+        int r = lm_cli_serve_opt(PROG, argc, argv, &i, &so);
+        if (r < 0)
+            return LM_EXIT_USAGE;
+        if (r > 0)
+            continue;
 #define FLAG(name) ((r = lm_cli_flag_val(PROG, argc, argv, &i, name, &v)) != 0)
 #define LONG(name, var, lo, hi)                                                                    \
     if (FLAG(name)) {                                                                              \
@@ -206,25 +213,17 @@ int lm_bench_serve(int argc, char **argv) {
         var = v;                                                                                   \
         continue;                                                                                  \
     }
-        STR("--ckpt", ckpt);
         STR("--json", json_path);
         STR("--concurrency", conc);
-        STR("--tokenizer", tok_name);
-        STR("--gpt2-dir", gpt2_dir);
         LONG("--prompt-tokens", P, 1, 1 << 20);
         LONG("--gen-tokens", G, 2, 1 << 20);
         LONG("--requests", R, 1, 1000);
         LONG("--long-prompt", L, 65, 1 << 20);
-        LONG("--threads", threads, 1, 4096);
         fprintf(stderr, PROG ": unknown option '%s' (see --help)\n", argv[i]);
         return LM_EXIT_USAGE;
 #undef FLAG
 #undef LONG
 #undef STR
-    }
-    if (!ckpt) {
-        fprintf(stderr, PROG ": --ckpt DIR is required\n");
-        return LM_EXIT_USAGE;
     }
     int Ns[16];
     const int nN = parse_list(conc, Ns, 16);
@@ -232,24 +231,11 @@ int lm_bench_serve(int argc, char **argv) {
         fprintf(stderr, PROG ": --concurrency '%s' (want a list like 1,4,16,64)\n", conc);
         return LM_EXIT_USAGE;
     }
-    if (threads > 0)
-        lm_set_num_threads((int)threads);
     int maxN = 1;
     for (int i = 0; i < nN; i++)
         maxN = Ns[i] > maxN ? Ns[i] : maxN;
     lm_error err = {0};
-    lm_params p;
-    char ckpt_buf[4096];
-    lm_cli_resolve_ckpt(ckpt, ckpt_buf, sizeof ckpt_buf);
-    if (lm_params_load(&p, ckpt_buf, &err) != LM_OK) {
-        fprintf(stderr, PROG ": %s\n", err.msg);
-        return LM_EXIT_BAD_INPUT;
-    }
-    const int V = p.cfg.vocab_size;
-    lm_tokenizer *tok = NULL;
-    lm_model *m = NULL;
     lm_server *srv = NULL;
-    int rc = LM_EXIT_BAD_INPUT;
     lm_server_config sc;
     lm_server_config_default(&sc);
     sc.port = 0;
@@ -258,20 +244,23 @@ int lm_bench_serve(int argc, char **argv) {
     sc.engine.max_queue = 4096;
     sc.max_connections = 4096;
     sc.max_body_bytes = (int64_t)(L > P ? L : P) * 12 + 4096;
-    if (!tok_name)
-        tok_name = V == 257 ? "byte" : "gpt2";
-    if (lm_tokenizer_open(&tok, tok_name, gpt2_dir, &err) != LM_OK ||
-        lm_model_new(&m, &p, lm_engine_model_tokens(&sc.engine), &err) != LM_OK ||
-        lm_server_start(&srv, m, tok, &sc, &err) != LM_OK) {
+    lm_cli_served sv;
+    int rc = lm_cli_serve_open(PROG, &so, &sc.engine, &sv);
+    if (rc != LM_EXIT_OK)
+        goto done;
+    rc = LM_EXIT_BAD_INPUT;
+    const int V = sv.p.cfg.vocab_size;
+    if (lm_server_start(&srv, sv.m, sv.tok, &sc, &err) != LM_OK) {
         fprintf(stderr, PROG ": %s\n", err.msg);
         goto done;
     }
     const int port = lm_server_port(srv);
-    const lm_model_config *mc = &p.cfg;
-    printf("bench serve: %s (d %d, %d layers, vocab %d), %d OpenMP threads, load %.2f; prompts %ld "
-           "tokens, %ld generated (greedy, ignore_eos), %ld requests per client\n",
-           ckpt_buf, mc->hidden_size, mc->num_hidden_layers, V, lm_get_num_threads(),
-           lm_bench_loadavg1(), P, G, R);
+    const lm_model_config *mc = &sv.p.cfg;
+    printf("bench serve: %s (d %d, %d layers, vocab %d), %d OpenMP threads, %d decode threads, "
+           "load %.2f; prompts %ld tokens, %ld generated (greedy, ignore_eos), %ld requests per "
+           "client\n",
+           sv.ckpt, mc->hidden_size, mc->num_hidden_layers, V, lm_get_num_threads(),
+           sc.engine.decode_threads, lm_bench_loadavg1(), P, G, R);
     FILE *jf = json_path ? fopen(json_path, "w") : NULL;
     if (json_path && !jf) {
         fprintf(stderr, PROG ": cannot write %s: %s\n", json_path, strerror(errno));
@@ -332,11 +321,12 @@ int lm_bench_serve(int argc, char **argv) {
             fprintf(
                 jf,
                 "  {\"name\": \"serve_streams\", \"shape\": {\"streams\": %d, \"prompt_tokens\": "
-                "%ld, \"gen_tokens\": %ld, \"requests\": %d}, \"ms\": %.3f, \"tokens_per_s\": "
+                "%ld, \"gen_tokens\": %ld, \"requests\": %d, \"threads\": %d, \"decode_threads\": "
+                "%d}, \"ms\": %.3f, \"tokens_per_s\": "
                 "%.1f, \"ratio_to_1_stream\": %.3f, \"ttft_p50_ms\": %.3f, \"ttft_p99_ms\": "
                 "%.3f, \"tpot_p50_ms\": %.4f, \"tpot_p99_ms\": %.4f, \"failed\": %d},\n",
-                N, P, G, n, wall * 1e3, tps, tps / base, t50 * 1e3, t99 * 1e3, p50 * 1e3, p99 * 1e3,
-                failed);
+                N, P, G, n, lm_get_num_threads(), sc.engine.decode_threads, wall * 1e3, tps,
+                tps / base, t50 * 1e3, t99 * 1e3, p50 * 1e3, p99 * 1e3, failed);
         free(tt), free(tp), free(res), free(th), free(ca);
     }
     /* the prefix cache: a long prompt cold, then again */
@@ -371,8 +361,6 @@ int lm_bench_serve(int argc, char **argv) {
     rc = LM_EXIT_OK;
 done:
     lm_server_stop(srv);
-    lm_model_free(m);
-    lm_tokenizer_free(tok);
-    lm_params_free(&p);
+    lm_cli_serve_close(&sv);
     return rc;
 }

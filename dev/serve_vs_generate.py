@@ -3,11 +3,15 @@
 shared 150-byte prefix, so the prefix cache hits) served by `linmoe serve` to 16 clients at once,
 half greedy and half sampled with a seed, each compared byte for byte with `linmoe generate`
 run alone with the same seed. (tests/test_server.c does the same on random weights in CI.)
-Usage: dev/serve_vs_generate.py BIN CKPT"""
-import json, re, subprocess, sys, threading, urllib.request
+Usage: dev/serve_vs_generate.py BIN CKPT [SERVE_ARGS...] (e.g. --threads 1 --decode-threads 2)"""
+import codecs, json, re, subprocess, sys, threading, urllib.request
+
+# the server's output text (docs/serving.md "Output text"): every byte that is not part of
+# valid UTF-8, and every NUL, becomes one U+FFFD (Python's "replace" gives one per run)
+codecs.register_error("per_byte", lambda e: ("\ufffd" * (e.end - e.start), e.end))
 
 bin_, ckpt = sys.argv[1], sys.argv[2]
-srv = subprocess.Popen([bin_, "serve", "--ckpt", ckpt, "--port", "0"], stdout=subprocess.PIPE,
+srv = subprocess.Popen([bin_, "serve", "--ckpt", ckpt, "--port", "0"] + sys.argv[3:], stdout=subprocess.PIPE,
                        stderr=subprocess.DEVNULL, text=True)
 port = int(re.match(r"listening on http://127.0.0.1:(\d+)/", srv.stdout.readline()).group(1))
 fam = ["The committee said that the city", "In the beginning of the year, the",
@@ -42,7 +46,7 @@ for i, r in enumerate(reqs):
          "--temperature", str(r["temperature"]), "--top-p", str(r.get("top_p", 1)),
          "--top-k", str(r.get("top_k", 0)), "--seed", str(r.get("seed", 1))]
     out = subprocess.run(a, capture_output=True).stdout
-    g = out[len(prompts[i].encode()):-1].decode("utf-8", errors="replace")
+    g = out[len(prompts[i].encode()):-1].decode("utf-8", errors="per_byte").replace("\0", "\ufffd")
     if g == served[i]:
         same += 1
     else:

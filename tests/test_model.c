@@ -18,7 +18,7 @@
  *    logits;
  *  - standard and full AttnRes residuals run forward/backward (finite differences on
  *    a smaller sample), tied embeddings, thread-count independence, bad input.
- * Parameters are drawn so that every path is non-trivial (see randomize()).
+ * Parameters are drawn so that every path is non-trivial (see lm_test_randomize_params()).
  *
  * Tolerances of comparisons between fp32 results (see "fp32 rounding" below): the
  * inference, packing and fixture comparisons are scaled by each position's measured
@@ -40,6 +40,7 @@
 
 #include "linmoe/model.h"
 #include "linmoe/safetensors.h"
+#include "model_util.h"
 #include "test_util.h"
 
 #ifndef LM_SOURCE_DIR
@@ -47,38 +48,7 @@
 #endif
 
 static void load_tiny(lm_model_config *c) {
-    lm_error err = {0};
-    char warn[256];
-    lm_status st = lm_model_config_load(c, LM_SOURCE_DIR "/configs/tiny.json", warn, sizeof warn,
-                                        &err);
-    if (st != LM_OK) fprintf(stderr, "%s\n", err.msg);
-    assert_int_equal(st, LM_OK);
-}
-
-/* Non-trivial parameters: matrices normal(0, 1/sqrt(fan_in)) (embeddings N(0,1)),
- * gains 1 + 0.1 N, AttnRes queries 0.3 N (not the zero init), selection biases
- * 0.05 N; conv weights, A_log and dt_bias keep their init. */
-static void randomize(lm_params *p, uint64_t seed) {
-    lm_params_init_weights(p, seed);
-    lm_rng r;
-    lm_rng_init(&r, seed ^ 0x5eedULL);
-    for (int t = 0; t < p->n; t++) {
-        const lm_param_info *in = &p->t[t];
-        float *x = p->data + in->offset;
-        double std = 0, mean = 0;
-        if (in->init == LM_INIT_NORMAL) {
-            const int is_emb = strstr(in->name, "embed_tokens") != NULL;
-            std = is_emb ? 1.0 : 1.0 / sqrt((double)in->shape[in->ndim - 1]);
-        } else if (in->init == LM_INIT_ONES) {
-            mean = 1;
-            std = 0.1;
-        } else if (in->init == LM_INIT_ZEROS) {
-            std = in->buffer ? 0.05 : 0.3;
-        } else {
-            continue;
-        }
-        for (int64_t i = 0; i < in->numel; i++) x[i] = (float)(mean + std * lm_rng_normal(&r));
-    }
+    lm_test_load_model_config(c, LM_SOURCE_DIR "/configs/tiny.json");
 }
 
 static void fill_ids(int32_t *ids, int64_t n, int V, uint64_t seed) {
@@ -257,7 +227,7 @@ static void fd_model(lm_model_config *cfg, int B, int T, int samples, double ste
     lm_error err = {0};
     lm_params p;
     assert_int_equal(lm_params_init(&p, cfg, &err), LM_OK);
-    randomize(&p, 77);
+    lm_test_randomize_params(&p, 77);
     lm_model *m;
     assert_int_equal(lm_model_new(&m, &p, (int64_t)B * T, &err), LM_OK);
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)(B * T));
@@ -379,7 +349,7 @@ static void test_attnres_two_sources(void **state) {
     lm_error err = {0};
     lm_params p;
     assert_int_equal(lm_params_init(&p, &cfg, &err), LM_OK);
-    randomize(&p, 3);
+    lm_test_randomize_params(&p, 3);
     const int B = 2, T = 17, N = B * T, d = cfg.hidden_size;
     lm_model *m;
     assert_int_equal(lm_model_new(&m, &p, N, &err), LM_OK);
@@ -436,7 +406,7 @@ static void test_packing(void **state) {
     lm_error err = {0};
     lm_params p;
     assert_int_equal(lm_params_init(&p, &cfg, &err), LM_OK);
-    randomize(&p, 11);
+    lm_test_randomize_params(&p, 11);
     const int64_t cu[] = {0, 7, 8, 8, 29, 45};
     const int ncu = 6, T = 45, V = cfg.vocab_size;
     lm_model *m;
@@ -477,7 +447,7 @@ static void infer_case(lm_model_config *cfg, int B, int P, int steps) {
     lm_error err = {0};
     lm_params p;
     assert_int_equal(lm_params_init(&p, cfg, &err), LM_OK);
-    randomize(&p, 13);
+    lm_test_randomize_params(&p, 13);
     const int T = P + steps, V = cfg->vocab_size;
     lm_model *m;
     assert_int_equal(lm_model_new(&m, &p, (int64_t)B * T, &err), LM_OK);
@@ -585,7 +555,7 @@ static void test_slots(void **state) {
     lm_error err = {0};
     lm_params p;
     assert_int_equal(lm_params_init(&p, &cfg, &err), LM_OK);
-    randomize(&p, 23);
+    lm_test_randomize_params(&p, 23);
     enum { B = 3, MAXLEN = 48, STEPS = 6 };
     const int V = cfg.vocab_size;
     lm_model *m;
@@ -671,7 +641,7 @@ static void test_slots_packed(void **state) {
     lm_error err = {0};
     lm_params p;
     assert_int_equal(lm_params_init(&p, &cfg, &err), LM_OK);
-    randomize(&p, 29);
+    lm_test_randomize_params(&p, 29);
     enum { B = 4, MAXLEN = 40, MAXSTEPS = 8 };
     const int V = cfg.vocab_size;
     lm_model *m;
@@ -764,7 +734,7 @@ static void test_threads(void **state) {
     lm_error err = {0};
     lm_params p;
     assert_int_equal(lm_params_init(&p, &cfg, &err), LM_OK);
-    randomize(&p, 17);
+    lm_test_randomize_params(&p, 17);
     const int B = 2, T = 70, N = B * T;
     lm_model *m;
     assert_int_equal(lm_model_new(&m, &p, N, &err), LM_OK);
@@ -804,7 +774,7 @@ static void test_bad_input(void **state) {
     lm_error err = {0};
     lm_params p;
     assert_int_equal(lm_params_init(&p, &cfg, &err), LM_OK);
-    randomize(&p, 19);
+    lm_test_randomize_params(&p, 19);
     lm_model *m;
     assert_int_equal(lm_model_new(&m, &p, 16, &err), LM_OK);
     int32_t ids[16] = {0}, lab[16] = {0};

@@ -6,7 +6,8 @@
  *    those of a run alone in a fresh B = 1 cache with the same seed (same prefill
  *    blocks, lm_model_infer, lm_sampler), and its logits are bit for bit the lone
  *    run's (the inference GEMMs are row-wise: ops/cpu/gemm_rowwise.h; check_alone also
- *    bounds them by 2e-5 relative RMS to report the size of a failure);
+ *    bounds them by 2e-5 relative RMS to report the size of a failure); again with the
+ *    decode rows split over 3 threads;
  *  - prefix cache: requests sharing long prompt prefixes at 16-way concurrency give
  *    identical tokens and logits within 1e-5 with the cache on and off, hit the cache,
  *    and stay correct when a tiny budget forces evictions;
@@ -29,6 +30,7 @@
 
 #include "linmoe/model.h"
 #include "linmoe/serve.h"
+#include "model_util.h"
 #include "test_util.h"
 
 #ifndef LM_SOURCE_DIR
@@ -38,39 +40,7 @@
 enum { MAXGEN = 8, MAXP = 48, MAXLEN = 64, BLOCK = 16 };
 
 static void load_tiny(lm_model_config *c) {
-    lm_error err = {0};
-    char warn[256];
-    lm_status st =
-        lm_model_config_load(c, LM_SOURCE_DIR "/configs/tiny.json", warn, sizeof warn, &err);
-    if (st != LM_OK)
-        fprintf(stderr, "%s\n", err.msg);
-    assert_int_equal(st, LM_OK);
-}
-
-/* Non-trivial parameters (as tests/test_model.c): matrices normal(0, 1/sqrt(fan_in)),
- * embeddings N(0, 1), gains 1 + 0.1 N, AttnRes queries 0.3 N, biases 0.05 N. */
-static void randomize(lm_params *p, uint64_t seed) {
-    lm_params_init_weights(p, seed);
-    lm_rng r;
-    lm_rng_init(&r, seed ^ 0x5eedULL);
-    for (int t = 0; t < p->n; t++) {
-        const lm_param_info *in = &p->t[t];
-        float *x = p->data + in->offset;
-        double std = 0, mean = 0;
-        if (in->init == LM_INIT_NORMAL) {
-            std = strstr(in->name, "embed_tokens") ? 1.0
-                                                   : 1.0 / sqrt((double)in->shape[in->ndim - 1]);
-        } else if (in->init == LM_INIT_ONES) {
-            mean = 1;
-            std = 0.1;
-        } else if (in->init == LM_INIT_ZEROS) {
-            std = in->buffer ? 0.05 : 0.3;
-        } else {
-            continue;
-        }
-        for (int64_t i = 0; i < in->numel; i++)
-            x[i] = (float)(mean + std * lm_rng_normal(&r));
-    }
+    lm_test_load_model_config(c, LM_SOURCE_DIR "/configs/tiny.json");
 }
 
 typedef struct {
@@ -220,7 +190,7 @@ static void fixture_init(fixture *f, int64_t max_tokens) {
     load_tiny(&cfg);
     lm_error err = {0};
     assert_int_equal(lm_params_init(&f->p, &cfg, &err), LM_OK);
-    randomize(&f->p, 23);
+    lm_test_randomize_params(&f->p, 23);
     f->V = cfg.vocab_size;
     assert_int_equal(lm_model_new(&f->m, &f->p, max_tokens, &err), LM_OK);
 }
@@ -231,8 +201,7 @@ static void fixture_free(fixture *f) {
 }
 
 /* Slots reused thousands of times, every output against a fresh-state run. */
-static void test_slot_reuse(void **state) {
-    (void)state;
+static void slot_reuse(int decode_threads) {
     enum { NREQ = 2400, ROWS = 4 };
     fixture f;
     fixture_init(&f, 64);
@@ -244,6 +213,7 @@ static void test_slot_reuse(void **state) {
     c.block_tokens = BLOCK;
     c.state_cache_bytes = 0;
     c.max_queue = NREQ;
+    c.decode_threads = decode_threads;
     sink k = {f.V, 0, 0, NULL};
     lm_error err = {0};
     lm_engine *e;
@@ -288,11 +258,12 @@ static void test_slot_reuse(void **state) {
         worst = w > worst ? w : worst;
         free(rq[i].logits);
     }
-    printf("slot reuse: %d requests through %d rows in %d steps (%lld decode tokens, %.2f rows "
-           "per step), %d cancelled, %d stopped: logits worst rel RMS %.3g vs each run alone; "
-           "%lld of %lld tokens drawn differently on a near-tie\n",
-           NREQ, ROWS, steps, (long long)st.decode_tokens, (double)st.decode_tokens / steps,
-           n_cancel, n_stop, worst, (long long)g_flips, (long long)g_tokens);
+    printf("slot reuse, %d decode thread(s): %d requests through %d rows in %d steps (%lld "
+           "decode tokens, %.2f rows per step), %d cancelled, %d stopped: logits worst rel RMS "
+           "%.3g vs each run alone; %lld of %lld tokens drawn differently on a near-tie\n",
+           decode_threads, NREQ, ROWS, steps, (long long)st.decode_tokens,
+           (double)st.decode_tokens / steps, n_cancel, n_stop, worst, (long long)g_flips,
+           (long long)g_tokens);
     /* the decode GEMMs are row-wise (src/ops/cpu/gemm_rowwise.h): a row's logits do not
      * depend on the batch, so nothing may differ */
     assert_true(worst == 0);
@@ -302,6 +273,18 @@ static void test_slot_reuse(void **state) {
     free(rq);
     lm_engine_free(e);
     fixture_free(&f);
+}
+
+static void test_slot_reuse(void **state) {
+    (void)state;
+    slot_reuse(1);
+}
+
+/* The decode rows split over 3 threads (groups of 1-2 of the 4 rows, the split moving
+ * as rows come and go): still every row bit for bit its run alone. */
+static void test_slot_reuse_threads(void **state) {
+    (void)state;
+    slot_reuse(3);
 }
 
 /* Run `n` requests (16-way) through an engine with the given cache budget. */
@@ -487,6 +470,10 @@ static void test_limits(void **state) {
     c.block_tokens = 0;
     assert_int_equal(lm_engine_new(&e, f.m, &c, on_event, &k, &err), LM_ERR_INVALID);
     assert_non_null(strstr(err.msg, "block_tokens"));
+    c.block_tokens = BLOCK;
+    c.decode_threads = 0;
+    assert_int_equal(lm_engine_new(&e, f.m, &c, on_event, &k, &err), LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "decode_threads = 0"));
     fixture_free(&f);
 }
 
@@ -547,10 +534,9 @@ static void test_chunked_prefill(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_chunked_prefill),
-        cmocka_unit_test(test_limits),
-        cmocka_unit_test(test_prefix_cache),
-        cmocka_unit_test(test_slot_reuse),
+        cmocka_unit_test(test_chunked_prefill),    cmocka_unit_test(test_limits),
+        cmocka_unit_test(test_prefix_cache),       cmocka_unit_test(test_slot_reuse),
+        cmocka_unit_test(test_slot_reuse_threads),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -37,6 +37,7 @@
 #include "linmoe/model.h"
 #include "linmoe/params.h"
 #include "linmoe/server.h"
+#include "model_util.h"
 #include "test_util.h"
 
 #ifndef LM_SOURCE_DIR
@@ -44,30 +45,6 @@
 #endif
 
 /* ---------------------------------------------------------------- fixture */
-
-static void randomize(lm_params *p, uint64_t seed) {
-    lm_params_init_weights(p, seed);
-    lm_rng r;
-    lm_rng_init(&r, seed ^ 0x5eedULL);
-    for (int t = 0; t < p->n; t++) {
-        const lm_param_info *in = &p->t[t];
-        float *x = p->data + in->offset;
-        double std = 0, mean = 0;
-        if (in->init == LM_INIT_NORMAL) {
-            std = strstr(in->name, "embed_tokens") ? 1.0
-                                                   : 1.0 / sqrt((double)in->shape[in->ndim - 1]);
-        } else if (in->init == LM_INIT_ONES) {
-            mean = 1;
-            std = 0.1;
-        } else if (in->init == LM_INIT_ZEROS) {
-            std = in->buffer ? 0.05 : 0.3;
-        } else {
-            continue;
-        }
-        for (int64_t i = 0; i < in->numel; i++)
-            x[i] = (float)(mean + std * lm_rng_normal(&r));
-    }
-}
 
 typedef struct {
     lm_params p;
@@ -84,12 +61,9 @@ static void fix_start(fix *f, const lm_server_config *c) {
     lm_error err = {0};
     if (!g_have_p) {
         lm_model_config cfg;
-        char warn[256];
-        assert_int_equal(
-            lm_model_config_load(&cfg, LM_SOURCE_DIR "/configs/tiny.json", warn, sizeof warn, &err),
-            LM_OK);
+        lm_test_load_model_config(&cfg, LM_SOURCE_DIR "/configs/tiny.json");
         assert_int_equal(lm_params_init(&g_p, &cfg, &err), LM_OK);
-        randomize(&g_p, 23);
+        lm_test_randomize_params(&g_p, 23);
         /* also a checkpoint, for `linmoe generate` */
         assert_int_equal(lm_params_save(&g_p, lm_cli_path("ckpt"), &err), LM_OK);
         g_have_p = 1;
@@ -944,11 +918,42 @@ static void test_vs_generate(void **state) {
     assert_true(hits >= 10);
 }
 
+/* The scheduler thread runs the model on the caller's lm_set_num_threads count (or
+ * config.threads), not on OpenMP's default for a new thread (every core). */
+static int model_threads(int port) {
+    double v = 0;
+    for (int i = 0; i < 200 && v <= 0; i++) { /* the scheduler thread sets it on start */
+        v = metric(port, "linmoe_model_threads");
+        if (v <= 0)
+            nanosleep(&(struct timespec){0, 5000000}, NULL);
+    }
+    return (int)v;
+}
+
+static void test_threads(void **state) {
+    (void)state;
+    const int def = lm_get_num_threads();
+    lm_server_config c;
+    base_config(&c);
+    fix f;
+    for (int want = 1; want <= 2; want++) {
+        lm_set_num_threads(want); /* the caller's count, c.threads = 0 */
+        fix_start(&f, &c);
+        assert_int_equal(model_threads(f.port), want);
+        fix_stop(&f);
+    }
+    lm_set_num_threads(2);
+    c.threads = 1; /* an explicit count wins */
+    fix_start(&f, &c);
+    assert_int_equal(model_threads(f.port), 1);
+    fix_stop(&f);
+    lm_set_num_threads(def);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_endpoints),
-        cmocka_unit_test(test_security),
-        cmocka_unit_test(test_faults),
+        cmocka_unit_test(test_endpoints),   cmocka_unit_test(test_threads),
+        cmocka_unit_test(test_security),    cmocka_unit_test(test_faults),
         cmocka_unit_test(test_vs_generate),
     };
     int rc = cmocka_run_group_tests(tests, lm_cli_setup_dir, lm_cli_teardown_dir);

@@ -10,6 +10,10 @@
 #define LINMOE_TOOLS_CLI_H
 
 #include "linmoe/kda.h"
+#include "linmoe/model.h"
+#include "linmoe/params.h"
+#include "linmoe/serve.h"
+#include "linmoe/tokenizer.h"
 
 #define LM_EXIT_OK 0
 #define LM_EXIT_BAD_INPUT 1
@@ -37,6 +41,39 @@ int lm_cli_flag_val(const char *prog, int argc, char **argv, int *i, const char 
                     const char **val);
 int lm_cli_parse_long(const char *prog, const char *flag, const char *s, long lo, long hi,
                       long *out);
+
+/* The options `linmoe serve` and `linmoe bench serve` share (tools/serve.c): the
+ * checkpoint, its tokenizer and the model's threads, and what both do with them. */
+typedef struct {
+    const char *ckpt;      /* --ckpt: checkpoint or run directory (required) */
+    const char *tokenizer; /* --tokenizer byte|gpt2; NULL: byte for vocab 257, else gpt2 */
+    const char *gpt2_dir;  /* --gpt2-dir (data/gpt2) */
+    long threads;          /* --threads: OpenMP threads of the model; 0 = OpenMP's default */
+    long decode_threads;   /* --decode-threads: threads a decode step's rows split over (1) */
+} lm_cli_serve_opts;
+void lm_cli_serve_opts_default(lm_cli_serve_opts *o);
+/* argv[*i] if it is one of the shared options: 1 (taken, with its value), -1 a usage
+ * error (printed with prog), 0 not one of them. */
+int lm_cli_serve_opt(const char *prog, int argc, char **argv, int *i, lm_cli_serve_opts *o);
+/* The options' lines of a --help text. */
+extern const char lm_cli_serve_opts_help[];
+
+/* A loaded checkpoint ready to serve (lm_cli_serve_open). */
+typedef struct {
+    lm_params p;
+    lm_tokenizer *tok;
+    lm_model *m;
+    const char *tok_name;
+    char ckpt[4096]; /* the resolved checkpoint directory */
+    int have_p;
+} lm_cli_served;
+/* Applies o's threads (lm_set_num_threads; ec->decode_threads), loads the checkpoint,
+ * opens the tokenizer and makes the model for engine config ec (lm_engine_model_tokens).
+ * Errors are printed with prog; returns LM_EXIT_OK, LM_EXIT_USAGE (no --ckpt) or
+ * LM_EXIT_BAD_INPUT. lm_cli_serve_close frees what it made, also after an error. */
+int lm_cli_serve_open(const char *prog, const lm_cli_serve_opts *o, lm_engine_config *ec,
+                      lm_cli_served *s);
+void lm_cli_serve_close(lm_cli_served *s);
 
 /* "[d0,d1,...]" into buf (truncated to size). */
 void lm_cli_fmt_shape(char *buf, size_t size, int ndim, const int64_t *shape);

@@ -263,7 +263,10 @@ lm_status lm_model_cache_load_row(lm_model_cache *c, int row, int64_t t0, int64_
  * T must be 1 (each row's token at its own position). Errors: a row's position + T >
  * max_len, rows at different positions with T > 1,
  * T * B > the model's max_tokens, bad ids. On error the cache is left unusable
- * (reset it). */
+ * (reset it). Batch independence: in a call of at most 64 tokens (B * T), each row's
+ * logits and cache are bit for bit those it gets in a call of its own, on any thread
+ * count (the GEMMs are row-wise, ops/cpu/gemm_rowwise.h, the LM head at any B; every
+ * other op is per row); the serving engine relies on it to batch and split decode rows. */
 lm_status lm_model_infer(lm_model *m, lm_model_cache *c, const int32_t *ids, int T,
                          int last_only, float *logits, lm_error *err);
 

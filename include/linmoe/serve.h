@@ -40,7 +40,14 @@
  * with one row, so a served completion equals generate's with the same seed.
  *
  * Threads: an lm_engine is not thread-safe; one thread calls everything (the HTTP
- * server's scheduler thread). Callbacks run in that thread, inside lm_engine_step.
+ * server's scheduler thread). Callbacks run in that thread, inside lm_engine_step. With
+ * decode_threads = W > 1 a decode step splits its rows into W contiguous groups, one per
+ * thread (the calling one and W - 1 the engine starts, each with its own lm_model over
+ * the same parameters), and runs every op of a group on one OpenMP thread: a small
+ * model's ops are too short to share out, but the rows are independent, and each row's
+ * result is the one it gets alone whatever the grouping (model.h: inference is
+ * batch-independent), so outputs do not depend on W. A prefill runs on the calling
+ * thread with its OpenMP threads.
  *
  * What this module does not do: the GPU (the scheduler will drive the GPU model with the
  * same calls), paged KV memory, speculative decoding, caching generated tokens.
@@ -63,9 +70,11 @@ typedef struct {
     int block_tokens;          /* prefill block and prefix-cache granularity, >= 1 */
     int64_t state_cache_bytes; /* prefix cache budget in bytes; 0 = no prefix cache */
     int max_queue;             /* waiting requests (not yet running) at most, >= 0 */
+    int decode_threads;        /* threads a decode step's rows are split over, 1 .. 256 */
 } lm_engine_config;
 
-/* max_seqs 16, max_len 2048, max_batch_tokens 256, block_tokens 64, 256 MiB, queue 256. */
+/* max_seqs 16, max_len 2048, max_batch_tokens 256, block_tokens 64, 256 MiB, queue 256,
+ * 1 decode thread. */
 void lm_engine_config_default(lm_engine_config *c);
 
 typedef struct {

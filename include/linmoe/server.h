@@ -49,6 +49,11 @@ typedef struct {
     int max_json_depth;       /* default 32 */
     int max_connections;      /* default 512 */
     int default_max_tokens;   /* completions without max_tokens (OpenAI: 16) */
+    int threads;              /* OpenMP threads of the scheduler thread, which runs the
+                                 model (prefills; decode steps with engine.decode_threads
+                                 = 1); 0 = lm_get_num_threads() of the caller of
+                                 lm_server_start (OpenMP would give the new thread its
+                                 default, every core) */
     lm_engine_config engine;
 } lm_server_config;
 

@@ -17,6 +17,7 @@
 #include "linmoe/moe.h"
 #include "linmoe/moe_ep.h"
 #include "model/model_internal.h"
+#include "ops/cpu/gemm_rowwise.h"
 #include "ops/cpu/kda_cpu.h"
 
 typedef struct {
@@ -1468,8 +1469,9 @@ lm_status lm_model_infer(lm_model *m, lm_model_cache *c, const int32_t *ids, int
         write_logits(m, N, logits);
         return LM_OK;
     }
-    for (int b = 0; b < c->B; b++)
-        lm_model_mm(0, 1, 1, m->V, m->d, m->xfin + ((int64_t)b * T + T - 1) * m->d, m->d, m->W_head,
-                    m->d, 0, logits + (int64_t)b * m->V, m->V);
+    /* every row's last position in one row-wise product (the head is read once for the
+     * batch; each row's logits are those it gets alone, at any B) */
+    lm_gemm_rowwise(c->B, m->V, m->d, m->xfin + (int64_t)(T - 1) * m->d, T * m->d, m->W_head, m->d,
+                    0, logits, m->V);
     return LM_OK;
 }

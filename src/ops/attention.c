@@ -8,8 +8,12 @@
 #include <math.h>
 #include <omp.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "ops/cpu/attention_cpu.h"
+#include "ops/cpu/gemm_rowwise.h"
 #include "ops/cpu/kda_internal.h" /* lm_fexp: the vectorisable fp32 exp shared with KDA */
 
 void lm_attention_config_default(lm_attention_config *c, int B, int T, int Hq, int Hkv, int D) {
@@ -475,6 +479,46 @@ lm_status lm_attention_cache_write(lm_attention_config *c, int64_t Tmax, int64_t
     return LM_OK;
 }
 
+/* sum_t p[t] in fp64: 8 partial sums (lane t mod 8, increasing t), then a fixed tree: the
+ * same for every row and thread count. */
+static double sum_exps(const float *p, int64_t L) {
+    double z[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t t = 0;
+    for (; t + 8 <= L; t += 8)
+        for (int l = 0; l < 8; l++)
+            z[l] += p[t + l];
+    for (int l = 0; t < L; t++, l++)
+        z[l] += p[t];
+    return ((z[0] + z[4]) + (z[2] + z[6])) + ((z[1] + z[5]) + (z[3] + z[7]));
+}
+
+/* acc[0..D-1] = sum_t p[t] v[t*ldv + d] over t = 0..L-1, fp64, increasing t (a long
+ * cache sums 2^16+ terms, which fp32 rounds to ~1e-4 relative). The accumulators stay
+ * in registers for a 32-wide column strip while the keys stream past. */
+static void pv_accumulate(int64_t L, int D, const float *p, const float *v, int64_t ldv,
+                          double *acc) {
+    int d0 = 0;
+#if defined(__AVX512F__)
+    for (; d0 + 16 <= D; d0 += 16) {
+        __m512d a0 = _mm512_setzero_pd(), a1 = a0;
+        const float *vc = v + d0;
+        for (int64_t t = 0; t < L; t++, vc += ldv) {
+            const __m512d w = _mm512_set1_pd((double)p[t]);
+            a0 = _mm512_fmadd_pd(w, _mm512_cvtps_pd(_mm256_loadu_ps(vc)), a0);
+            a1 = _mm512_fmadd_pd(w, _mm512_cvtps_pd(_mm256_loadu_ps(vc + 8)), a1);
+        }
+        _mm512_storeu_pd(acc + d0, a0);
+        _mm512_storeu_pd(acc + d0 + 8, a1);
+    }
+#endif
+    for (int d = d0; d < D; d++) {
+        double a = 0.0;
+        for (int64_t t = 0; t < L; t++)
+            a = fma((double)p[t], (double)v[t * ldv + d], a);
+        acc[d] = a;
+    }
+}
+
 lm_status lm_attention_decode(lm_attention_config *c, int64_t Tmax, int64_t pos, const float *q,
                               const float *k_cache, const float *v_cache, float *o, float *lse,
                               lm_error *err) {
@@ -530,18 +574,12 @@ lm_status lm_attention_decode(lm_attention_config *c, int64_t Tmax, int64_t pos,
             else
                 memcpy(qt + (size_t)j * D, src, sizeof(float) * (size_t)D);
         }
-        /* scores: the cache row of every key is read once for the whole group */
-        for (int64_t t = 0; t < L; t++) {
-            const float *kr = k_cache + ((size_t)(b * Tmax + t) * Hkv + g) * D;
-            for (int j = 0; j < grp; j++) {
-                const float *qj = qt + (size_t)j * D;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int d = 0; d < D; d++)
-                    dot += qj[d] * kr[d];
-                s[(size_t)j * L + t] = scale * dot;
-            }
-        }
+        /* scores [grp, L] = the group's queries against keys 0..L-1 (row stride Hkv*D):
+         * the row-wise kernel, one thread (this loop is the parallel one) */
+        lm_gemm_rowwise_serial(grp, (int)L, D, qt, D, k_cache + ((size_t)b * Tmax * Hkv + g) * D,
+                               Hkv * D, 0, s, (int)L);
+        for (int64_t i = 0; i < (int64_t)grp * L; i++)
+            s[i] *= scale;
         float mx[64];
         double sum[64]; /* the group's heads, 64 at a time */
         for (int j0 = 0; j0 < grp; j0 += 64) {
@@ -551,24 +589,15 @@ lm_status lm_attention_decode(lm_attention_config *c, int64_t Tmax, int64_t pos,
                 float m = -INFINITY;
                 for (int64_t t = 0; t < L; t++)
                     m = sj[t] > m ? sj[t] : m;
-                double z = 0.0;
-                for (int64_t t = 0; t < L; t++) {
-                    sj[t] = lm_fexp(sj[t] - m);
-                    z += sj[t];
-                }
-                mx[jj] = m, sum[jj] = z;
-            }
-            memset(acc, 0, sizeof(double) * (size_t)jn * D);
-            for (int64_t t = 0; t < L; t++) {
-                const float *vr = v_cache + ((size_t)(b * Tmax + t) * Hkv + g) * D;
-                for (int jj = 0; jj < jn; jj++) {
-                    const double w = s[(size_t)(j0 + jj) * L + t];
-                    double *a = acc + (size_t)jj * D;
 #pragma omp simd
-                    for (int d = 0; d < D; d++)
-                        a[d] += w * vr[d];
-                }
+                for (int64_t t = 0; t < L; t++)
+                    sj[t] = lm_fexp(sj[t] - m);
+                mx[jj] = m, sum[jj] = sum_exps(sj, L);
             }
+            for (int jj = 0; jj < jn; jj++)
+                pv_accumulate(L, D, s + (size_t)(j0 + jj) * L,
+                              v_cache + ((size_t)b * Tmax * Hkv + g) * D, (int64_t)Hkv * D,
+                              acc + (size_t)jj * D);
             for (int jj = 0; jj < jn; jj++) {
                 const int h = g * grp + j0 + jj;
                 float *orow = o + ((size_t)b * Hq + h) * D;

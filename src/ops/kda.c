@@ -8,6 +8,10 @@
 
 #include "ops/cpu/kda_cpu.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 void lm_kda_config_default(lm_kda_config *c, int B, int T, int H, int HV, int K, int V) {
     memset(c, 0, sizeof(*c));
     c->kind = LM_KDA;
@@ -156,6 +160,68 @@ rec_pass_a(const int JB, int K, int V, const float *src, float *dst, const float
     }
 }
 
+#if defined(__AVX512F__)
+/* One decode token of one (sequence, value head), V a multiple of 32, in place on the
+ * state S [K, V] (the recurrent pass for a single token with no pending update):
+ *   x = e^g S (row d scaled by e_d);  p = x^T k, o' = x^T q;  u = beta (v - p);
+ *   o = o' + u (k . q);  S = x + k u^T.
+ * Pass 1 reads S once with the p and o' accumulators of 32 columns in registers (even
+ * and odd rows in separate ones, for two independent FMA chains), pass 2 writes it
+ * once. */
+static void rec_decode_token(int K, int V, float *S, const float *e, const float *k, const float *q,
+                             const float *v, float b, float kq, float *u, float *o) {
+    for (int j0 = 0; j0 < V; j0 += 32) {
+        __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0, o0 = p0, o1 = p0, o2 = p0,
+               o3 = p0;
+        int d = 0;
+        for (; d + 2 <= K; d += 2) {
+            const float *r0 = S + (size_t)d * V + j0, *r1 = r0 + V;
+            const __m512 e0 = _mm512_set1_ps(e[d]), e1 = _mm512_set1_ps(e[d + 1]);
+            const __m512 x0 = _mm512_mul_ps(e0, _mm512_loadu_ps(r0)),
+                         x1 = _mm512_mul_ps(e0, _mm512_loadu_ps(r0 + 16)),
+                         x2 = _mm512_mul_ps(e1, _mm512_loadu_ps(r1)),
+                         x3 = _mm512_mul_ps(e1, _mm512_loadu_ps(r1 + 16));
+            const __m512 k0 = _mm512_set1_ps(k[d]), k1 = _mm512_set1_ps(k[d + 1]),
+                         q0 = _mm512_set1_ps(q[d]), q1 = _mm512_set1_ps(q[d + 1]);
+            p0 = _mm512_fmadd_ps(k0, x0, p0);
+            p1 = _mm512_fmadd_ps(k0, x1, p1);
+            p2 = _mm512_fmadd_ps(k1, x2, p2);
+            p3 = _mm512_fmadd_ps(k1, x3, p3);
+            o0 = _mm512_fmadd_ps(q0, x0, o0);
+            o1 = _mm512_fmadd_ps(q0, x1, o1);
+            o2 = _mm512_fmadd_ps(q1, x2, o2);
+            o3 = _mm512_fmadd_ps(q1, x3, o3);
+        }
+        if (d < K) {
+            const float *r0 = S + (size_t)d * V + j0;
+            const __m512 e0 = _mm512_set1_ps(e[d]);
+            const __m512 x0 = _mm512_mul_ps(e0, _mm512_loadu_ps(r0)),
+                         x1 = _mm512_mul_ps(e0, _mm512_loadu_ps(r0 + 16));
+            p0 = _mm512_fmadd_ps(_mm512_set1_ps(k[d]), x0, p0);
+            p1 = _mm512_fmadd_ps(_mm512_set1_ps(k[d]), x1, p1);
+            o0 = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), x0, o0);
+            o1 = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), x1, o1);
+        }
+        const __m512 bb = _mm512_set1_ps(b), kk = _mm512_set1_ps(kq);
+        const __m512 u0 = _mm512_mul_ps(
+                         bb, _mm512_sub_ps(_mm512_loadu_ps(v + j0), _mm512_add_ps(p0, p2))),
+                     u1 = _mm512_mul_ps(
+                         bb, _mm512_sub_ps(_mm512_loadu_ps(v + j0 + 16), _mm512_add_ps(p1, p3)));
+        _mm512_storeu_ps(u + j0, u0);
+        _mm512_storeu_ps(u + j0 + 16, u1);
+        _mm512_storeu_ps(o + j0, _mm512_fmadd_ps(u0, kk, _mm512_add_ps(o0, o2)));
+        _mm512_storeu_ps(o + j0 + 16, _mm512_fmadd_ps(u1, kk, _mm512_add_ps(o1, o3)));
+    }
+    for (int d = 0; d < K; d++) {
+        float *r = S + (size_t)d * V;
+        const __m512 ed = _mm512_set1_ps(e[d]), kd = _mm512_set1_ps(k[d]);
+        for (int j = 0; j < V; j += 16)
+            _mm512_storeu_ps(r + j, _mm512_fmadd_ps(kd, _mm512_loadu_ps(u + j),
+                                                    _mm512_mul_ps(ed, _mm512_loadu_ps(r + j))));
+    }
+}
+#endif
+
 lm_status lm_kda_recurrent_forward(lm_kda_config *c, const lm_kda_inputs *in, lm_kda_outputs *out,
                                    lm_error *err) {
     LM_TRY(lm_kda_validate(c, in, err));
@@ -186,6 +252,22 @@ lm_status lm_kda_recurrent_forward(lm_kda_config *c, const lm_kda_inputs *in, lm
                 memset(S, 0, sizeof(float) * (size_t)K * V);
                 src = S;
             }
+#if defined(__AVX512F__)
+            /* a decode step (one token, the state updated in place): the fused form */
+            if (p.len[n] == 1 && src == S && V % 32 == 0) {
+                const int64_t t = p.bos[n];
+                const float *q = p.qs + (t * H + h) * K, *k = p.kn + (t * H + h) * K;
+                const float *g = p.gk + (t * HV + hv) * K;
+                double kq = 0;
+                for (int d = 0; d < K; d++) {
+                    eb[d] = lm_fexp(g[d]);
+                    kq += (double)k[d] * q[d];
+                }
+                rec_decode_token(K, V, S, eb, k, q, in->v + (t * HV + hv) * V, p.beta[t * HV + hv],
+                                 (float)kq, u, out->o + (t * HV + hv) * V);
+                continue;
+            }
+#endif
             const float *kp = NULL; /* pending update k_prev u_prev^T (NULL: none) */
             memset(up, 0, sizeof(float) * (size_t)V);
             const int64_t t_end = p.bos[n] + p.len[n];

@@ -1,6 +1,8 @@
 /* The serving engine (serve.h): state pool, FCFS scheduler with continuous batching and
  * chunked prefill, and the prefix cache (a radix tree of token blocks holding full
  * per-layer state checkpoints, LRU-evicted). */
+#include <omp.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -100,7 +102,109 @@ struct lm_engine {
     pc_tree pc;
     int pc_on;
     lm_engine_stats st;
+    /* decode workers (decode_threads > 1): worker i runs rows [w_row[i], w_row[i+1])
+     * through wm[i]; group 0 is the calling thread's, on e->m */
+    int nw;
+    lm_model **wm;   /* [nw], wm[0] = m, the others owned */
+    pthread_t *wth;  /* [nw - 1] */
+    int *w_row;      /* [nw + 1] */
+    lm_status *w_st; /* [nw] */
+    lm_error *w_err; /* [nw] */
+    pthread_mutex_t wmu;
+    pthread_cond_t wgo, wdone;
+    uint64_t w_gen; /* a new step for the workers */
+    int w_busy, w_quit;
 };
+
+/* Rows [w_row[i], w_row[i+1]) through worker i's model. */
+static void decode_group(lm_engine *e, int i) {
+    const int r0 = e->w_row[i], n = e->w_row[i + 1] - r0;
+    e->w_st[i] = LM_OK;
+    if (n <= 0)
+        return;
+    lm_model_cache *v = NULL;
+    lm_status st = lm_model_cache_view(&v, e->pool, e->wm[i], r0, n, &e->w_err[i]);
+    if (st == LM_OK)
+        st = lm_model_infer(e->wm[i], v, e->ids + r0, 1, 1, e->logits + (size_t)r0 * e->V,
+                            &e->w_err[i]);
+    lm_model_cache_free(v);
+    e->w_st[i] = st;
+}
+
+typedef struct {
+    lm_engine *e;
+    int i;
+} worker_arg;
+
+static void *decode_worker(void *arg) {
+    worker_arg a = *(worker_arg *)arg;
+    free(arg);
+    lm_engine *e = a.e;
+    omp_set_num_threads(1); /* a group's ops run on this thread only */
+    uint64_t seen = 0;
+    pthread_mutex_lock(&e->wmu);
+    for (;;) {
+        while (!e->w_quit && e->w_gen == seen)
+            pthread_cond_wait(&e->wgo, &e->wmu);
+        if (e->w_quit)
+            break;
+        seen = e->w_gen;
+        pthread_mutex_unlock(&e->wmu);
+        decode_group(e, a.i);
+        pthread_mutex_lock(&e->wmu);
+        if (--e->w_busy == 0)
+            pthread_cond_signal(&e->wdone);
+    }
+    pthread_mutex_unlock(&e->wmu);
+    return NULL;
+}
+
+/* Start the decode workers (e->nw - 1 threads, each with its own model). */
+static lm_status workers_start(lm_engine *e, lm_error *err) {
+    e->wm = LM_CALLOC((size_t)e->nw, sizeof(lm_model *));
+    e->wth = LM_CALLOC((size_t)e->nw, sizeof(pthread_t));
+    e->w_row = LM_CALLOC((size_t)e->nw + 1, sizeof(int));
+    e->w_st = LM_CALLOC((size_t)e->nw, sizeof(lm_status));
+    e->w_err = LM_CALLOC((size_t)e->nw, sizeof(lm_error));
+    e->wm[0] = e->m;
+    pthread_mutex_init(&e->wmu, NULL);
+    pthread_cond_init(&e->wgo, NULL);
+    pthread_cond_init(&e->wdone, NULL);
+    const int started = e->nw;
+    e->nw = 1; /* counts the workers running, for lm_engine_free on an error */
+    for (int i = 1; i < started; i++) {
+        LM_TRY(lm_model_new(&e->wm[i], (lm_params *)lm_model_params(e->m),
+                            lm_model_max_tokens(e->m), err));
+        worker_arg *a = malloc(sizeof(*a));
+        LM_CHECK(a != NULL);
+        *a = (worker_arg){e, i};
+        if (pthread_create(&e->wth[i - 1], NULL, decode_worker, a) != 0) {
+            free(a);
+            lm_model_free(e->wm[i]);
+            e->wm[i] = NULL;
+            return lm_errorf(err, LM_ERR_NOMEM, "serve: cannot start decode thread %d", i);
+        }
+        e->nw = i + 1;
+    }
+    return LM_OK;
+}
+
+static void workers_stop(lm_engine *e) {
+    if (!e->wm)
+        return;
+    pthread_mutex_lock(&e->wmu);
+    e->w_quit = 1;
+    pthread_cond_broadcast(&e->wgo);
+    pthread_mutex_unlock(&e->wmu);
+    for (int i = 1; i < e->nw; i++) {
+        pthread_join(e->wth[i - 1], NULL);
+        lm_model_free(e->wm[i]);
+    }
+    pthread_mutex_destroy(&e->wmu);
+    pthread_cond_destroy(&e->wgo);
+    pthread_cond_destroy(&e->wdone);
+    free(e->wm), free(e->wth), free(e->w_row), free(e->w_st), free(e->w_err);
+}
 
 void lm_engine_config_default(lm_engine_config *c) {
     c->max_seqs = 16;
@@ -109,6 +213,7 @@ void lm_engine_config_default(lm_engine_config *c) {
     c->block_tokens = 64;
     c->state_cache_bytes = (int64_t)256 << 20;
     c->max_queue = 256;
+    c->decode_threads = 1;
 }
 
 int64_t lm_engine_model_tokens(const lm_engine_config *c) {
@@ -142,6 +247,9 @@ static lm_status check_config(const lm_engine_config *c, lm_error *err) {
                          (long long)c->state_cache_bytes);
     if (c->max_queue < 0)
         return lm_errorf(err, LM_ERR_INVALID, "serve: max_queue = %d (want >= 0)", c->max_queue);
+    if (c->decode_threads < 1 || c->decode_threads > 256)
+        return lm_errorf(err, LM_ERR_INVALID, "serve: decode_threads = %d (want 1 .. 256)",
+                         c->decode_threads);
     return LM_OK;
 }
 
@@ -178,6 +286,11 @@ lm_status lm_engine_new(lm_engine **out, lm_model *m, const lm_engine_config *c,
         return lm_errorf(err, LM_ERR_NOMEM, "serve: cannot allocate the logits of %d rows",
                          c->max_seqs);
     }
+    e->nw = c->decode_threads;
+    if (e->nw > 1 && (st = workers_start(e, err)) != LM_OK) {
+        lm_engine_free(e);
+        return st;
+    }
     e->next_id = 1;
     e->pc_on = c->state_cache_bytes > 0;
     e->pc.budget = c->state_cache_bytes;
@@ -211,6 +324,7 @@ void lm_engine_free(lm_engine *e) {
     }
     for (int i = 0; i < e->c.max_seqs; i++)
         seq_free(e->rows[i]);
+    workers_stop(e);
     for (int64_t i = 0; i < e->pc.n; i++)
         free(e->pc.nodes[i]);
     free(e->pc.nodes);
@@ -542,11 +656,37 @@ static void decode_step(lm_engine *e, lm_error *err) {
     const int n = e->n_decode;
     for (int i = 0; i < n; i++)
         e->ids[i] = e->rows[i]->pending;
-    lm_model_cache *v = NULL;
-    lm_status st = lm_model_cache_view(&v, e->pool, e->m, 0, n, err);
-    if (st == LM_OK)
-        st = lm_model_infer(e->m, v, e->ids, 1, 1, e->logits, err);
-    lm_model_cache_free(v);
+    lm_status st = LM_OK;
+    const int g = e->nw < n ? e->nw : n; /* groups with rows */
+    if (g <= 1) {
+        lm_model_cache *v = NULL;
+        st = lm_model_cache_view(&v, e->pool, e->m, 0, n, err);
+        if (st == LM_OK)
+            st = lm_model_infer(e->m, v, e->ids, 1, 1, e->logits, err);
+        lm_model_cache_free(v);
+    } else {
+        for (int i = 0; i <= e->nw; i++)
+            e->w_row[i] = i < g ? (int)((int64_t)n * i / g) : n;
+        pthread_mutex_lock(&e->wmu);
+        e->w_busy = e->nw - 1;
+        e->w_gen++;
+        pthread_cond_broadcast(&e->wgo);
+        pthread_mutex_unlock(&e->wmu);
+        const int omp0 = omp_get_max_threads();
+        omp_set_num_threads(1);
+        decode_group(e, 0);
+        omp_set_num_threads(omp0);
+        pthread_mutex_lock(&e->wmu);
+        while (e->w_busy > 0)
+            pthread_cond_wait(&e->wdone, &e->wmu);
+        pthread_mutex_unlock(&e->wmu);
+        for (int i = 0; i < g && st == LM_OK; i++)
+            if (e->w_st[i] != LM_OK) {
+                st = e->w_st[i];
+                if (err)
+                    *err = e->w_err[i];
+            }
+    }
     e->st.last_batch = n;
     if (st != LM_OK) {
         for (int i = n - 1; i >= 0; i--) {

@@ -14,6 +14,7 @@
 #include <cjson/cJSON.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
+#include <omp.h>
 
 #include "linmoe/server.h"
 
@@ -99,6 +100,7 @@ struct lm_server {
     int64_t req_total[8][NSTATUS]; /* [endpoint][status] */
     int64_t prompt_tokens, gen_tokens, cached_tokens;
     lm_engine_stats es;
+    int model_threads; /* OpenMP threads of the scheduler thread, as it sees them */
     double ttft_sum, tpot_sum;
     int64_t ttft_n, tpot_n, ttft_h[N_HIST + 1], tpot_h[N_HIST + 1];
 };
@@ -327,6 +329,12 @@ static int on_event(void *ctx, const lm_engine_event *ev) {
 static void *scheduler(void *arg) {
     lm_server *s = arg;
     lm_error err = {0};
+    /* an OpenMP thread count set with lm_set_num_threads holds for the thread that set
+     * it; this thread would otherwise run OpenMP's default (every core) */
+    omp_set_num_threads(s->c.threads);
+    pthread_mutex_lock(&s->mmu);
+    s->model_threads = omp_get_max_threads();
+    pthread_mutex_unlock(&s->mmu);
     for (;;) {
         pthread_mutex_lock(&s->mu);
         job *in = s->inbox;
@@ -1363,6 +1371,9 @@ static enum MHD_Result do_metrics(lm_server *s, struct MHD_Connection *conn) {
     OUT("# HELP linmoe_running_sequences Sequences in the state pool.\n# TYPE "
         "linmoe_running_sequences gauge\nlinmoe_running_sequences %lld\n",
         (long long)s->es.running);
+    OUT("# HELP linmoe_model_threads OpenMP threads the model runs on.\n# TYPE "
+        "linmoe_model_threads gauge\nlinmoe_model_threads %d\n",
+        s->model_threads);
     OUT("# HELP linmoe_batch_size Rows in the last decode step.\n# TYPE linmoe_batch_size "
         "gauge\nlinmoe_batch_size %lld\n",
         (long long)s->es.last_batch);
@@ -1595,7 +1606,9 @@ lm_status lm_server_start(lm_server **out, lm_model *m, lm_tokenizer *tok,
     pthread_mutex_init(&s->mmu, NULL);
     pthread_mutex_init(&s->tok_mu, NULL);
     pthread_cond_init(&s->cv, NULL);
-    lm_status st = lm_engine_new(&s->eng, m, &c->engine, on_event, s, err);
+    if (s->c.threads <= 0)
+        s->c.threads = lm_get_num_threads();
+    lm_status st = lm_engine_new(&s->eng, m, &s->c.engine, on_event, s, err);
     if (st != LM_OK) {
         free(s);
         return st;

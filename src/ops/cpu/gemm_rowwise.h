@@ -17,6 +17,10 @@
 void lm_gemm_rowwise(int M, int N, int K, const float *A, int lda, const float *B, int ldb,
                      int accum, float *C, int ldc);
 
+/* The same product on the calling thread only (for callers inside a parallel loop). */
+void lm_gemm_rowwise_serial(int M, int N, int K, const float *A, int lda, const float *B, int ldb,
+                            int accum, float *C, int ldc);
+
 /* Inference GEMMs (transA = 0, transB = 1): lm_gemm_rowwise for M <= LM_GEMM_ROWWISE_MAX_M,
  * else a single-threaded lm_sgemm. */
 void lm_gemm_infer(int M, int N, int K, const float *A, int lda, const float *B, int ldb, int accum,
