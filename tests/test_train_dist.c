@@ -395,12 +395,66 @@ static void test_resume_across_world_sizes(void **state) {
 
 /* expert parallel: the routed experts of each MoE layer split over 2 ranks (one EP
  * group), then the 2 x 2 grid (2 data-parallel replicas of a 2-rank EP group) */
+/* The per-rank routed-expert memory the trainer prints with sharded experts:
+ * parameters + gradients + AdamW state now, and with every expert on every rank. */
+static void expert_memory(const char *out, int ep, int dp, double *now, double *replicated) {
+    char key[96];
+    snprintf(key, sizeof key, "expert parallel %d x data parallel %d: per rank", ep, dp);
+    const char *l = out ? strstr(out, key) : NULL;
+    if (!l)
+        print_message("no '%s' in:\n%s\n", key, out ? out : "");
+    assert_non_null(l);
+    double p, g, o, t, pr, gr, orr, tr;
+    const char *q = strstr(l, "parameters ");
+    assert_non_null(q);
+    assert_int_equal(sscanf(q,
+                            "parameters %lf MiB + gradients %lf MiB + AdamW state %lf MiB = %lf "
+                            "MiB (replicated experts: %lf + %lf + %lf = %lf MiB)",
+                            &p, &g, &o, &t, &pr, &gr, &orr, &tr),
+                     8);
+    print_message("EP %d x DP %d: routed experts per rank %.3f MiB (parameters %.3f, gradients "
+                  "%.3f, AdamW %.3f); with replicated experts %.3f MiB (%.3f, %.3f, %.3f)\n",
+                  ep, dp, t, p, g, o, tr, pr, gr, orr);
+    *now = t;
+    *replicated = tr;
+    /* this rank's experts only: the parameters and gradients 1/ep of all experts (up
+     * to the 64-byte padding of each shard's tensors), the moments 1/(ep dp) */
+    assert_true(fabs(p * ep - pr) <= 1e-3 * pr);
+    assert_true(fabs(o * ep * dp - 2 * pr) <= 2e-3 * pr);
+}
+
+static void need_run(int np, const char *cfg, const char *run) {
+    char p[600];
+    snprintf(p, sizeof p, "%s/log.jsonl", path(run));
+    if (access(p, F_OK) != 0)
+        train_ok(np, cfg, run, NULL); /* the test runs alone (LINMOE_TEST_FILTER) */
+}
+
 static void test_ep(void **state) {
     (void)state;
-    train_ok(2, "ep.json", "ep2", NULL);
+    need_run(1, "dp.json", "one");
+    need_run(1, "dp_m1.json", "one_m1");
+    char *out = NULL; /* sh's buffer, valid until the next call */
+    int rc = train(2, "ep.json", "ep2", NULL, &out);
+    if (rc != 0)
+        print_message("exit %d:\n%s\n", rc, out);
+    assert_int_equal(rc, 0);
+    double now, rep;
+    expert_memory(out, 2, 1, &now, &rep);
     compare_runs("EP 2 vs 1 rank", "one", "ep2", 1);
-    train_ok(4, "ep_m1.json", "dpep4", NULL);
+    rc = train(4, "ep_m1.json", "dpep4", NULL, &out);
+    if (rc != 0)
+        print_message("exit %d:\n%s\n", rc, out);
+    assert_int_equal(rc, 0);
+    expert_memory(out, 2, 2, &now, &rep);
     compare_runs("DP 2 x EP 2 vs 1 rank", "one_m1", "dpep4", 1);
+    /* a single-rank checkpoint split into EP shards on resume, and EP shards written
+     * in the single-rank layout: 1 rank to step 8, then EP 2 */
+    train_ok(1, "dp.json", "r1ep", "--max-steps 8");
+    char cfg2[600];
+    snprintf(cfg2, sizeof cfg2, "--config '%s'", path("ep.json"));
+    train_ok(2, NULL, "r1ep", cfg2);
+    compare_runs("1 rank to step 8, resumed on EP 2", "one", "r1ep", 1);
     /* resume across expert-parallel degrees: 2 x 2 to step 8, then 2 ranks without EP */
     train_ok(4, "ep_m1.json", "ep_r", "--max-steps 8");
     char extra[600];
@@ -408,8 +462,7 @@ static void test_ep(void **state) {
     train_ok(2, NULL, "ep_r", extra);
     compare_runs("DP 2 x EP 2 to step 8, resumed on 2 ranks without EP", "one_m1", "ep_r", 1);
     /* an EP degree that does not divide the ranks */
-    char *out = NULL;
-    const int rc = train(3, "ep.json", "ep3", "--max-steps 1", &out);
+    rc = train(3, "ep.json", "ep3", "--max-steps 1", &out);
     assert_int_not_equal(rc, 0);
     if (!strstr(out, "expert_parallel = 2 needs a number of ranks"))
         print_message("%s\n", out);
@@ -512,5 +565,8 @@ int main(void) {
         cmocka_unit_test(test_hung_rank),
         cmocka_unit_test(test_uneven_world),
     };
+    /* LINMOE_TEST_FILTER=test_ep: one test (cmocka's pattern), to rerun it alone */
+    if (getenv("LINMOE_TEST_FILTER"))
+        cmocka_set_test_filter(getenv("LINMOE_TEST_FILTER"));
     return cmocka_run_group_tests(t, setup, teardown);
 }
