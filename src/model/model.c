@@ -97,7 +97,8 @@ struct lm_model {
     int64_t *cu;
     int32_t *ids, *labels;
     double loss;
-    float loss_scale; /* of the running backward (the MoE layers' aux gradient scale) */
+    float loss_scale;   /* of the running backward (the MoE layers' aux gradient scale) */
+    float ep_aux_scale; /* lm_model_set_ep_aux_scale; NAN: loss_scale */
 };
 
 /* ---------------------------------------------------------------- helpers */
@@ -139,7 +140,12 @@ static void stage_add(lm_model *m, const float *param, int64_t off, int64_t n) {
 
 lm_params *lm_model_params(lm_model *m) { return m->p; }
 
-lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *ep, lm_error *err) {
+void lm_model_set_ep_aux_scale(lm_model *m, float scale) {
+    if (m)
+        m->ep_aux_scale = scale;
+}
+
+lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *ep, lm_comm *route, lm_error *err) {
     if (!m || !ep)
         return lm_errorf(err, LM_ERR_INVALID, "model: expert parallel: NULL argument");
     for (int i = 0; i < m->L; i++) {
@@ -152,7 +158,7 @@ lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *ep, lm_error *err) 
                              "model: expert parallel: the parameters hold the experts of EP "
                              "rank %d of %d, the group is rank %d of %d",
                              m->p->ep_rank, m->p->ep_size, lm_comm_rank(ep), lm_comm_size(ep));
-        LM_TRY(lm_moe_ep_new(&l->ep, &l->mc, ep, (int)m->max_tokens, err));
+        LM_TRY(lm_moe_ep_new(&l->ep, &l->mc, ep, route, (int)m->max_tokens, err));
         l->mw_ep = l->mw;
         if (m->p->ep_size > 1)
             continue; /* experts.* hold this rank's experts only already */
@@ -489,6 +495,7 @@ lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_erro
         return lm_errorf(err, LM_ERR_INVALID, "model: max_tokens = %lld (want 1 .. 2^30)",
                          (long long)max_tokens);
     lm_model *m = LM_CALLOC(1, sizeof(*m));
+    m->ep_aux_scale = NAN;
     const lm_model_config *c = &p->cfg;
     m->p = p;
     m->c = c;
@@ -967,7 +974,8 @@ static lm_status sublayer_backward(lm_model *m, int l, const float *dout, lm_err
             memset(full + (int64_t)(e0 + El) * per, 0,
                    sizeof(float) * (size_t)(n[w] - (int64_t)(e0 + El) * per));
         }
-        lm_moe_ep_set_aux_scale(ly->ep, m->loss_scale);
+        lm_moe_ep_set_aux_scale(ly->ep,
+                                isfinite(m->ep_aux_scale) ? m->ep_aux_scale : m->loss_scale);
         LM_TRY(lm_moe_ep_backward(ly->ep, &ly->mw_ep, x, dout, m->dxn, &ge, err));
         for (int w = 0; w < LM_MOE_N_WEIGHTS; w++)
             stage_add(m, ly->mw.p[w], off[w], n[w]);

@@ -69,8 +69,9 @@ typedef struct {
      * rank 0 gathers the AdamW moments into full_mv [2 numel] for checkpoints */
     lm_comm *comm, *own_comm;
     lm_comm *dpc, *epc; /* train.expert_parallel > 1: the grid's groups (dist.h) */
-    lm_comm *rcomm;     /* the router sums' reduction: comm, or dpc (an EP group's ranks
-                           already hold the group's counts) */
+    int world_route;    /* the MoE layers route the world's batch (route_world) */
+    lm_comm *rcomm;     /* the router sums' reduction: comm, or NULL with world_route (every
+                           rank's state holds the world's counts already) */
     int rank, world;
     lm_loader_batch gb;
     int have_gb;
@@ -445,7 +446,7 @@ typedef struct {
  * global load and the logged load is the global one. */
 static void reduce_demand(double *buf, int n, void *arg) {
     ctx *x = arg;
-    if (x->reduce_st == LM_OK)
+    if (x->reduce_st == LM_OK && x->rcomm)
         x->reduce_st = lm_comm_allreduce(x->rcomm, buf, n, LM_F64, LM_DIST_SUM, &x->reduce_err);
     double tot = 0;
     for (int e = 0; e < x->E; e++)
@@ -511,6 +512,10 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
         int64_t nl = 0;
         lm_status r =
             lm_model_forward(m, &x->b.batch, x->b.ids, x->b.labels, 1, NULL, &loss, &nl, err);
+        /* the routed batch's aux loss is whole on every rank: its gradient takes the
+         * micro-batch's factor, the CE's this rank's share of it */
+        if (x->world_route)
+            lm_model_set_ep_aux_scale(m, 1.0f / (float)M);
         if (r == LM_OK)
             r = lm_model_backward(m, (float)(share / M), mi > 0, err);
         if (r != LM_OK) {
@@ -1135,6 +1140,26 @@ static lm_status save_checkpoint(ctx *x, const lm_loader_state *ls, lm_error *er
     return lm_comm_agree(x->comm, st, err);
 }
 
+/* Whether the MoE layers route the world's micro-batch (moe_ep.h's routing
+ * communicator = the world; every rank runs the router on every rank's logits):
+ * with EP (the layer is collective anyway), and in data-parallel runs whose routing
+ * depends on the batch beyond one token: capacity (per expert over the batch), the
+ * aux loss (its counts and means are the batch's) and quantile balancing (a dual
+ * solve per micro-batch). Then the tokens dropped, the aux loss and its gradient, and
+ * the router states are those of one process on the global micro-batch. Dropless
+ * aux-free / none routing is per token: each rank routes its own share (no collective
+ * inside the forward) and the counts are summed at the bias update. */
+static int route_world(const ctx *x, const lm_train_config *c) {
+    if (x->world == 1 || x->o->device.type == LM_DEVICE_CUDA)
+        return 0;
+    int moe = 0;
+    for (int i = 0; i < c->model.num_hidden_layers; i++)
+        moe |= lm_model_layer_is_moe(&c->model, i);
+    const lm_router_config *r = &c->model.moe.router;
+    return moe && (x->ep > 1 || r->capacity_factor > 0 || r->balance == LM_BAL_AUX_LOSS ||
+                   r->balance == LM_BAL_QUANTILE);
+}
+
 static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm_error *err) {
     const lm_train_options *o = x->o;
     char ckdir[PATHMAX + 64] = "";
@@ -1253,11 +1278,11 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
     }
     LM_TRY(lm_model_new(&x->m, &x->p, max_tokens, err));
     x->rcomm = x->comm;
-    if (c->expert_parallel > 1) {
-        const int ep = c->expert_parallel;
-        LM_TRY(lm_comm_split_grid(x->comm, ep, &x->dpc, &x->epc, err));
-        LM_TRY(lm_model_set_expert_parallel(x->m, x->epc, err));
-        x->rcomm = x->dpc;
+    x->world_route = route_world(x, c);
+    if (x->world_route) {
+        LM_TRY(lm_comm_split_grid(x->comm, x->ep, &x->dpc, &x->epc, err));
+        LM_TRY(lm_model_set_expert_parallel(x->m, x->epc, x->comm, err));
+        x->rcomm = NULL;
     }
     x->nrep = x->p.expert_off;
     x->nexp = x->p.numel - x->p.expert_off;
