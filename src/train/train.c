@@ -68,7 +68,8 @@ typedef struct {
      * gradient [opt.hi - opt.lo], shard[q] the element count of rank q's shard, and
      * rank 0 gathers the AdamW moments into full_mv [2 numel] for checkpoints */
     lm_comm *comm, *own_comm;
-    lm_comm *dpc, *epc; /* train.expert_parallel > 1: the grid's groups (dist.h) */
+    lm_comm *dpc, *epc; /* with world_route: the grid's groups (dist.h; epc of one rank
+                           without EP) */
     int world_route;    /* the MoE layers route the world's batch (route_world) */
     lm_comm *rcomm;     /* the router sums' reduction: comm, or NULL with world_route (every
                            rank's state holds the world's counts already) */
@@ -958,7 +959,7 @@ static uint64_t hash_floats(const float *v, int64_t n) {
 }
 
 /* Sharded experts: a buffer of this rank's layout (params, or a moment assembled by
- * gather_region) in the single-rank layout. rep: the replicated region [nrep] (x->p's
+ * gather_moment) in the single-rank layout. rep: the replicated region [nrep] (x->p's
  * offsets); exps [ep][nexp]: every EP rank's expert region. */
 static void to_full(const ctx *x, const float *rep, const float *exps, const lm_params *fp,
                     float *dst) {
