@@ -405,6 +405,75 @@ static void test_param_table_bench(void **state) {
 
 /* ---------------------------------------------------------------- init */
 
+/* Expert-sharded tables (params.h lm_params_init_ep): each of P ranks holds its E/P
+ * experts with the single-rank initialisation's values, the routed tensors behind the
+ * replicated ones; full -> shards -> full is the identity; the counts are the whole
+ * model's; a size that does not divide E and saving a shard are errors. */
+static void test_expert_shards(void **state) {
+    (void)state;
+    lm_model_config c;
+    load_cfg(&c, "configs/tiny.json");
+    const int E = c.moe.router.num_experts;
+    lm_error err = {0};
+    lm_params full, back;
+    assert_int_equal(lm_params_init(&full, &c, &err), LM_OK);
+    assert_int_equal(lm_params_init(&back, &c, &err), LM_OK);
+    lm_params_init_weights(&full, 11);
+    lm_poison_f32(back.data, back.numel);
+    int64_t t1, a1;
+    lm_params_count(&full, &t1, &a1);
+    for (int P = 2; P <= E; P *= 2) {
+        if (E % P)
+            continue;
+        for (int r = 0; r < P; r++) {
+            lm_params sp;
+            assert_int_equal(lm_params_init_ep(&sp, &c, r, P, &err), LM_OK);
+            assert_true(sp.numel < full.numel);
+            lm_poison_f32(sp.data, sp.numel);
+            lm_params_init_weights(&sp, 11);
+            int seen_routed = 0;
+            for (int i = 0; i < sp.n; i++) {
+                const lm_param_info *e = &sp.t[i], *f = lm_params_find(&full, e->name);
+                assert_non_null(f);
+                seen_routed |= e->routed;
+                assert_true(!seen_routed || e->routed); /* routed tensors last */
+                assert_true(!e->routed || e->offset >= sp.expert_off);
+                assert_int_equal(e->numel * (e->routed ? P : 1), f->numel);
+                const int64_t o = e->routed ? (int64_t)r * e->numel : 0;
+                assert_memory_equal(sp.data + e->offset, full.data + f->offset + o,
+                                    (size_t)e->numel * 4);
+            }
+            assert_true(seen_routed);
+            int64_t t2, a2;
+            lm_params_count(&sp, &t2, &a2);
+            assert_int_equal(t1, t2);
+            assert_int_equal(a1, a2);
+            float *tmp = malloc((size_t)sp.numel * 4);
+            lm_params_full_to_shard(&full, full.data, &sp, r, tmp);
+            for (int i = 0; i < sp.n; i++) /* the tensors (the padding is nobody's) */
+                assert_memory_equal(tmp + sp.t[i].offset, sp.data + sp.t[i].offset,
+                                    (size_t)sp.t[i].numel * 4);
+            lm_params_shard_to_full(&sp, sp.data, r, r == 0, &back, back.data);
+            free(tmp);
+            if (r == 0) {
+                assert_int_equal(lm_params_save(&sp, "/tmp/linmoe_no_such_ckpt", &err),
+                                 LM_ERR_INVALID);
+                assert_non_null(strstr(err.msg, "EP rank 0 of"));
+            }
+            lm_params_free(&sp);
+        }
+        for (int i = 0; i < full.n; i++)
+            assert_memory_equal(back.data + back.t[i].offset, full.data + full.t[i].offset,
+                                (size_t)full.t[i].numel * 4);
+    }
+    lm_params bad;
+    assert_int_equal(lm_params_init_ep(&bad, &c, 0, E + 1, &err), LM_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "num_experts"));
+    lm_params_free(&bad);
+    lm_params_free(&full);
+    lm_params_free(&back);
+}
+
 static void test_init(void **state) {
     (void)state;
     lm_model_config c;
@@ -675,7 +744,7 @@ int main(void) {
         cmocka_unit_test(test_parse_configs), cmocka_unit_test(test_roundtrip),
         cmocka_unit_test(test_bad_configs),   cmocka_unit_test(test_param_table_bench),
         cmocka_unit_test(test_init),          cmocka_unit_test(test_checkpoint),
-        cmocka_unit_test(test_cli_info),
+        cmocka_unit_test(test_expert_shards), cmocka_unit_test(test_cli_info),
     };
     return cmocka_run_group_tests(tests, setup_dir, teardown_dir);
 }

@@ -7,7 +7,9 @@
  * counts and the bias after lm_router_update_bias, and the aux loss; cases: dropless
  * aux-free, capacity 1.0 with drops (probs and position policies), and the
  * sequence-wise aux loss; uneven token counts per rank, one rank with none.
- * Then the 2 x 2 grid on 4 ranks: EP inside each DP pair, each pair its own batch.
+ * Then the 2 x 2 grid on 4 ranks: EP inside each DP pair, each pair its own batch;
+ * and the grid routed over the world (route = the 4 ranks): one process on the 4
+ * ranks' tokens, the experts' gradients summed over the DP pair of each shard.
  *
  * Bars: outputs, dx, the experts' gradients, routing, counts and biases must be
  * bit-identical (every expert's segment holds the same rows in the same order and
@@ -70,18 +72,24 @@ typedef struct {
     int seq_aux;
 } ep_case;
 
-/* One forward + backward of the layer over `comm` (ep) with `Tr[q]` tokens on rank
- * q of it; `salt` varies the data between DP groups. */
-static void run_case(lm_comm *ep, const ep_case *cs, const int *Tr, uint64_t salt) {
+/* One forward + backward of the layer over `ep`, routed over `route` (NULL: ep) with
+ * `Tr[q]` tokens on rank q of route; `salt` varies the data between DP groups. dp:
+ * the ranks of route holding this rank's experts (NULL: none other), over which the
+ * experts' gradients are summed before the comparison. */
+static void run_case(lm_comm *ep, lm_comm *route, lm_comm *dp, const ep_case *cs, const int *Tr,
+                     uint64_t salt) {
     lm_error err;
+    if (!route)
+        route = ep;
     const int P = lm_comm_size(ep), p = lm_comm_rank(ep);
+    const int R = lm_comm_size(route), rq = lm_comm_rank(route);
     int Tg = 0, off = 0;
-    for (int q = 0; q < P; q++) {
-        if (q < p)
+    for (int q = 0; q < R; q++) {
+        if (q < rq)
             off += Tr[q];
         Tg += Tr[q];
     }
-    const int T = Tr[p];
+    const int T = Tr[rq];
     lm_moe_config c;
     lm_moe_config_default(&c, D, F, E, K, NS);
     c.router.balance = cs->bal;
@@ -118,12 +126,12 @@ static void run_case(lm_comm *ep, const ep_case *cs, const int *Tr, uint64_t sal
         dout[i] = urand(&seed) * 0.1f;
     }
     /* sequences: each rank's tokens in pieces of 13 (the last shorter) */
-    int64_t *cu = malloc(sizeof(int64_t) * (size_t)(Tg + 2 * P + 2)),
+    int64_t *cu = malloc(sizeof(int64_t) * (size_t)(Tg + 2 * R + 2)),
             *cul = malloc(sizeof(int64_t) * (size_t)(T + 2));
     int ncu = 0, ncul = 0;
     int base = 0;
     cu[ncu++] = 0;
-    for (int q = 0; q < P; q++) {
+    for (int q = 0; q < R; q++) {
         for (int t = 13; t < Tr[q]; t += 13)
             cu[ncu++] = base + t;
         if (Tr[q] > 0)
@@ -152,7 +160,7 @@ static void run_case(lm_comm *ep, const ep_case *cs, const int *Tr, uint64_t sal
     const lm_route *rr = lm_moe_ctx_route(ref);
     /* expert parallel */
     lm_moe_ep *l;
-    assert_int_equal(lm_moe_ep_new(&l, &c, ep, T > 0 ? T : 1, &err), LM_OK);
+    assert_int_equal(lm_moe_ep_new(&l, &c, ep, route, T > 0 ? T : 1, &err), LM_OK);
     assert_int_equal(lm_moe_ep_first_expert(l), p * El);
     float *o = malloc(sizeof(float) * (size_t)(T + 1) * D),
           *dx = malloc(sizeof(float) * (size_t)(T + 1) * D);
@@ -183,16 +191,23 @@ static void run_case(lm_comm *ep, const ep_case *cs, const int *Tr, uint64_t sal
     /* outputs and dx rows of this rank */
     expect_close(0, "out", o, oref + (int64_t)off * D, (int64_t)T * D);
     expect_close(1, "dx", dx, dxref + (int64_t)off * D, (int64_t)T * D);
-    /* the experts' gradients: this rank's slice */
-    for (int i = LM_MOE_EXPERTS_GATE_PROJ; i <= LM_MOE_EXPERTS_DOWN_PROJ; i++)
+    /* the experts' gradients: this rank's slice (the EP group's part: summed over the
+     * groups when routed over several) */
+    for (int i = LM_MOE_EXPERTS_GATE_PROJ; i <= LM_MOE_EXPERTS_DOWN_PROJ; i++) {
+        if (dp)
+            assert_int_equal(
+                lm_comm_allreduce(dp, dWep[i], (int64_t)El * F * D, LM_F32, LM_DIST_SUM, &err),
+                LM_OK);
         expect_close(2, lm_moe_weight_name((lm_moe_weight_id)i), dWep[i],
                      dWref[i] + (int64_t)p * El * F * D, (int64_t)El * F * D);
+    }
     /* replicated weights: summed over the ranks */
     const int rep[] = {LM_MOE_GATE_WEIGHT, LM_MOE_SHARED_GATE_PROJ, LM_MOE_SHARED_UP_PROJ,
                        LM_MOE_SHARED_DOWN_PROJ};
     for (int r = 0; r < 4; r++) {
         const int i = rep[r];
-        assert_int_equal(lm_comm_allreduce(ep, dWep[i], nw[i], LM_F32, LM_DIST_SUM, &err), LM_OK);
+        assert_int_equal(lm_comm_allreduce(route, dWep[i], nw[i], LM_F32, LM_DIST_SUM, &err),
+                         LM_OK);
         expect_close(3, lm_moe_weight_name((lm_moe_weight_id)i), dWep[i], dWref[i], nw[i]);
     }
     /* the bias update: the state already holds the group's counts (no reduce) */
@@ -252,9 +267,9 @@ static void test_ep_world(void **state) {
     for (size_t i = 0; i < sizeof k_cases / sizeof k_cases[0]; i++) {
         for (int q = 0; q < P; q++)
             Tr[q] = 40 + 23 * q;
-        run_case(g_world, &k_cases[i], Tr, 0);
+        run_case(g_world, NULL, NULL, &k_cases[i], Tr, 0);
         Tr[P - 1] = 0; /* a rank without tokens */
-        run_case(g_world, &k_cases[i], Tr, 1);
+        run_case(g_world, NULL, NULL, &k_cases[i], Tr, 1);
     }
     char what[64];
     snprintf(what, sizeof what, "EP %d ranks", P);
@@ -271,8 +286,14 @@ static void test_dp_x_ep(void **state) {
     int Tr[2] = {50, 31};
     reset_report();
     for (size_t i = 0; i < sizeof k_cases / sizeof k_cases[0]; i++)
-        run_case(ep, &k_cases[i], Tr, 100 + (uint64_t)lm_comm_rank(dp));
+        run_case(ep, NULL, NULL, &k_cases[i], Tr, 100 + (uint64_t)lm_comm_rank(dp));
     report("DP 2 x EP 2 (each pair its own batch)");
+    /* routed over the world: capacity, aux loss and counts of the 4 ranks' batch */
+    int Tw[4] = {50, 31, 0, 44};
+    reset_report();
+    for (size_t i = 0; i < sizeof k_cases / sizeof k_cases[0]; i++)
+        run_case(ep, g_world, dp, &k_cases[i], Tw, 200);
+    report("DP 2 x EP 2 routed over the world");
     lm_comm_free(dp);
     lm_comm_free(ep);
 }
@@ -283,7 +304,7 @@ static void test_errors(void **state) {
     lm_moe_config c;
     lm_moe_config_default(&c, D, F, 6, K, NS); /* 6 experts: not divisible by 4 */
     lm_moe_ep *l = NULL;
-    const lm_status st = lm_moe_ep_new(&l, &c, g_world, 8, &err);
+    const lm_status st = lm_moe_ep_new(&l, &c, g_world, NULL, 8, &err);
     if (lm_comm_size(g_world) == 4) {
         assert_int_equal(st, LM_ERR_INVALID);
         assert_non_null(strstr(err.msg, "not divisible by the expert-parallel size 4"));

@@ -137,15 +137,25 @@ int64_t lm_model_max_tokens(const lm_model *m);
 float *lm_model_grads(lm_model *m);
 /* Expert parallel (issue 24, moe_ep.h): from now on the training forwards (training
  * = 1) and their backwards of every MoE layer run over the ranks of `ep` (borrowed;
- * collective: every rank of ep makes the same calls), each rank computing the
- * routed experts [r*E/P, (r+1)*E/P) for the tokens of the whole group. The
- * parameters stay whole on every rank (evals and inference run locally); the
- * backward writes this rank's experts' gradients and zeros the others' (the sum
- * over the ranks is the whole gradient), and gate.weight / shared experts' over this
- * rank's tokens. The router state accumulates the group's demand. Errors: those of
- * lm_moe_ep_new (E not divisible by the group size). */
+ * collective: every rank of route makes the same calls), each rank computing the
+ * routed experts [r*E/P, (r+1)*E/P) for the tokens of the EP group, the router on
+ * the tokens of `route` (NULL: ep; moe_ep.h). With parameters of the single-rank
+ * layout (every expert on every rank; evals and inference run locally) the backward
+ * writes this rank's experts' gradients and zeros the others' (the sum over the
+ * ranks is the whole gradient); with an expert-sharded table (params.h
+ * lm_params_init_ep, whose rank and size must be ep's) the experts' tensors are
+ * this rank's and only training forwards are possible. gate.weight / shared
+ * experts' gradients are over this rank's tokens. The router state accumulates the
+ * routed batch's demand. Errors: those of lm_moe_ep_new (E not divisible by the
+ * group size); a sharded table of another rank or size (names both). */
 typedef struct lm_comm lm_comm;
-lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *ep, lm_error *err);
+lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *ep, lm_comm *route, lm_error *err);
+/* The factor on the aux-loss gradient of the expert-parallel MoE layers in the
+ * following backwards (default, or a non-finite value: the backward's loss_scale).
+ * With the router over a routed batch of several ranks every rank holds that
+ * batch's whole aux loss, so its gradient takes the batch's factor (1 / micro-batches
+ * in the trainer), not this rank's loss share. */
+void lm_model_set_ep_aux_scale(lm_model *m, float scale);
 /* Router state of layer `layer` (NULL for a dense or out-of-range layer). */
 lm_router_state *lm_model_router_state(lm_model *m, int layer);
 /* Routing of layer `layer`'s last forward (NULL for dense / none yet). */

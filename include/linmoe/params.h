@@ -46,6 +46,16 @@
  * Weight decay (decay flag): the matrices and the short conv weights; none on
  * norms, biases (dt_bias), AttnRes vectors, A_log and buffers.
  *
+ * Expert-sharded tables (lm_params_init_ep, expert parallelism, docs/distributed.md):
+ * rank p of an EP group of P holds only the routed experts [p E/P, (p+1) E/P) of
+ * every MoE layer: mlp.experts.* have shape [E/P, f, d] / [E/P, d, f] (local expert
+ * l is global expert p E/P + l). Every other tensor is whole. The routed tensors
+ * are moved to the end of the table (table order = offset order), so the buffer is
+ * [replicated region | expert region) split at `expert_off`: the same table and
+ * offsets on every rank of the group, the values of the expert region the rank's
+ * own. Such a table is never saved as is (lm_params_save refuses it): the trainer
+ * converts to the single-rank layout (lm_params_shard_to_full).
+ *
  * What this module does not do: gradients / optimizer state (same table, other
  * buffers), the forward.
  */
@@ -89,14 +99,38 @@ typedef struct {
     lm_param_info *t; /* [n], in checkpoint order */
     float *data;      /* one allocation of `numel` floats (padding zero) */
     int64_t numel;    /* buffer size in floats, padding included */
+    /* expert sharding (lm_params_init_ep): this table holds the experts of EP rank
+     * ep_rank of ep_size (1: all experts, the single-rank layout); the routed tensors
+     * occupy [expert_off, numel) (expert_off = numel without MoE layers or when
+     * ep_size is 1) */
+    int ep_rank, ep_size;
+    int64_t expert_off;
 } lm_params;
 
 /* Validate cfg, build the table and allocate the buffer (zeroed). Errors: those of
  * lm_model_config_validate; LM_ERR_NOMEM. `p` is safe to lm_params_free after
  * any return. */
 lm_status lm_params_init(lm_params *p, const lm_model_config *cfg, lm_error *err);
+/* The expert-sharded table of EP rank ep_rank of ep_size (layout in the top
+ * comment; ep_size 1 is lm_params_init). Errors: those of lm_params_init;
+ * LM_ERR_INVALID when ep_size < 1, ep_rank outside [0, ep_size) or ep_size does
+ * not divide num_experts of a config with MoE layers (names the values). */
+lm_status lm_params_init_ep(lm_params *p, const lm_model_config *cfg, int ep_rank, int ep_size,
+                            lm_error *err);
 void lm_params_free(lm_params *p);
-/* Initialise every tensor as described above from `seed`. */
+/* Copy a buffer in the single-rank layout `full` (params, gradients or AdamW moments:
+ * full->numel floats at src) into the layout of the sharded table `sp` (dst,
+ * sp->numel floats): every tensor whole, the routed ones at rows [e0, e0 + E/P) of
+ * the full tensors with e0 = ep_rank E/P. Both tables from the same config. */
+void lm_params_full_to_shard(const lm_params *full, const float *src, const lm_params *sp,
+                             int ep_rank, float *dst);
+/* The reverse: the buffer `src` of EP rank ep_rank in the layout of sp written into
+ * dst in the layout of full: its routed rows always, the replicated tensors when
+ * `replicated` is 1 (once, from any rank: they are equal). */
+void lm_params_shard_to_full(const lm_params *sp, const float *src, int ep_rank, int replicated,
+                             const lm_params *full, float *dst);
+/* Initialise every tensor as described above from `seed`. A sharded table gets
+ * the values of its experts in the single-rank initialisation (the same bits). */
 void lm_params_init_weights(lm_params *p, uint64_t seed);
 /* NULL when absent. */
 const lm_param_info *lm_params_find(const lm_params *p, const char *name);
@@ -104,7 +138,8 @@ float *lm_params_get(const lm_params *p, const char *name);
 
 /* Trainable parameters (buffers excluded): total, and active per token (routed
  * expert weights counted k/E of their size; shared experts, router, attention,
- * embeddings and everything else in full). */
+ * embeddings and everything else in full). Of the whole model also for a sharded
+ * table (its routed tensors counted ep_size times). */
 void lm_params_count(const lm_params *p, int64_t *total, int64_t *active);
 
 /* Save p (parameters and buffers, F32) to DIR/model.safetensors and its config to
@@ -112,7 +147,8 @@ void lm_params_count(const lm_params *p, int64_t *total, int64_t *active);
  * fsynced); then an existing DIR is renamed aside, the temp dir renamed to DIR
  * and the old one removed: a failure at any point leaves the old checkpoint
  * intact. DIR must contain only these two files (others are kept in the
- * renamed-aside copy, which is then left in place). */
+ * renamed-aside copy, which is then left in place). An expert-sharded table is
+ * LM_ERR_INVALID. */
 lm_status lm_params_save(const lm_params *p, const char *dir, lm_error *err);
 
 /* Load DIR/config.json and DIR/model.safetensors into a new `p` (lm_params_init

@@ -44,7 +44,9 @@
  *                              `mpirun -np N`: N must be a multiple; the rest of N is
  *                              data parallel). Each MoE layer's routed experts are split
  *                              over the group's ranks for the training steps
- *                              (moe_ep.h); docs/distributed.md
+ *                              (moe_ep.h), each rank holding only its own experts'
+ *                              weights, gradients and AdamW state (params.h
+ *                              lm_params_init_ep); docs/distributed.md
  *     "recompute": false       activation recompute (--device cuda): true (every layer)
  *                              or a list of 1-based layer numbers; the trainer prints the
  *                              activation memory with and without it (gpu_model.h)

@@ -14,17 +14,18 @@
 
 struct lm_moe_ep {
     lm_moe_config c;
-    lm_comm *comm;
-    int P, p, E, El, e0, k, d, f, fs, max_T;
+    lm_comm *comm;  /* the EP group: dispatch and experts */
+    lm_comm *rcomm; /* the routed batch's ranks (comm, or a larger group holding it) */
+    int P, p, R, rr, E, El, e0, k, d, f, fs, max_T;
     float aux_scale;
     /* last forward */
     int T, have_fwd;
     int64_t Tg, off, M;
     lm_route route;         /* over the group's Tg tokens */
-    int64_t *Tr, *toff;     /* [P] tokens per rank, [P+1] their offsets */
+    int64_t *Tr, *toff;     /* [R] tokens per rank of rcomm, [R+1] their offsets */
     float *logits_l;        /* [max_T, E] */
-    float *logits_g;        /* [P*max_T, E]; backward: dlogits of the group */
-    int64_t *cu_g, *ncu;    /* [P*(max_T+1)], [P] */
+    float *logits_g;        /* [R*max_T, E]; backward: dlogits of the routed batch */
+    int64_t *cu_g, *ncu;    /* [R*(max_T+1)], [R] */
     int32_t *send_slot;     /* [max_T*k] send row -> local assignment t*k+j */
     int32_t *row_of;        /* [max_T*k] local assignment -> send row, -1 dropped */
     int64_t *cnt_s, *cnt_r; /* [E] rows to expert e / [P*El] rows from rank s for local l */
@@ -35,7 +36,7 @@ struct lm_moe_ep {
     float *rbuf;                         /* [P*max_T*k, d+1] receive rows, rows to return */
     float *xp, *H, *A, *Y, *G, *dH;      /* per compute row: d, 2f, f, d, f, 2f */
     float *Hs, *As, *Gs, *dHs;           /* shared experts per local token */
-    float *dw_l, *dw_g;                  /* [max_T*k], [P*max_T*k] */
+    float *dw_l, *dw_g;                  /* [max_T*k], [R*max_T*k] */
     void *mem;
 };
 
@@ -48,27 +49,37 @@ void lm_moe_ep_set_aux_scale(lm_moe_ep *l, float s) {
 const lm_route *lm_moe_ep_route(const lm_moe_ep *l) { return l && l->have_fwd ? &l->route : NULL; }
 int64_t lm_moe_ep_token_offset(const lm_moe_ep *l) { return l ? l->off : 0; }
 
-lm_status lm_moe_ep_new(lm_moe_ep **out, const lm_moe_config *c, lm_comm *ep, int max_tokens,
-                        lm_error *err) {
+lm_status lm_moe_ep_new(lm_moe_ep **out, const lm_moe_config *c, lm_comm *ep, lm_comm *route,
+                        int max_tokens, lm_error *err) {
     if (!out || !ep)
         return lm_errorf(err, LM_ERR_INVALID, "moe_ep: NULL argument");
     *out = NULL;
+    if (!route)
+        route = ep;
     lm_status st = lm_moe_config_validate(c, err);
-    const int P = lm_comm_size(ep);
+    const int P = lm_comm_size(ep), R = lm_comm_size(route);
+    if (st == LM_OK && R % P != 0)
+        st = lm_errorf(err, LM_ERR_INVALID,
+                       "moe_ep: the routing group of %d ranks is not a multiple of the "
+                       "expert-parallel group of %d",
+                       R, P);
     if (st == LM_OK && c->router.num_experts % P != 0)
         st = lm_errorf(err, LM_ERR_INVALID,
                        "moe_ep: num_experts = %d is not divisible by the expert-parallel size %d",
                        c->router.num_experts, P);
     if (st == LM_OK && max_tokens < 1)
         st = lm_errorf(err, LM_ERR_INVALID, "moe_ep: max_tokens = %d (must be >= 1)", max_tokens);
-    LM_TRY(lm_comm_agree(ep, st, err));
+    LM_TRY(lm_comm_agree(route, st, err));
     int64_t mt = max_tokens;
-    LM_TRY(lm_comm_allreduce(ep, &mt, 1, LM_I64, LM_DIST_MAX, err));
+    LM_TRY(lm_comm_allreduce(route, &mt, 1, LM_I64, LM_DIST_MAX, err));
     lm_moe_ep *l = LM_CALLOC(1, sizeof *l);
     l->c = *c;
     l->comm = ep;
+    l->rcomm = route;
     l->P = P;
     l->p = lm_comm_rank(ep);
+    l->R = R;
+    l->rr = lm_comm_rank(route);
     l->E = c->router.num_experts;
     l->El = l->E / P;
     l->e0 = l->p * l->El;
@@ -79,18 +90,19 @@ lm_status lm_moe_ep_new(lm_moe_ep **out, const lm_moe_config *c, lm_comm *ep, in
     l->max_T = (int)mt;
     l->aux_scale = 1.0f;
     const size_t T = (size_t)mt, E = (size_t)l->E, k = (size_t)l->k, d = (size_t)l->d,
-                 f = (size_t)l->f, fs = (size_t)l->fs, Pz = (size_t)P, El = (size_t)l->El;
+                 f = (size_t)l->f, fs = (size_t)l->fs, Pz = (size_t)P, El = (size_t)l->El,
+                 Rz = (size_t)R;
     const size_t Mx = Pz * T * k; /* rows this rank's experts may receive */
     struct {
         void **p;
         size_t bytes;
     } tab[] = {
-        {(void **)&l->Tr, 8 * Pz},
-        {(void **)&l->toff, 8 * (Pz + 1)},
+        {(void **)&l->Tr, 8 * Rz},
+        {(void **)&l->toff, 8 * (Rz + 1)},
         {(void **)&l->logits_l, 4 * T * E},
-        {(void **)&l->logits_g, 4 * Pz * T * E},
-        {(void **)&l->cu_g, 8 * (Pz * (T + 1) + 1)},
-        {(void **)&l->ncu, 8 * Pz},
+        {(void **)&l->logits_g, 4 * Rz * T * E},
+        {(void **)&l->cu_g, 8 * (Rz * (T + 1) + 1)},
+        {(void **)&l->ncu, 8 * Rz},
         {(void **)&l->send_slot, 4 * T * k},
         {(void **)&l->row_of, 4 * T * k},
         {(void **)&l->cnt_s, 8 * E},
@@ -99,7 +111,7 @@ lm_status lm_moe_ep_new(lm_moe_ep **out, const lm_moe_config *c, lm_comm *ep, in
         {(void **)&l->rc, 8 * Pz},
         {(void **)&l->scn, 8 * Pz},
         {(void **)&l->rcn, 8 * Pz},
-        {(void **)&l->ones, 8 * Pz},
+        {(void **)&l->ones, 8 * Rz},
         {(void **)&l->seg, 8 * (El + 1)},
         {(void **)&l->crow, 4 * Mx},
         {(void **)&l->sbuf, 4 * T * k * (d + 1)},
@@ -115,7 +127,7 @@ lm_status lm_moe_ep_new(lm_moe_ep **out, const lm_moe_config *c, lm_comm *ep, in
         {(void **)&l->Gs, 4 * T * fs},
         {(void **)&l->dHs, 4 * T * 2 * fs},
         {(void **)&l->dw_l, 4 * T * k},
-        {(void **)&l->dw_g, 4 * Pz * T * k},
+        {(void **)&l->dw_g, 4 * Rz * T * k},
     };
     size_t total = 0;
     for (size_t i = 0; i < sizeof tab / sizeof tab[0]; i++)
@@ -130,7 +142,7 @@ lm_status lm_moe_ep_new(lm_moe_ep **out, const lm_moe_config *c, lm_comm *ep, in
         *tab[i].p = q;
         q += (tab[i].bytes + 63) / 64 * 64;
     }
-    for (int r = 0; r < P; r++)
+    for (int r = 0; r < R; r++)
         l->ones[r] = 1;
     *out = l;
     return LM_OK;
@@ -274,18 +286,18 @@ lm_status lm_moe_ep_forward(lm_moe_ep *l, const lm_moe_weights *w, lm_router_sta
                 err, LM_ERR_NONFINITE,
                 "moe_ep: input 'x' has a non-finite value (%g) at token %lld, channel %lld",
                 (double)x[i], (long long)(i / l->d), (long long)(i % l->d));
-    LM_TRY(lm_comm_agree(l->comm, v, err));
+    LM_TRY(lm_comm_agree(l->rcomm, v, err));
     l->have_fwd = 0;
-    const int P = l->P, E = l->E, El = l->El, k = l->k, d = l->d, f = l->f;
+    const int P = l->P, R = l->R, E = l->E, El = l->El, k = l->k, d = l->d, f = l->f;
     (void)f;
-    /* 1. tokens per rank, local logits */
-    l->Tr[l->p] = T;
-    LM_TRY(lm_comm_allgather(l->comm, l->Tr + l->p, l->Tr, l->ones, LM_I64, err));
+    /* 1. tokens per rank of the routed batch, local logits */
+    l->Tr[l->rr] = T;
+    LM_TRY(lm_comm_allgather(l->rcomm, l->Tr + l->rr, l->Tr, l->ones, LM_I64, err));
     l->toff[0] = 0;
-    for (int q = 0; q < P; q++)
+    for (int q = 0; q < R; q++)
         l->toff[q + 1] = l->toff[q] + l->Tr[q];
-    l->Tg = l->toff[P];
-    l->off = l->toff[l->p];
+    l->Tg = l->toff[R];
+    l->off = l->toff[l->rr];
     if (l->Tg > INT32_MAX / k)
         return lm_errorf(err, LM_ERR_INVALID, "moe_ep: %lld tokens in the group", (long long)l->Tg);
     {
@@ -299,34 +311,34 @@ lm_status lm_moe_ep_forward(lm_moe_ep *l, const lm_moe_weights *w, lm_router_sta
         }
         lm_blas_set_threads(blas0);
     }
-    /* 2. the group's logits and sequence bounds; route the group's batch */
-    int64_t cnt[64], *cnts = P <= 64 ? cnt : LM_MALLOC(sizeof(int64_t) * (size_t)P);
-    for (int q = 0; q < P; q++)
+    /* 2. the routed batch's logits and sequence bounds; route it */
+    int64_t cnt[64], *cnts = R <= 64 ? cnt : LM_MALLOC(sizeof(int64_t) * (size_t)R);
+    for (int q = 0; q < R; q++)
         cnts[q] = l->Tr[q] * E;
-    lm_status r = lm_comm_allgather(l->comm, l->logits_l, l->logits_g, cnts, LM_F32, err);
+    lm_status r = lm_comm_allgather(l->rcomm, l->logits_l, l->logits_g, cnts, LM_F32, err);
     const int64_t my_ncu = cu_seqlens ? n_cu : 2;
-    l->ncu[l->p] = my_ncu;
+    l->ncu[l->rr] = my_ncu;
     if (r == LM_OK)
-        r = lm_comm_allgather(l->comm, l->ncu + l->p, l->ncu, l->ones, LM_I64, err);
+        r = lm_comm_allgather(l->rcomm, l->ncu + l->rr, l->ncu, l->ones, LM_I64, err);
     if (r == LM_OK) {
         int64_t o = 0;
-        for (int q = 0; q < P; q++) {
+        for (int q = 0; q < R; q++) {
             cnts[q] = l->ncu[q];
-            if (q < l->p)
+            if (q < l->rr)
                 o += l->ncu[q];
         }
         int64_t *mine = l->cu_g + o;
         const int64_t two[2] = {0, T};
         /* this rank's bounds into its place (in-place all-gather) */
         memcpy(mine, cu_seqlens ? cu_seqlens : two, sizeof(int64_t) * (size_t)my_ncu);
-        r = lm_comm_allgather(l->comm, mine, l->cu_g, cnts, LM_I64, err);
+        r = lm_comm_allgather(l->rcomm, mine, l->cu_g, cnts, LM_I64, err);
     }
     if (cnts != cnt)
         free(cnts);
     LM_TRY(r);
     /* rebase and merge: rank q's bounds + toff[q], the shared boundaries once */
     int64_t n = 0, o = 0;
-    for (int q = 0; q < P; q++) {
+    for (int q = 0; q < R; q++) {
         for (int64_t i = 0; i < l->ncu[q]; i++) {
             const int64_t b = l->cu_g[o + i] + l->toff[q];
             if (n == 0 || b != l->cu_g[n - 1])
@@ -482,12 +494,12 @@ lm_status lm_moe_ep_backward(lm_moe_ep *l, const lm_moe_weights *w, const float 
         v = lm_errorf(err, LM_ERR_INVALID, "moe_ep: %s is NULL", !x ? "x" : "dout");
     if (v == LM_OK)
         v = check_weights(l, w, err);
-    LM_TRY(lm_comm_agree(l->comm, v, err));
+    LM_TRY(lm_comm_agree(l->rcomm, v, err));
     lm_moe_grads none;
     memset(&none, 0, sizeof none);
     if (!g)
         g = &none;
-    const int P = l->P, E = l->E, k = l->k, d = l->d, T = l->T, fs = l->fs;
+    const int P = l->P, R = l->R, E = l->E, k = l->k, d = l->d, T = l->T, fs = l->fs;
     if (l->Tg == 0)
         return LM_OK;
     /* 1. [dout | w] rows to the experts' ranks, in the dispatch order */
@@ -512,11 +524,11 @@ lm_status lm_moe_ep_backward(lm_moe_ep *l, const lm_moe_weights *w, const float 
     memset(l->dw_l, 0, sizeof(float) * (size_t)T * k);
     for (int64_t row = 0; row < ns; row++)
         l->dw_l[l->send_slot[row]] = l->sbuf[row * (d + 1) + d];
-    /* 4. router backward on the group's batch */
-    int64_t cnt[64], *cnts = P <= 64 ? cnt : LM_MALLOC(sizeof(int64_t) * (size_t)P);
-    for (int q = 0; q < P; q++)
+    /* 4. router backward on the routed batch */
+    int64_t cnt[64], *cnts = R <= 64 ? cnt : LM_MALLOC(sizeof(int64_t) * (size_t)R);
+    for (int q = 0; q < R; q++)
         cnts[q] = l->Tr[q] * k;
-    lm_status r = lm_comm_allgather(l->comm, l->dw_l, l->dw_g, cnts, LM_F32, err);
+    lm_status r = lm_comm_allgather(l->rcomm, l->dw_l, l->dw_g, cnts, LM_F32, err);
     if (cnts != cnt)
         free(cnts);
     LM_TRY(r);

@@ -98,7 +98,8 @@ struct lm_model {
     int64_t *cu;
     int32_t *ids, *labels;
     double loss;
-    float loss_scale; /* of the running backward (the MoE layers' aux gradient scale) */
+    float loss_scale;   /* of the running backward (the MoE layers' aux gradient scale) */
+    float ep_aux_scale; /* lm_model_set_ep_aux_scale; NAN: loss_scale */
 };
 
 /* ---------------------------------------------------------------- helpers */
@@ -140,15 +141,28 @@ static void stage_add(lm_model *m, const float *param, int64_t off, int64_t n) {
 
 lm_params *lm_model_params(lm_model *m) { return m->p; }
 
-lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *ep, lm_error *err) {
+void lm_model_set_ep_aux_scale(lm_model *m, float scale) {
+    if (m)
+        m->ep_aux_scale = scale;
+}
+
+lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *ep, lm_comm *route, lm_error *err) {
     if (!m || !ep)
         return lm_errorf(err, LM_ERR_INVALID, "model: expert parallel: NULL argument");
     for (int i = 0; i < m->L; i++) {
         layer_rt *l = &m->ly[i];
         if (!l->moe || l->ep)
             continue;
-        LM_TRY(lm_moe_ep_new(&l->ep, &l->mc, ep, (int)m->max_tokens, err));
+        if (m->p->ep_size > 1 &&
+            (lm_comm_size(ep) != m->p->ep_size || lm_comm_rank(ep) != m->p->ep_rank))
+            return lm_errorf(err, LM_ERR_INVALID,
+                             "model: expert parallel: the parameters hold the experts of EP "
+                             "rank %d of %d, the group is rank %d of %d",
+                             m->p->ep_rank, m->p->ep_size, lm_comm_rank(ep), lm_comm_size(ep));
+        LM_TRY(lm_moe_ep_new(&l->ep, &l->mc, ep, route, (int)m->max_tokens, err));
         l->mw_ep = l->mw;
+        if (m->p->ep_size > 1)
+            continue; /* experts.* hold this rank's experts only already */
         const int64_t e0 = lm_moe_ep_first_expert(l->ep), f = l->mc.moe_intermediate_size,
                       d = l->mc.hidden_size;
         for (int w = LM_MOE_EXPERTS_GATE_PROJ; w <= LM_MOE_EXPERTS_DOWN_PROJ; w++)
@@ -482,6 +496,7 @@ lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_erro
         return lm_errorf(err, LM_ERR_INVALID, "model: max_tokens = %lld (want 1 .. 2^30)",
                          (long long)max_tokens);
     lm_model *m = LM_CALLOC(1, sizeof(*m));
+    m->ep_aux_scale = NAN;
     const lm_model_config *c = &p->cfg;
     m->p = p;
     m->c = c;
@@ -595,6 +610,15 @@ lm_status lm_model_new(lm_model **out, lm_params *p, int64_t max_tokens, lm_erro
     if (ps != LM_OK) {
         lm_model_free(m);
         return ps;
+    }
+    if (p->numel != m->plan.numel) {
+        /* an expert-sharded table (params.h): its own experts only */
+        m->plan.total -= m->plan.bytes[LM_MEM_PARAMS] + m->plan.bytes[LM_MEM_GRADS] +
+                         m->plan.bytes[LM_MEM_OPTIM];
+        m->plan.numel = p->numel;
+        m->plan.bytes[LM_MEM_PARAMS] = m->plan.bytes[LM_MEM_GRADS] = p->numel * 4;
+        m->plan.bytes[LM_MEM_OPTIM] = 2 * p->numel * 4;
+        m->plan.total += 4 * p->numel * 4;
     }
     m->grads = calloc((size_t)p->numel, sizeof(float));
     lm_error aerr = {0};
@@ -717,6 +741,12 @@ static lm_status sublayer_forward(lm_model *m, int l, const fwd_mode *fm, const 
     /* training forwards of an expert-parallel model go through the group (collective);
      * evals and inference use the local layer (every rank holds all experts) */
     ly->ep_fwd = ly->ep && fm->training && !fm->cache;
+    if (!ly->ep_fwd && m->p->ep_size > 1)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "model: layer %d holds the experts of EP rank %d of %d only: it runs "
+                         "training forwards through the expert-parallel group "
+                         "(lm_model_set_expert_parallel), not evals or inference",
+                         l / 2, m->p->ep_rank, m->p->ep_size);
     if (ly->ep_fwd)
         return lm_moe_ep_forward(ly->ep, &ly->mw_ep, &ly->rs, x, (int)N, fm->cu, fm->n_cu, 1, out,
                                  err);
@@ -936,7 +966,8 @@ static lm_status sublayer_backward(lm_model *m, int l, const float *dout, lm_err
          * hold them; the trainer's sum over the ranks adds them exactly) */
         const int e0 = lm_moe_ep_first_expert(ly->ep), El = lm_moe_ep_num_local(ly->ep);
         lm_moe_grads ge = g;
-        for (int w = LM_MOE_EXPERTS_GATE_PROJ; w <= LM_MOE_EXPERTS_DOWN_PROJ; w++) {
+        for (int w = LM_MOE_EXPERTS_GATE_PROJ; w <= LM_MOE_EXPERTS_DOWN_PROJ && m->p->ep_size == 1;
+             w++) {
             const int64_t per = n[w] / ly->mc.router.num_experts;
             float *full = g.p[w];
             ge.p[w] = full + (int64_t)e0 * per;
@@ -944,7 +975,8 @@ static lm_status sublayer_backward(lm_model *m, int l, const float *dout, lm_err
             memset(full + (int64_t)(e0 + El) * per, 0,
                    sizeof(float) * (size_t)(n[w] - (int64_t)(e0 + El) * per));
         }
-        lm_moe_ep_set_aux_scale(ly->ep, m->loss_scale);
+        lm_moe_ep_set_aux_scale(ly->ep,
+                                isfinite(m->ep_aux_scale) ? m->ep_aux_scale : m->loss_scale);
         LM_TRY(lm_moe_ep_backward(ly->ep, &ly->mw_ep, x, dout, m->dxn, &ge, err));
         for (int w = 0; w < LM_MOE_N_WEIGHTS; w++)
             stage_add(m, ly->mw.p[w], off[w], n[w]);

@@ -131,12 +131,61 @@ static void build(table *tb_, const lm_model_config *c) {
     *tb_ = tb;
 }
 
+/* Expert sharding (params.h): the routed tensors cut to their E/P local experts and
+ * moved behind the others (stable), then every offset laid out again in table order. */
+static void shard_experts(table *tb, int ep_size, int64_t *expert_off) {
+    lm_param_info *t = tb->t;
+    int k = 0;
+    lm_param_info *tmp = malloc((size_t)(tb->n > 0 ? tb->n : 1) * sizeof *tmp);
+    LM_CHECK(tmp != NULL);
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < tb->n; i++)
+            if (t[i].routed == pass)
+                tmp[k++] = t[i];
+    memcpy(t, tmp, (size_t)tb->n * sizeof *t);
+    free(tmp);
+    int64_t off = 0;
+    *expert_off = -1;
+    for (int i = 0; i < tb->n; i++) {
+        if (t[i].routed) {
+            if (*expert_off < 0)
+                *expert_off = off;
+            t[i].shape[0] /= ep_size;
+            t[i].numel /= ep_size;
+        }
+        t[i].offset = off;
+        off += (t[i].numel + ALIGN_ELEMS - 1) / ALIGN_ELEMS * ALIGN_ELEMS;
+    }
+    tb->off = off;
+    if (*expert_off < 0)
+        *expert_off = off;
+}
+
 lm_status lm_params_init(lm_params *p, const lm_model_config *cfg, lm_error *err) {
+    return lm_params_init_ep(p, cfg, 0, 1, err);
+}
+
+lm_status lm_params_init_ep(lm_params *p, const lm_model_config *cfg, int ep_rank, int ep_size,
+                            lm_error *err) {
     memset(p, 0, sizeof *p);
     LM_TRY(lm_model_config_validate(cfg, err));
+    int any_moe = 0;
+    for (int i = 0; i < cfg->num_hidden_layers; i++)
+        any_moe |= lm_model_layer_is_moe(cfg, i);
+    if (ep_size < 1 || ep_rank < 0 || ep_rank >= ep_size ||
+        (any_moe && cfg->moe.router.num_experts % ep_size != 0))
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "params: expert sharding rank %d of %d: want 0 <= rank < size and a "
+                         "size that divides num_experts = %d",
+                         ep_rank, ep_size, any_moe ? cfg->moe.router.num_experts : 0);
     p->cfg = *cfg;
     table tb = {0};
     build(&tb, cfg);
+    p->ep_rank = ep_rank;
+    p->ep_size = ep_size;
+    p->expert_off = tb.off;
+    if (ep_size > 1)
+        shard_experts(&tb, ep_size, &p->expert_off);
     p->t = tb.t;
     p->n = tb.n;
     p->numel = tb.off;
@@ -213,9 +262,12 @@ void lm_params_init_weights(lm_params *p, uint64_t seed) {
         case LM_INIT_NORMAL: {
             const double sd = c->initializer_range;
             const int64_t n = e->numel;
+            /* a sharded routed tensor: rows [e0, e0 + E/P) of the whole one, i.e. its
+             * stream from element ep_rank * n */
+            const int64_t j0 = e->routed ? (int64_t)p->ep_rank * n : 0;
 #pragma omp parallel for schedule(static) if (n >= 65536)
             for (int64_t j = 0; j < n; j++)
-                x[j] = (float)(sd * normal_at(key, j));
+                x[j] = (float)(sd * normal_at(key, j0 + j));
             break;
         }
         case LM_INIT_ONES:
@@ -256,13 +308,38 @@ void lm_params_count(const lm_params *p, int64_t *total, int64_t *active) {
         const lm_param_info *e = &p->t[i];
         if (e->buffer)
             continue;
-        t += e->numel;
-        a += e->routed ? e->numel / E * k : e->numel; /* numel is a multiple of E */
+        const int64_t n = e->routed && p->ep_size > 1 ? e->numel * p->ep_size : e->numel;
+        t += n;
+        a += e->routed ? n / E * k : n; /* n is a multiple of E */
     }
     if (total)
         *total = t;
     if (active)
         *active = a;
+}
+
+void lm_params_full_to_shard(const lm_params *full, const float *src, const lm_params *sp,
+                             int ep_rank, float *dst) {
+    LM_CHECK(ep_rank >= 0 && ep_rank < sp->ep_size && full->ep_size <= 1);
+    for (int i = 0; i < sp->n; i++) {
+        const lm_param_info *e = &sp->t[i], *f = lm_params_find(full, e->name);
+        LM_CHECK(f != NULL && f->numel == (e->routed ? e->numel * sp->ep_size : e->numel));
+        const int64_t o = e->routed ? (int64_t)ep_rank * e->numel : 0;
+        memcpy(dst + e->offset, src + f->offset + o, (size_t)e->numel * sizeof(float));
+    }
+}
+
+void lm_params_shard_to_full(const lm_params *sp, const float *src, int ep_rank, int replicated,
+                             const lm_params *full, float *dst) {
+    LM_CHECK(ep_rank >= 0 && ep_rank < sp->ep_size && full->ep_size <= 1);
+    for (int i = 0; i < sp->n; i++) {
+        const lm_param_info *e = &sp->t[i], *f = lm_params_find(full, e->name);
+        LM_CHECK(f != NULL && f->numel == (e->routed ? e->numel * sp->ep_size : e->numel));
+        if (!e->routed && !replicated)
+            continue;
+        const int64_t o = e->routed ? (int64_t)ep_rank * e->numel : 0;
+        memcpy(dst + f->offset + o, src + e->offset, (size_t)e->numel * sizeof(float));
+    }
 }
 
 /* ---------------------------------------------------------------- checkpoints */
@@ -279,6 +356,11 @@ static void rm_ckpt_dir(const char *dir) {
 lm_status lm_params_save(const lm_params *p, const char *dir, lm_error *err) {
     if (!dir || !*dir || strlen(dir) > 3000)
         return lm_errorf(err, LM_ERR_INVALID, "checkpoint: bad directory name");
+    if (p->ep_size > 1)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "checkpoint %s: the parameters hold the experts of EP rank %d of %d "
+                         "only; save the single-rank layout (lm_params_shard_to_full)",
+                         dir, p->ep_rank, p->ep_size);
     char tmp[4096], old[4096], path[8300];
     snprintf(tmp, sizeof tmp, "%s.tmp.%ld", dir, (long)getpid());
     snprintf(old, sizeof old, "%s.old.%ld", dir, (long)getpid());

@@ -68,15 +68,35 @@ typedef struct {
      * gradient [opt.hi - opt.lo], shard[q] the element count of rank q's shard, and
      * rank 0 gathers the AdamW moments into full_mv [2 numel] for checkpoints */
     lm_comm *comm, *own_comm;
-    lm_comm *dpc, *epc; /* train.expert_parallel > 1: the grid's groups (dist.h) */
-    lm_comm *rcomm;     /* the router sums' reduction: comm, or dpc (an EP group's ranks
-                           already hold the group's counts) */
+    lm_comm *dpc, *epc; /* with world_route: the grid's groups (dist.h; epc of one rank
+                           without EP) */
+    int world_route;    /* the MoE layers route the world's batch (route_world) */
+    lm_comm *rcomm;     /* the router sums' reduction: comm, or NULL with world_route (every
+                           rank's state holds the world's counts already) */
     int rank, world;
     lm_loader_batch gb;
     int have_gb;
     float *gshard;
     int64_t *shard;
     float *full_mv;
+    /* expert sharding (train.expert_parallel = P > 1; docs/distributed.md): p holds
+     * this rank's routed experts only (params.h lm_params_init_ep), its buffer the
+     * replicated region [0, nrep) and the expert region [nrep, nrep + nexp); opt is the
+     * replicated region's AdamW (ZeRO-1 over the world, as without EP), optx the expert
+     * region's (ZeRO-1 over the DP group: the dp ranks that hold the same experts),
+     * vrep / vexp the two regions as tables for lm_adamw (vexp's offsets from nrep);
+     * gshardx [shardx[dp_rank]] the DP-reduced expert gradient shard, normbuf [opt.nblk
+     * + ep optx.nblk] the world's per-block sums of squares of the clipping norm */
+    int sharded, ep, dp, ep_rank, dp_rank;
+    int64_t nrep, nexp;
+    lm_params vrep, vexp;
+    lm_adamw optx;
+    int have_optx;
+    int64_t *shardx;
+    float *gshardx;
+    double *normbuf;
+    lm_params fullp; /* --resume of a sharded run: the checkpoint, until split */
+    int have_fullp;
     int bias_layer; /* the layer whose router reduce is running (reduce_demand) */
     lm_status reduce_st;
     lm_error reduce_err;
@@ -292,7 +312,11 @@ static void log_stage(ctx *x, int s) {
         st->passkey_fraction, st->long_doc_fraction, st->repeat_fraction);
 }
 
-static lm_status run_eval(ctx *x, lm_error *err) {
+static lm_status full_params(ctx *x, int root, lm_params *fp, int *have, lm_error *err);
+
+/* The evals of model em (x->m, or with sharded experts the whole model assembled for
+ * the evals). */
+static lm_status run_eval_on(ctx *x, lm_model *em, lm_error *err) {
     const lm_train_config *c = x->c;
     double t0 = lm_time_sec();
     lm_eval_bpb_result r;
@@ -312,14 +336,14 @@ static lm_status run_eval(ctx *x, lm_error *err) {
     } else {
         /* split over the ranks (every rank holds the whole model), parts summed */
         double sum[2 + 4 * LM_TRAIN_MAX_PASSKEY_LENGTHS];
-        lm_status st = lm_eval_bpb_part(x->m, x->tok, &x->val_sub, c->eval_seq_len, x->rank,
-                                        x->world, &r, err);
+        lm_status st =
+            lm_eval_bpb_part(em, x->tok, &x->val_sub, c->eval_seq_len, x->rank, x->world, &r, err);
         sum[0] = r.nll_nats;
         sum[1] = (double)r.tokens;
         for (int i = 0; i < c->n_passkey_lengths && st == LM_OK; i++) {
-            st = lm_eval_passkey_part(x->m, x->tok, &x->val, c->passkey_lengths[i],
-                                      c->passkey_samples, c->passkey_seed, x->rank, x->world,
-                                      &pk[i], err);
+            st =
+                lm_eval_passkey_part(em, x->tok, &x->val, c->passkey_lengths[i], c->passkey_samples,
+                                     c->passkey_seed, x->rank, x->world, &pk[i], err);
             double *q = sum + 2 + 4 * i;
             q[0] = pk[i].samples, q[1] = pk[i].correct;
             q[2] = (double)pk[i].answer_tokens, q[3] = (double)pk[i].prefix_tokens;
@@ -373,6 +397,32 @@ static lm_status run_eval(ctx *x, lm_error *err) {
     return LM_OK;
 }
 
+/* With sharded experts no rank holds a whole MoE layer: the evals (which decode with
+ * the inference cache, outside the EP layer) run on a model assembled from the EP
+ * group's experts, planned for the evals' longest sequence and freed after them. */
+static lm_status run_eval(ctx *x, lm_error *err) {
+    if (!x->sharded)
+        return run_eval_on(x, x->m, err);
+    const lm_train_config *c = x->c;
+    int64_t tokens = c->eval_seq_len;
+    for (int i = 0; i < c->n_passkey_lengths; i++)
+        if (c->passkey_lengths[i] > tokens)
+            tokens = c->passkey_lengths[i];
+    lm_params fp;
+    int have_fp = 0;
+    lm_model *em = NULL;
+    lm_status st = full_params(x, -1, &fp, &have_fp, err);
+    if (st == LM_OK)
+        st = lm_model_new(&em, &fp, tokens, err);
+    st = lm_comm_agree(x->comm, st, err);
+    if (st == LM_OK)
+        st = run_eval_on(x, em, err);
+    lm_model_free(em);
+    if (have_fp)
+        lm_params_free(&fp);
+    return st;
+}
+
 /* ---------------------------------------------------------------- one step */
 
 static void reset_router_accumulators(lm_router_state *st) {
@@ -397,7 +447,7 @@ typedef struct {
  * global load and the logged load is the global one. */
 static void reduce_demand(double *buf, int n, void *arg) {
     ctx *x = arg;
-    if (x->reduce_st == LM_OK)
+    if (x->reduce_st == LM_OK && x->rcomm)
         x->reduce_st = lm_comm_allreduce(x->rcomm, buf, n, LM_F64, LM_DIST_SUM, &x->reduce_err);
     double tot = 0;
     for (int e = 0; e < x->E; e++)
@@ -463,6 +513,10 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
         int64_t nl = 0;
         lm_status r =
             lm_model_forward(m, &x->b.batch, x->b.ids, x->b.labels, 1, NULL, &loss, &nl, err);
+        /* the routed batch's aux loss is whole on every rank: its gradient takes the
+         * micro-batch's factor, the CE's this rank's share of it */
+        if (x->world_route)
+            lm_model_set_ep_aux_scale(m, 1.0f / (float)M);
         if (r == LM_OK)
             r = lm_model_backward(m, (float)(share / M), mi > 0, err);
         if (r != LM_OK) {
@@ -497,8 +551,28 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
     if (!bad && W > 1) {
         LM_TRY(lm_comm_reduce_scatter(x->comm, g, x->gshard, x->shard, LM_F32, err));
         gs = x->gshard;
+        /* sharded experts: a rank's expert region holds its own experts' gradients,
+         * summed over the replicas of that shard only */
+        if (x->sharded)
+            LM_TRY(lm_comm_reduce_scatter(x->dpc, g + x->nrep, x->gshardx, x->shardx, LM_F32, err));
     }
-    if (!bad) {
+    if (!bad && x->sharded) {
+        /* the norm over every expert of every EP rank: slot [nr + e nx + b] is block b
+         * of EP rank e's expert region, which one rank of the world owns (the others
+         * add exact zeros); summed in slot order, the same bits on every rank */
+        const int64_t nr = x->opt.nblk, nx = x->optx.nblk, ns = nr + (int64_t)x->ep * nx;
+        lm_adamw_grad_partials(&x->opt, gs);
+        lm_adamw_grad_partials(&x->optx, x->gshardx);
+        memset(x->normbuf, 0, sizeof(double) * (size_t)ns);
+        memcpy(x->normbuf, x->opt.partial, sizeof(double) * (size_t)nr);
+        memcpy(x->normbuf + nr + (int64_t)x->ep_rank * nx, x->optx.partial,
+               sizeof(double) * (size_t)nx);
+        LM_TRY(lm_comm_allreduce(x->comm, x->normbuf, ns, LM_F64, LM_DIST_SUM, err));
+        double sq = 0;
+        for (int64_t b = 0; b < ns; b++)
+            sq += x->normbuf[b];
+        res->gnorm = sqrt(sq);
+    } else if (!bad) {
         lm_adamw_grad_partials(&x->opt, gs);
         if (W > 1)
             LM_TRY(
@@ -523,11 +597,19 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
             LM_TRY(lm_train_update(c, &x->opt, &x->p, m, res->gnorm, res->lr, x->k.opt_step,
                                    x->load, x->E, x->met, err));
         } else {
-            lm_adamw_step(&x->opt, x->p.data, gs, lm_train_clip_scale(res->gnorm, c->grad_clip),
-                          res->lr, c->weight_decay, c->beta1, c->beta2, c->eps, x->k.opt_step);
+            const double cs = lm_train_clip_scale(res->gnorm, c->grad_clip);
+            lm_adamw_step(&x->opt, x->p.data, gs, cs, res->lr, c->weight_decay, c->beta1, c->beta2,
+                          c->eps, x->k.opt_step);
             /* every rank's updated shard to every rank (in place) */
             LM_TRY(lm_comm_allgather(x->comm, x->p.data + x->opt.lo, x->p.data, x->shard, LM_F32,
                                      err));
+            if (x->sharded) {
+                /* the expert region: within the DP group of this shard */
+                float *px = x->p.data + x->nrep;
+                lm_adamw_step(&x->optx, px, x->gshardx, cs, res->lr, c->weight_decay, c->beta1,
+                              c->beta2, c->eps, x->k.opt_step);
+                LM_TRY(lm_comm_allgather(x->dpc, px + x->optx.lo, px, x->shardx, LM_F32, err));
+            }
             for (int i = 0; i < L; i++) {
                 lm_router_state *rs = lm_model_router_state(m, i);
                 if (!rs)
@@ -706,6 +788,14 @@ static void ctx_free(ctx *x) {
     free(x->gshard);
     free(x->shard);
     free(x->full_mv);
+    free(x->shardx);
+    free(x->gshardx);
+    free(x->normbuf);
+    free(x->vexp.t);
+    if (x->have_optx)
+        lm_adamw_free(&x->optx);
+    if (x->have_fullp)
+        lm_params_free(&x->fullp);
     lm_comm_free(x->dpc);
     lm_comm_free(x->epc);
     lm_comm_free(x->own_comm);
@@ -868,6 +958,143 @@ static uint64_t hash_floats(const float *v, int64_t n) {
     return h;
 }
 
+/* Sharded experts: a buffer of this rank's layout (params, or a moment assembled by
+ * gather_moment) in the single-rank layout. rep: the replicated region [nrep] (x->p's
+ * offsets); exps [ep][nexp]: every EP rank's expert region. */
+static void to_full(const ctx *x, const float *rep, const float *exps, const lm_params *fp,
+                    float *dst) {
+    for (int e = 0; e < x->ep; e++) {
+        /* lm_params_shard_to_full reads src + offset: a buffer of x->p's layout */
+        float *one = LM_MALLOC(sizeof(float) * (size_t)(x->p.numel > 0 ? x->p.numel : 1));
+        memcpy(one, rep, sizeof(float) * (size_t)x->nrep);
+        memcpy(one + x->nrep, exps + (int64_t)e * x->nexp, sizeof(float) * (size_t)x->nexp);
+        lm_params_shard_to_full(&x->p, one, e, e == 0, fp, dst);
+        free(one);
+    }
+}
+
+/* The whole model in the single-rank layout, assembled from the EP ranks' experts:
+ * root < 0, on every rank (all-gather over its EP group: every replica of a shard
+ * holds the same experts); root 0, on world rank 0 only (fp untouched elsewhere;
+ * *have says whether fp was initialised). Collective. */
+static lm_status full_params(ctx *x, int root, lm_params *fp, int *have, lm_error *err) {
+    *have = 0;
+    const int recv = root < 0 || x->rank == 0;
+    float *exps = recv ? LM_MALLOC(sizeof(float) * (size_t)(x->ep * x->nexp + 1)) : NULL;
+    lm_status st;
+    if (root < 0) {
+        int64_t *cnt = LM_MALLOC(sizeof(int64_t) * (size_t)x->ep);
+        for (int e = 0; e < x->ep; e++)
+            cnt[e] = x->nexp;
+        st = lm_comm_allgather(x->epc, x->p.data + x->nrep, exps, cnt, LM_F32, err);
+        free(cnt);
+    } else {
+        /* the EP group of DP replica 0 (world ranks 0 .. ep-1) sends its experts */
+        int64_t *cnt = LM_MALLOC(sizeof(int64_t) * (size_t)x->world);
+        for (int q = 0; q < x->world; q++)
+            cnt[q] = q < x->ep ? x->nexp : 0;
+        st = lm_comm_gather(x->comm, x->p.data + x->nrep, exps, cnt, LM_F32, 0, err);
+        free(cnt);
+    }
+    if (st == LM_OK && recv) {
+        st = lm_params_init(fp, &x->p.cfg, err);
+        if (st == LM_OK) {
+            *have = 1;
+            to_full(x, x->p.data, exps, fp, fp->data);
+        }
+    }
+    free(exps);
+    return st;
+}
+
+/* One AdamW moment of a sharded run on world rank 0, in x->p's layout per EP rank:
+ * rep [nrep] (the world's ZeRO shards of the replicated region) and exps [ep][nexp]
+ * (each DP group's shards of its expert region). mx: the same moment of optx. */
+static lm_status gather_moment(ctx *x, const float *mr, const float *mx, float *rep, float *exps,
+                               lm_error *err) {
+    LM_TRY(lm_comm_gather(x->comm, mr, rep, x->shard, LM_F32, 0, err));
+    int64_t *cnt = LM_MALLOC(sizeof(int64_t) * (size_t)x->world);
+    int64_t tot = 0;
+    for (int q = 0; q < x->world; q++)
+        tot += cnt[q] = x->shardx[q / x->ep];
+    float *buf = x->rank == 0 ? LM_MALLOC(sizeof(float) * (size_t)(tot + 1)) : NULL;
+    lm_status st = lm_comm_gather(x->comm, mx, buf, cnt, LM_F32, 0, err);
+    if (st == LM_OK && x->rank == 0) {
+        /* world rank q = (dp d, ep e) sent elements [lo_d, lo_d + shardx[d]) of EP rank
+         * e's expert region */
+        int64_t at = 0;
+        for (int q = 0; q < x->world; q++) {
+            const int d = q / x->ep, e = q % x->ep;
+            int64_t lo = 0;
+            for (int j = 0; j < d; j++)
+                lo += x->shardx[j];
+            memcpy(exps + (int64_t)e * x->nexp + lo, buf + at, sizeof(float) * (size_t)cnt[q]);
+            at += cnt[q];
+        }
+    }
+    free(buf);
+    free(cnt);
+    return st;
+}
+
+/* save_checkpoint of a run with sharded experts: the replicas of each region must
+ * agree (the replicated region over the world, the expert region over each DP
+ * group), then world rank 0 assembles the single-rank layout (parameters from EP
+ * group 0, both moments from every rank's shards) and writes it as one process
+ * would; the assembled copies live only for the write. */
+static lm_status save_checkpoint_sharded(ctx *x, const lm_loader_state *ls, int fail,
+                                         lm_error *err) {
+    const lm_train_config *c = x->c;
+    int64_t *h = LM_MALLOC(sizeof(int64_t) * 2 * (size_t)x->world);
+    int64_t *twos = LM_MALLOC(sizeof(int64_t) * (size_t)x->world);
+    for (int q = 0; q < x->world; q++)
+        twos[q] = 2;
+    h[2 * x->rank] = (int64_t)hash_floats(x->p.data, x->nrep);
+    h[2 * x->rank + 1] = (int64_t)hash_floats(x->p.data + x->nrep, x->nexp);
+    lm_status st = lm_comm_allgather(x->comm, h + 2 * x->rank, h, twos, LM_I64, err);
+    for (int q = 1; st == LM_OK && q < x->world; q++) {
+        const int q0 = q % x->ep; /* the rank of DP replica 0 with q's experts */
+        if (h[2 * q] != h[0] || h[2 * q + 1] != h[2 * q0 + 1])
+            st = lm_errorf(err, LM_ERR_INVALID,
+                           "train: at step %lld rank %d holds different %s than rank %d "
+                           "(hash %016llx vs %016llx): the data-parallel replicas diverged",
+                           (long long)x->k.step, q, h[2 * q] != h[0] ? "parameters" : "experts",
+                           h[2 * q] != h[0] ? 0 : q0,
+                           (unsigned long long)(h[2 * q] != h[0] ? h[2 * q] : h[2 * q + 1]),
+                           (unsigned long long)(h[2 * q] != h[0] ? h[0] : h[2 * q0 + 1]));
+    }
+    free(twos);
+    free(h);
+    LM_TRY(st);
+    lm_params fp;
+    int have_fp = 0;
+    LM_TRY(full_params(x, 0, &fp, &have_fp, err));
+    const int r0 = x->rank == 0;
+    float *rep = r0 ? LM_MALLOC(sizeof(float) * (size_t)(x->nrep + 1)) : NULL;
+    float *exps = r0 ? LM_MALLOC(sizeof(float) * (size_t)(x->ep * x->nexp + 1)) : NULL;
+    lm_adamw full;
+    memset(&full, 0, sizeof full);
+    if (r0)
+        lm_adamw_init(&full, &fp);
+    st = gather_moment(x, x->opt.m, x->optx.m, rep, exps, err);
+    if (st == LM_OK && r0)
+        to_full(x, rep, exps, &fp, full.m);
+    if (st == LM_OK)
+        st = gather_moment(x, x->opt.v, x->optx.v, rep, exps, err);
+    if (st == LM_OK && r0) {
+        to_full(x, rep, exps, &fp, full.v);
+        st = lm_train_ckpt_save(x->run, &fp, &full, x->m, &x->k, ls, c->text, c->keep_last, fail,
+                                x->last_ckpt, sizeof x->last_ckpt, err);
+    }
+    free(rep);
+    free(exps);
+    if (r0)
+        lm_adamw_free(&full);
+    if (have_fp)
+        lm_params_free(&fp);
+    return lm_comm_agree(x->comm, st, err);
+}
+
 /* A checkpoint of a data-parallel run: the replicas must hold bitwise the same
  * parameters (MoE biases included: each rank updates them from the all-reduced
  * load), checked by a hash per rank; rank 0 gathers the AdamW shards and writes the
@@ -879,6 +1106,8 @@ static lm_status save_checkpoint(ctx *x, const lm_loader_state *ls, lm_error *er
     if (x->world == 1)
         return lm_train_ckpt_save(x->run, &x->p, &x->opt, x->m, &x->k, ls, c->text, c->keep_last,
                                   fail, x->last_ckpt, sizeof x->last_ckpt, err);
+    if (x->sharded)
+        return save_checkpoint_sharded(x, ls, fail, err);
     int64_t *h = LM_MALLOC(sizeof(int64_t) * (size_t)x->world), ones_buf[64];
     int64_t *ones = x->world <= 64 ? ones_buf : LM_MALLOC(sizeof(int64_t) * (size_t)x->world);
     for (int q = 0; q < x->world; q++)
@@ -912,6 +1141,26 @@ static lm_status save_checkpoint(ctx *x, const lm_loader_state *ls, lm_error *er
     return lm_comm_agree(x->comm, st, err);
 }
 
+/* Whether the MoE layers route the world's micro-batch (moe_ep.h's routing
+ * communicator = the world; every rank runs the router on every rank's logits):
+ * with EP (the layer is collective anyway), and in data-parallel runs whose routing
+ * depends on the batch beyond one token: capacity (per expert over the batch), the
+ * aux loss (its counts and means are the batch's) and quantile balancing (a dual
+ * solve per micro-batch). Then the tokens dropped, the aux loss and its gradient, and
+ * the router states are those of one process on the global micro-batch. Dropless
+ * aux-free / none routing is per token: each rank routes its own share (no collective
+ * inside the forward) and the counts are summed at the bias update. */
+static int route_world(const ctx *x, const lm_train_config *c) {
+    if (x->world == 1 || x->o->device.type == LM_DEVICE_CUDA)
+        return 0;
+    int moe = 0;
+    for (int i = 0; i < c->model.num_hidden_layers; i++)
+        moe |= lm_model_layer_is_moe(&c->model, i);
+    const lm_router_config *r = &c->model.moe.router;
+    return moe && (x->ep > 1 || r->capacity_factor > 0 || r->balance == LM_BAL_AUX_LOSS ||
+                   r->balance == LM_BAL_QUANTILE);
+}
+
 static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm_error *err) {
     const lm_train_options *o = x->o;
     char ckdir[PATHMAX + 64] = "";
@@ -942,8 +1191,25 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
                              x->run, lp);
     }
     LM_TRY(setup(x, c, err));
-    /* parameters */
-    if (o->resume) {
+    x->ep = c->expert_parallel;
+    x->dp = x->world / x->ep;
+    x->ep_rank = x->rank % x->ep; /* dist.h lm_comm_split_grid's layout */
+    x->dp_rank = x->rank / x->ep;
+    x->sharded = x->ep > 1;
+    /* parameters (with EP: this rank's experts only) */
+    if (o->resume && x->sharded) {
+        LM_TRY(lm_params_load(&x->fullp, ckdir, err));
+        x->have_fullp = 1;
+        if (!same_model(&x->fullp.cfg, &c->model))
+            return lm_errorf(
+                err, LM_ERR_INVALID,
+                "%s/config.json: the checkpoint's model differs from the model section "
+                "of %s",
+                ckdir, c->source);
+        LM_TRY(lm_params_init_ep(&x->p, &x->fullp.cfg, x->ep_rank, x->ep, err));
+        x->have_p = 1;
+        lm_params_full_to_shard(&x->fullp, x->fullp.data, &x->p, x->ep_rank, x->p.data);
+    } else if (o->resume) {
         LM_TRY(lm_params_load(&x->p, ckdir, err));
         x->have_p = 1;
         if (!same_model(&x->p.cfg, &c->model))
@@ -953,7 +1219,7 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
                 "of %s",
                 ckdir, c->source);
     } else {
-        LM_TRY(lm_params_init(&x->p, &c->model, err));
+        LM_TRY(lm_params_init_ep(&x->p, &c->model, x->ep_rank, x->ep, err));
         x->have_p = 1;
         lm_params_init_weights(&x->p, c->model.seed);
     }
@@ -1013,13 +1279,46 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
     }
     LM_TRY(lm_model_new(&x->m, &x->p, max_tokens, err));
     x->rcomm = x->comm;
-    if (c->expert_parallel > 1) {
-        const int ep = c->expert_parallel;
-        LM_TRY(lm_comm_split_grid(x->comm, ep, &x->dpc, &x->epc, err));
-        LM_TRY(lm_model_set_expert_parallel(x->m, x->epc, err));
-        x->rcomm = x->dpc;
+    x->world_route = route_world(x, c);
+    if (x->world_route) {
+        LM_TRY(lm_comm_split_grid(x->comm, x->ep, &x->dpc, &x->epc, err));
+        LM_TRY(lm_model_set_expert_parallel(x->m, x->epc, x->comm, err));
+        x->rcomm = NULL;
     }
-    lm_adamw_init_shard(&x->opt, &x->p, x->rank, x->world);
+    x->nrep = x->p.expert_off;
+    x->nexp = x->p.numel - x->p.expert_off;
+    if (x->sharded) {
+        /* the two regions as tables of their own (offsets from the region's start) */
+        int nr = 0;
+        while (nr < x->p.n && !x->p.t[nr].routed)
+            nr++;
+        x->vrep = x->p;
+        x->vrep.n = nr;
+        x->vrep.numel = x->nrep;
+        x->vexp = x->p;
+        x->vexp.n = x->p.n - nr;
+        x->vexp.t = LM_MALLOC(sizeof(lm_param_info) * (size_t)(x->vexp.n + 1));
+        for (int i = 0; i < x->vexp.n; i++) {
+            x->vexp.t[i] = x->p.t[nr + i];
+            x->vexp.t[i].offset -= x->nrep;
+        }
+        x->vexp.data = x->p.data + x->nrep;
+        x->vexp.numel = x->nexp;
+        lm_adamw_init_shard(&x->opt, &x->vrep, x->rank, x->world);
+        lm_adamw_init_shard(&x->optx, &x->vexp, x->dp_rank, x->dp);
+        x->have_optx = 1;
+        x->shardx = LM_MALLOC(sizeof(int64_t) * (size_t)x->dp);
+        for (int q = 0; q < x->dp; q++) {
+            int64_t lo, hi;
+            lm_adamw_shard_range(&x->optx, q, x->dp, &lo, &hi);
+            x->shardx[q] = hi - lo;
+        }
+        x->gshardx = LM_MALLOC(sizeof(float) * (size_t)(x->shardx[x->dp_rank] + 1));
+        x->normbuf =
+            LM_MALLOC(sizeof(double) * (size_t)(x->opt.nblk + (int64_t)x->ep * x->optx.nblk + 1));
+    } else {
+        lm_adamw_init_shard(&x->opt, &x->p, x->rank, x->world);
+    }
     x->have_opt = 1;
     if (x->world > 1) {
         x->shard = LM_MALLOC(sizeof(int64_t) * (size_t)x->world);
@@ -1029,7 +1328,7 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
             x->shard[q] = hi - lo;
         }
         x->gshard = LM_MALLOC(sizeof(float) * (size_t)(x->shard[x->rank] + 1));
-        if (x->rank == 0)
+        if (x->rank == 0 && !x->sharded)
             x->full_mv = LM_MALLOC(sizeof(float) * 2 * (size_t)x->p.numel);
         LM_TRY(lm_loader_batch_init(&x->gb, 1, (int)max_micro, err));
         x->have_gb = 1;
@@ -1064,8 +1363,31 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
     x->k.stage = -1;
     lm_loader_state ls;
     lm_loader_get_state(x->ld, &ls);
-    if (o->resume) {
+    if (o->resume && x->sharded) {
+        /* the single-rank moments, then this rank's pieces of them */
+        lm_adamw fa;
+        lm_adamw_init(&fa, &x->fullp);
+        lm_status st = lm_train_state_load(ckdir, &x->fullp, &fa, x->m, &x->k, &ls, err);
+        if (st == LM_OK) {
+            float *t = LM_MALLOC(sizeof(float) * (size_t)(x->p.numel + 1));
+            const float *src[2] = {fa.m, fa.v};
+            float *rdst[2] = {x->opt.m, x->opt.v}, *xdst[2] = {x->optx.m, x->optx.v};
+            for (int j = 0; j < 2; j++) {
+                lm_params_full_to_shard(&x->fullp, src[j], &x->p, x->ep_rank, t);
+                memcpy(rdst[j], t + x->opt.lo, sizeof(float) * (size_t)(x->opt.hi - x->opt.lo));
+                memcpy(xdst[j], t + x->nrep + x->optx.lo,
+                       sizeof(float) * (size_t)(x->optx.hi - x->optx.lo));
+            }
+            free(t);
+        }
+        lm_adamw_free(&fa);
+        lm_params_free(&x->fullp);
+        x->have_fullp = 0;
+        LM_TRY(st);
+    } else if (o->resume) {
         LM_TRY(lm_train_state_load(ckdir, &x->p, &x->opt, x->m, &x->k, &ls, err));
+    }
+    if (o->resume) {
         LM_TRY(check_resume(x, c, ckdir, err));
         if (x->k.stage >= c->n_stages)
             return lm_errorf(err, LM_ERR_INVALID, "%s: stage %lld but %s has %d stages", ckdir,
@@ -1106,6 +1428,20 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         lm_mem_plan_format(x->gm ? lm_gpu_model_mem_plan(x->gm) : lm_model_plan(x->m), plan,
                            sizeof plan);
         say(x, "%s%s", x->gm ? "cuda " : "", plan);
+        if (x->sharded) {
+            /* rank 0's routed-expert memory (every rank's is the same up to a block of
+             * the ZeRO split); "replicated": what each rank held when every rank kept all
+             * experts (parameters and gradients whole, AdamW state split over the world) */
+            const double mib = 1.0 / (1 << 20), px = (double)x->nexp * 4,
+                         ox = (double)(x->optx.hi - x->optx.lo) * 8, pa = px * x->ep,
+                         oa = pa * 2 / x->world;
+            say(x,
+                "expert parallel %d x data parallel %d: per rank, routed experts %d of %d per "
+                "MoE layer: parameters %.3f MiB + gradients %.3f MiB + AdamW state %.3f MiB = "
+                "%.3f MiB (replicated experts: %.3f + %.3f + %.3f = %.3f MiB)",
+                x->ep, x->dp, x->E / x->ep, x->E, px * mib, px * mib, ox * mib, (2 * px + ox) * mib,
+                pa * mib, pa * mib, oa * mib, (2 * pa + oa) * mib);
+        }
         if (c->n_recompute) {
             lm_mem_plan full;
             if (!x->gm) {
