@@ -1217,8 +1217,7 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
             lm_loader_get_state(x->ld, &ls);
             LM_TRY(host_sync(x, err));
             LM_TRY(save_checkpoint(x, &ls, err));
-            if (!x->live)
-                say(x, "checkpoint %s", x->last_ckpt);
+            say(x, "checkpoint %s", x->last_ckpt); /* a line in both modes (docs/training.md) */
         }
         if (interrupt) {
             say(x,
