@@ -149,8 +149,11 @@ int lm_cli_serve(int argc, char **argv) {
 
     lm_error err = {0};
     lm_params p;
-    char ckpt_buf[4096];
-    lm_cli_resolve_ckpt(ckpt, ckpt_buf, sizeof ckpt_buf);
+    char ckpt_buf[4096], why[4200];
+    if (lm_cli_resolve_ckpt_why(ckpt, ckpt_buf, sizeof ckpt_buf, why, sizeof why) != 0) {
+        fprintf(stderr, PROG ": %s\n", why);
+        return LM_EXIT_BAD_INPUT;
+    }
     if (lm_params_load(&p, ckpt_buf, &err) != LM_OK) {
         fprintf(stderr, PROG ": %s\n", err.msg);
         return LM_EXIT_BAD_INPUT;
