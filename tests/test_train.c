@@ -940,6 +940,11 @@ static void test_live_lines(void **state) {
     fprintf(stderr, "live run's output:\n%s\n", out);
     assert_int_equal(st, LM_OK);
     assert_non_null(strstr(out, "\r\033[Kstep 1/2")); /* it was the live line */
+    /* the MFU reference says how it was measured (issue 25: one short call swung 2x) */
+    assert_non_null(strstr(out, "mfu reference: "));
+    assert_non_null(strstr(out, "best of 7 calls after a 0.1 s warm-up"));
+    assert_non_null(strstr(s.ref_desc, "sgemm fp32 768^3 on "));
+    assert_true(s.ref_flops > 0);
     /* its own line, after the live line is cleared (not only the "done:" line's) */
     assert_non_null(strstr(out, "\033[Kcheckpoint "));
     free(out);
