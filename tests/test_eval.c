@@ -469,7 +469,7 @@ static void test_report_and_errors(void **state) {
     const cJSON *moe = cJSON_GetObjectItem(obj, "moe");
     assert_int_equal(cJSON_GetArraySize(moe), 4);
     const cJSON *e;
-    int layer = 1;
+    int layer = 2; /* 1-based, as in the config: layer 1 is dense (first_k_dense_replace) */
     cJSON_ArrayForEach(e, moe) {
         assert_int_equal((int)cJSON_GetObjectItem(e, "layer")->valuedouble, layer++);
         const cJSON *load = cJSON_GetObjectItem(e, "load");

@@ -948,6 +948,13 @@ static void test_live_lines(void **state) {
     /* its own line, after the live line is cleared (not only the "done:" line's) */
     assert_non_null(strstr(out, "\033[Kcheckpoint "));
     free(out);
+    /* layers are numbered from 1 in the log, as in the config (issue 25): layer 1 is
+     * dense (first_k_dense_replace = 1), so the first MoE entry is layer 2 */
+    snprintf(log, sizeof log, "%s/log.jsonl", dir);
+    out = read_file(log, NULL);
+    assert_non_null(out);
+    assert_non_null(strstr(out, "\"moe\": [{\"layer\": 2, "));
+    free(out);
 }
 
 static void test_cli(void **state) {

@@ -678,7 +678,7 @@ static void log_step(ctx *x, int s, const step_result *r, double tok_s, double m
         if (!rs)
             continue;
         const lm_router_metrics *mt = &x->met[i];
-        fprintf(f, "%s{\"layer\": %d, \"maxvio_batch\": ", first ? "" : ", ", i);
+        fprintf(f, "%s{\"layer\": %d, \"maxvio_batch\": ", first ? "" : ", ", i + 1);
         jnum(f, mt->maxvio_batch, 6);
         fputs(", \"maxvio_global\": ", f);
         jnum(f, mt->maxvio_global, 6);
