@@ -30,14 +30,14 @@ CFLAGS="-std=c11 -D_POSIX_C_SOURCE=200809L -O1 -g -Wall -Wextra -Werror -Wno-pas
   -Iinclude -Isrc -Itests/fuzz $(pkg-config --cflags libcjson libpcre2-8 libmicrohttpd)"
 LIBS="$(pkg-config --libs libcjson libpcre2-8 libmicrohttpd) -lopenblas -lm -lpthread"
 SRCS=$(ls src/core/*.c src/ops/*.c src/ops/cpu/*.c src/model/*.c src/data/*.c src/train/*.c \
-          src/eval/*.c src/dist/*.c src/serve/*.c src/ops/nocuda/*.c tests/fuzz/targets.c)
+          src/eval/*.c src/dist/*.c src/serve/*.c src/ops/nocuda/*.c tools/op_*.c tests/fuzz/targets.c)
 echo "fuzz.sh: compiling $(echo "$SRCS" | wc -w) sources with $($CC --version | head -1)"
 objs=()
 pids=()
 for s in $SRCS; do
   o="$OUT/obj/$(echo "$s" | tr / _).o"
   objs+=("$o")
-  if [ ! -f "$o" ] || [ "$s" -nt "$o" ] || [ -n "$(find include src tests/fuzz -name '*.h' -newer "$o" 2>/dev/null | head -1)" ]; then
+  if [ ! -f "$o" ] || [ "$s" -nt "$o" ] || [ -n "$(find include src tools tests/fuzz -name '*.h' -newer "$o" 2>/dev/null | head -1)" ]; then
     # shellcheck disable=SC2086
     $CC $CFLAGS -fsanitize=fuzzer-no-link -c "$s" -o "$o" &
     pids+=($!)
