@@ -374,12 +374,24 @@ static int run_op_meta(const uint8_t *d, size_t n) {
         dup2(g_devnull, 2);
     int rc;
     switch (d[0] % 6) {
-    case 0: rc = lm_cli_op_kda("fuzz op kda", LM_KDA, g_op_in, g_op_out, 0); break;
-    case 1: rc = lm_cli_op_kda("fuzz op gdn", LM_GDN, g_op_in, g_op_out, 0); break;
-    case 2: rc = lm_cli_op_attention("fuzz op attention", g_op_in, g_op_out); break;
-    case 3: rc = lm_cli_op_attnres("fuzz op attnres", g_op_in, g_op_out); break;
-    case 4: rc = lm_cli_op_moe_router("fuzz op moe_router", g_op_in, g_op_out); break;
-    default: rc = lm_cli_op_moe("fuzz op moe", g_op_in, g_op_out); break;
+    case 0:
+        rc = lm_cli_op_kda("fuzz op kda", LM_KDA, g_op_in, g_op_out, 0);
+        break;
+    case 1:
+        rc = lm_cli_op_kda("fuzz op gdn", LM_GDN, g_op_in, g_op_out, 0);
+        break;
+    case 2:
+        rc = lm_cli_op_attention("fuzz op attention", g_op_in, g_op_out);
+        break;
+    case 3:
+        rc = lm_cli_op_attnres("fuzz op attnres", g_op_in, g_op_out);
+        break;
+    case 4:
+        rc = lm_cli_op_moe_router("fuzz op moe_router", g_op_in, g_op_out);
+        break;
+    default:
+        rc = lm_cli_op_moe("fuzz op moe", g_op_in, g_op_out);
+        break;
     }
     fflush(stderr);
     if (quiet) {
