@@ -74,7 +74,7 @@ run_one() {
   if [ -n "$a" ]; then
     echo "fuzz.sh: reproducer $a ($(stat -c %s "$a") bytes):" >&2
     od -A d -c "$a" | head -20 >&2
-    echo "fuzz.sh: replay with: $OUT/fuzz_$t $a   (or build/fuzz_replay $t $a)" >&2
+    echo "fuzz.sh: replay with: LINMOE_FUZZ_VERBOSE=1 $OUT/fuzz_$t $a   (or build/fuzz_replay $t $a; LINMOE_FUZZ_VERBOSE shows what op_meta sends to /dev/null, a sanitizer report included)" >&2
   fi
   return 1
 }
