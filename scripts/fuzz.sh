@@ -30,14 +30,14 @@ CFLAGS="-std=c11 -D_POSIX_C_SOURCE=200809L -O1 -g -Wall -Wextra -Werror -Wno-pas
   -Iinclude -Isrc -Itests/fuzz $(pkg-config --cflags libcjson libpcre2-8 libmicrohttpd)"
 LIBS="$(pkg-config --libs libcjson libpcre2-8 libmicrohttpd) -lopenblas -lm -lpthread"
 SRCS=$(ls src/core/*.c src/ops/*.c src/ops/cpu/*.c src/model/*.c src/data/*.c src/train/*.c \
-          src/eval/*.c src/dist/*.c src/serve/*.c src/ops/nocuda/*.c tests/fuzz/targets.c)
+          src/eval/*.c src/dist/*.c src/serve/*.c src/ops/nocuda/*.c tools/op_*.c tests/fuzz/targets.c)
 echo "fuzz.sh: compiling $(echo "$SRCS" | wc -w) sources with $($CC --version | head -1)"
 objs=()
 pids=()
 for s in $SRCS; do
   o="$OUT/obj/$(echo "$s" | tr / _).o"
   objs+=("$o")
-  if [ ! -f "$o" ] || [ "$s" -nt "$o" ] || [ -n "$(find include src tests/fuzz -name '*.h' -newer "$o" 2>/dev/null | head -1)" ]; then
+  if [ ! -f "$o" ] || [ "$s" -nt "$o" ] || [ -n "$(find include src tools tests/fuzz -name '*.h' -newer "$o" 2>/dev/null | head -1)" ]; then
     # shellcheck disable=SC2086
     $CC $CFLAGS -fsanitize=fuzzer-no-link -c "$s" -o "$o" &
     pids+=($!)
@@ -74,7 +74,7 @@ run_one() {
   if [ -n "$a" ]; then
     echo "fuzz.sh: reproducer $a ($(stat -c %s "$a") bytes):" >&2
     od -A d -c "$a" | head -20 >&2
-    echo "fuzz.sh: replay with: $OUT/fuzz_$t $a   (or build/fuzz_replay $t $a)" >&2
+    echo "fuzz.sh: replay with: LINMOE_FUZZ_VERBOSE=1 $OUT/fuzz_$t $a   (or build/fuzz_replay $t $a; LINMOE_FUZZ_VERBOSE shows what op_meta sends to /dev/null, a sanitizer report included)" >&2
   fi
   return 1
 }

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # linmoe's main job (the README's first command): install what is missing, fetch the
 # Brown corpus, build, tokenize, train configs/brown-cpu.json (hybrid KDA/attention MoE,
-# bounded gate, aux-loss-free balancing, Block AttnRes, two context stages 256 -> 1024
-# with passkey documents), evaluate, plot and print a generated sample.
+# bounded gate, aux-loss-free balancing, Block AttnRes; three stages at 4096 tokens per
+# step: 5 M tokens at 256 with 40 % passkey rows of 128 tokens, then 1.7 M + 1.7 M tokens
+# at 1024 with RoPE base 10k -> 40k, 60 % passkey rows (512 tokens long, then full length)
+# and 25 % long-document rows), evaluate, plot and print a generated sample.
 #
 #   scripts/main-job.sh [CONFIG [RUN_DIR]]      (defaults: configs/brown-cpu.json, runs/brown-cpu)
 #
@@ -73,5 +75,4 @@ build/linmoe plot "$RUN"
 say "sample"
 build/linmoe generate --ckpt "$ckpt" --prompt "$PROMPT" --max-new 300 --temperature 0.8 \
     --top-p 0.95 --seed 1 --threads 1
-echo
 say "done"

@@ -89,8 +89,8 @@ static int make_run(const char *dir, int moe) {
     for (int s = 20; s <= STEPS; s += 20, n++)
         fprintf(f,
                 "{\"step\": %d, \"tokens\": %.0f, \"stage\": %d, \"bits_per_byte\": %.4f, "
-                "\"passkey\": [{\"length\": 256, \"accuracy\": %.3f}, {\"length\": 1024, "
-                "\"accuracy\": %.3f}]}\n",
+                "\"passkey\": [{\"length\": 256, \"samples\": 200, \"accuracy\": %.3f}, "
+                "{\"length\": 1024, \"samples\": 200, \"accuracy\": %.3f}]}\n",
                 s, tokens_at(s), s >= SWITCH, 3.5 - s / 100.0, s / 120.0, s >= SWITCH ? 0.9 : 0.1);
     fclose(f);
     snprintf(p, sizeof p, "%s/stages.jsonl", dir);
@@ -177,6 +177,75 @@ static void check_marked(const char *dir, const char *script, const cJSON *plot,
     free(gp);
 }
 
+/* passkey (issue 25): points with 95 % Wilson intervals at the measured lengths only, no
+ * line through the lengths between them. The last series is step 120: 0.9 of 200 at
+ * 1024 tokens, whose Wilson interval is [0.85059, 0.93433] (z = 1.96; Brown, Cai &
+ * DasGupta 2001, eq. 4), 1.0 at 256 gives [0.98115, 1]. */
+static void check_passkey_bars(const char *dir) {
+    char p[600];
+    snprintf(p, sizeof p, "%s/plots/passkey.gp", dir);
+    char *gp = slurp(p);
+    assert_non_null(gp);
+    assert_null(strstr(gp, "lines"));
+    assert_non_null(strstr(gp, "with yerrorbars"));
+    assert_non_null(strstr(gp, "set xtics (256, 1024)\n"));
+    free(gp);
+    snprintf(p, sizeof p, "%s/plots/passkey.dat", dir);
+    char *dat = slurp(p);
+    assert_non_null(dat);
+    char *last = strstr(dat, "# step 120 ");
+    assert_non_null(last);
+    double len[2], acc[2], lo[2], hi[2], n[2], x[2];
+    char *row = strchr(last, '\n') + 1;
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(sscanf(row, "%lf %lf %lf %lf %lf %lf", &len[k], &acc[k], &lo[k], &hi[k],
+                                &n[k], &x[k]),
+                         6);
+        row = strchr(row, '\n') + 1;
+        assert_true(n[k] == 200);
+        assert_true(x[k] > len[k] && x[k] < len[k] * 1.1); /* the last series: shifted right */
+    }
+    assert_true(len[0] == 256 && acc[0] == 1.0);
+    assert_true(fabs(lo[0] - 0.98115) < 1e-4 && fabs(hi[0] - 1.0) < 1e-6);
+    assert_true(len[1] == 1024 && acc[1] == 0.9);
+    assert_true(fabs(lo[1] - 0.85059) < 1e-4 && fabs(hi[1] - 0.93433) < 1e-4);
+    free(dat);
+}
+
+/* maxvio (issue 25): each layer's moving average over W = 120 / 50 = 2 records is drawn
+ * (the columns after the raw ones), and each value is the mean of the raw values of its
+ * record and the one before. */
+static void check_maxvio_smoothed(const char *dir) {
+    char p[600];
+    snprintf(p, sizeof p, "%s/plots/maxvio.gp", dir);
+    char *gp = slurp(p);
+    assert_non_null(gp);
+    assert_non_null(strstr(gp, "trailing mean over 2 logged steps"));
+    assert_non_null(strstr(gp, "using 1:4 with lines"));
+    assert_non_null(strstr(gp, "using 1:5 with lines"));
+    assert_null(strstr(gp, "using 1:2 "));
+    free(gp);
+    snprintf(p, sizeof p, "%s/plots/maxvio.dat", dir);
+    char *dat = slurp(p);
+    assert_non_null(dat);
+    double prev[2] = {NAN, NAN};
+    int rows = 0;
+    for (char *line = strtok(dat, "\n"); line; line = strtok(NULL, "\n")) {
+        if (line[0] == '#')
+            continue;
+        double step, v[2], m[2];
+        assert_int_equal(sscanf(line, "%lf %lf %lf %lf %lf", &step, &v[0], &v[1], &m[0], &m[1]), 5);
+        for (int l = 0; l < 2; l++) {
+            const double want = rows == 0 ? v[l] : (v[l] + prev[l]) / 2;
+            assert_true(fabs(m[l] - want) < 1e-6);
+            prev[l] = v[l];
+        }
+        rows++;
+    }
+    assert_int_equal(rows, STEPS);
+    free(dat);
+}
+
 static void test_plot_run(void **state) {
     (void)state;
     if (!have_gnuplot()) {
@@ -235,6 +304,8 @@ static void test_plot_run(void **state) {
     assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(pk, "series")), 3);
     for (int i = 0; i < 3; i++)
         assert_int_equal((int)series_points(pk, i), 2);
+    check_passkey_bars(dir);
+    check_maxvio_smoothed(dir);
     /* the loss data file: one row per step, steps increasing */
     snprintf(p, sizeof p, "%s/plots/loss.dat", dir);
     char *dat = slurp(p);

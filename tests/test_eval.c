@@ -469,7 +469,7 @@ static void test_report_and_errors(void **state) {
     const cJSON *moe = cJSON_GetObjectItem(obj, "moe");
     assert_int_equal(cJSON_GetArraySize(moe), 4);
     const cJSON *e;
-    int layer = 1;
+    int layer = 2; /* 1-based, as in the config: layer 1 is dense (first_k_dense_replace) */
     cJSON_ArrayForEach(e, moe) {
         assert_int_equal((int)cJSON_GetObjectItem(e, "layer")->valuedouble, layer++);
         const cJSON *load = cJSON_GetObjectItem(e, "load");
@@ -697,7 +697,8 @@ static void test_cli_eval_generate(void **state) {
     assert_int_equal(rc, 1);
     lm_assert_says(out, "nope: no such checkpoint or run directory");
     /* issue 25: a missing directory, an empty one and a run whose `latest` dangles say so
-     * (they said "DIR/config.json: cannot open"), for every command that takes a checkpoint */
+     * (they said "DIR/config.json: cannot open"), for every command that takes a checkpoint
+     * (serve and bench serve said so until this test covered them) */
     {
         char run[600], cmd[1400];
         snprintf(run, sizeof run, "%s/dangling", lm_cli_dir());
@@ -706,13 +707,19 @@ static void test_cli_eval_generate(void **state) {
         assert_int_equal(system(cmd), 0);
         static const char *const cmds[] = {"info %s", "eval --ckpt %s --val x.bin",
                                            "generate --ckpt %s --prompt a",
-                                           "export --ckpt %s --format fla --out x"};
-        for (int i = 0; i < 4; i++) {
+                                           "export --ckpt %s --format fla --out x",
+                                           "serve --ckpt %s --port 0",
+                                           "bench serve --ckpt %s"};
+        for (int i = 0; i < 6; i++) {
             char arg[700];
             snprintf(arg, sizeof arg, "'%s/nope'", lm_cli_dir());
             rc = lm_run_cli(out, sizeof out, cmds[i], arg);
             assert_int_equal(rc, 1);
             lm_assert_says(out, "nope: no such checkpoint or run directory");
+            snprintf(arg, sizeof arg, "'%s/nope/ckpt'", lm_cli_dir()); /* RUN/ckpt of no RUN */
+            rc = lm_run_cli(out, sizeof out, cmds[i], arg);
+            assert_int_equal(rc, 1);
+            lm_assert_says(out, "nope/ckpt: no such checkpoint or run directory");
             snprintf(arg, sizeof arg, "'%s'", run);
             rc = lm_run_cli(out, sizeof out, cmds[i], arg);
             assert_int_equal(rc, 1);

@@ -454,7 +454,7 @@ static void test_refuse_mixed_gate(void **state) {
     (void)state;
     knobs k = base_knobs();
     k.gate = "[\"bounded\", \"softplus\"]";
-    expect_refusal(&k, "mixed", 0, "linear_attn_config.gate", "layer 0", "\"bounded\"", "layer 2",
+    expect_refusal(&k, "mixed", 0, "linear_attn_config.gate", "layer 1", "\"bounded\"", "layer 3",
                    "\"softplus\"", (const char *)NULL);
 }
 
@@ -462,7 +462,7 @@ static void test_refuse_nope(void **state) {
     (void)state;
     knobs k = base_knobs();
     k.position = "\"nope\"";
-    expect_refusal(&k, "nope", 0, "attention layer 1", "\"nope\"", "RoPE", (const char *)NULL);
+    expect_refusal(&k, "nope", 0, "attention layer 2", "\"nope\"", "RoPE", (const char *)NULL);
 }
 
 static void test_refuse_head_dim(void **state) {

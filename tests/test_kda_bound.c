@@ -153,12 +153,33 @@ static void test_softplus_minus_1000_needs_safe_path(void **state) {
     free(g), free(x), free(mask);
 }
 
+/* lm_fexp at the edges: NaN gives NaN without converting NaN to int (undefined
+ * behaviour: the fuzz target op_meta found it through attention scores of inf - inf,
+ * tests/fuzz/corpus/op_meta/crash-attention-nan-exp.bin, reported under UBSan), +inf
+ * gives +inf, -inf and very negative inputs 0, and a few ordinary values are within
+ * the documented ~2 ulp. */
+static void test_fexp_special_values(void **state) {
+    (void)state;
+    volatile float nan = NAN;
+    assert_true(isnan(lm_fexp(nan)));
+    assert_true(isnan(lm_fexp(-nan)));
+    assert_true(isinf(lm_fexp(INFINITY)) && lm_fexp(INFINITY) > 0);
+    assert_true(lm_fexp(-INFINITY) == 0.0f);
+    assert_true(lm_fexp(-1000.0f) == 0.0f);
+    const float xs[] = {-80.0f, -1.5f, 0.0f, 0.3f, 10.0f, 80.0f};
+    for (size_t i = 0; i < sizeof xs / sizeof xs[0]; i++) {
+        const double want = exp((double)xs[i]);
+        assert_true(fabs(lm_fexp(xs[i]) - want) <= 4 * 0x1p-24 * want);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_16_tile_start_fits_bf16),
         cmocka_unit_test(test_32_tile_start_overflows),
         cmocka_unit_test(test_32_tile_midpoint_fits_bf16),
         cmocka_unit_test(test_softplus_minus_1000_needs_safe_path),
+        cmocka_unit_test(test_fexp_special_values),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -811,7 +811,7 @@ static void test_bad_input(void **state) {
     assert_int_equal(lm_model_forward(m, &b, ids, NULL, 0, NULL, NULL, NULL, &err),
                      LM_ERR_NONFINITE); /* the layer's wrapped message keeps the status */
     printf("  NaN weight: %s\n", err.msg);
-    assert_non_null(strstr(err.msg, "layer 2"));
+    assert_non_null(strstr(err.msg, "layer 3")); /* model.layers.2 is layer 3 (1-based) */
     w[3] = w0;
     lm_model_free(m);
     lm_params_free(&p);

@@ -722,6 +722,10 @@ static void test_cli_info(void **state) {
     assert_non_null(strstr(out, "active per token 7277720"));
     assert_non_null(strstr(out, "model.layers.7.mlp.experts.down_proj"));
     assert_non_null(strstr(out, "[16, 256, 256]"));
+    /* layers numbered from 1, as in the config's kda_layers [1, 2, 3, 5, 6, 7] (issue 25) */
+    assert_non_null(strstr(out, "layers (numbered from 1, as in linear_attn_config): 1:kda-"));
+    assert_non_null(strstr(out, " 4:attn-rope/moe 5:kda-"));
+    assert_non_null(strstr(out, " 8:attn-rope/moe\n"));
     lm_params p;
     make_params(&p, 5);
     char dir[128];

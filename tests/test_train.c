@@ -908,6 +908,55 @@ static void test_interrupt_and_resume(void **state) {
     }
 }
 
+/* The live progress line (a terminal) still prints checkpoints, evals and stage changes
+ * as lines, as docs/training.md says (issue 25: checkpoint lines were only printed
+ * without a terminal), and the start says how the MFU reference rate was measured. */
+static void test_live_lines(void **state) {
+    (void)state;
+    lm_train_config c;
+    load_cfg(&c);
+    lm_train_options o;
+    lm_train_options_default(&o);
+    char dir[256], log[300];
+    snprintf(dir, sizeof dir, "%s/live", g_dir);
+    snprintf(log, sizeof log, "%s/live.err", g_dir);
+    o.run_dir = dir;
+    o.max_steps = 2;
+    o.progress = 1; /* the live line, as on a terminal */
+    fflush(stderr);
+    const int saved = dup(2), fd = open(log, O_CREAT | O_TRUNC | O_WRONLY, 0644);
+    assert_true(saved >= 0 && fd >= 0);
+    dup2(fd, 2);
+    close(fd);
+    lm_train_summary s;
+    lm_error err = {0};
+    lm_status st = lm_train_run(&c, &o, &s, &err);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    lm_train_config_free(&c);
+    char *out = read_file(log, NULL);
+    assert_non_null(out);
+    fprintf(stderr, "live run's output:\n%s\n", out);
+    assert_int_equal(st, LM_OK);
+    assert_non_null(strstr(out, "\r\033[Kstep 1/2")); /* it was the live line */
+    /* the MFU reference says how it was measured (issue 25: one short call swung 2x) */
+    assert_non_null(strstr(out, "mfu reference: "));
+    assert_non_null(strstr(out, "best of 7 calls after a 0.1 s warm-up"));
+    assert_non_null(strstr(s.ref_desc, "sgemm fp32 768^3 on "));
+    assert_true(s.ref_flops > 0);
+    /* its own line, after the live line is cleared (not only the "done:" line's) */
+    assert_non_null(strstr(out, "\033[Kcheckpoint "));
+    free(out);
+    /* layers are numbered from 1 in the log, as in the config (issue 25): layer 1 is
+     * dense (first_k_dense_replace = 1), so the first MoE entry is layer 2 */
+    snprintf(log, sizeof log, "%s/log.jsonl", dir);
+    out = read_file(log, NULL);
+    assert_non_null(out);
+    assert_non_null(strstr(out, "\"moe\": [{\"layer\": 2, "));
+    free(out);
+}
+
 static void test_cli(void **state) {
     (void)state;
     char out[8192];
@@ -952,6 +1001,7 @@ int main(void) {
         cmocka_unit_test(test_nan_guard),
         cmocka_unit_test(test_nonfinite_status),
         cmocka_unit_test(test_interrupt_and_resume),
+        cmocka_unit_test(test_live_lines),
         cmocka_unit_test(test_cli),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

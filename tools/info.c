@@ -39,7 +39,7 @@ static void print_params(const lm_params *p) {
             buffers += p->t[i].numel;
     printf("parameters: total %lld (%.3f M), active per token %lld (%.3f M), buffers %lld\n",
            (long long)total, total / 1e6, (long long)active, active / 1e6, (long long)buffers);
-    printf("tensors: %d\n", p->n);
+    printf("tensors: %d (Hugging Face names, numbered from 0: model.layers.0 is layer 1)\n", p->n);
     for (int i = 0; i < p->n; i++) {
         const lm_param_info *e = &p->t[i];
         char shape[96];

@@ -64,7 +64,10 @@ int lm_cli_resolve_ckpt_why(const char *arg, char *out, size_t size, char *why, 
         if (n > t && strcmp(run + n - t, tails[i]) == 0) {
             run[n - t] = '\0';
             if (lm_train_latest_checkpoint(run, out, size, &err) == LM_OK) return 0;
-            if (why) snprintf(why, why_size, "%s", err.msg);
+            if (why && stat(arg, &sb) != 0 && stat(run, &sb) != 0) /* no RUN at all */
+                snprintf(why, why_size, "%s: no such checkpoint or run directory", arg);
+            else if (why)
+                snprintf(why, why_size, "%s", err.msg);
             snprintf(out, size, "%s", arg);
             return -1;
         }

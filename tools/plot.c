@@ -6,13 +6,17 @@
  * Plots:
  *   loss.png         training loss (nats/token) and validation bits/byte (right axis)
  *                    against tokens; stage boundaries as labelled dashed lines
- *   maxvio.png       maxvio_batch of each MoE layer against step (boundaries at steps)
+ *   maxvio.png       maxvio_batch of each MoE layer against step (boundaries at steps),
+ *                    as a trailing moving average over n / 50 records (raw values in
+ *                    maxvio.dat)
  *   expert_load.png  heat map of expert load / uniform share (E * load fraction,
  *                    1 = balanced) over steps, one row per (layer, expert); at most
  *                    400 columns of equal step width, each the mean of its records
  *                    (an empty column repeats the one before)
  *   passkey.png      passkey accuracy against document length, one series per
- *                    selected eval (the first, the last of each stage; at most 10)
+ *                    selected eval (the first, the last of each stage; at most 10):
+ *                    points at the measured lengths with 95 % Wilson intervals (from
+ *                    each entry's "samples"), no lines between lengths
  * A plot without data (no "moe" records, no passkey evals) is skipped with a note in
  * summary.json ("skipped": why) and on stderr.
  *
@@ -38,6 +42,11 @@
 #define MAX_EXPERTS 65536
 #define HEAT_COLS 400
 #define MAX_PK_SERIES 10
+#define MAXVIO_WINDOW_DIV 50 /* maxvio.png: moving average over n / 50 records */
+
+/* distinct line colours (matplotlib's tab10), one per series */
+static const char *const k_colors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+                                       "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
 
 void lm_cli_plot_usage(FILE *f) {
     fprintf(f,
@@ -50,9 +59,9 @@ void lm_cli_plot_usage(FILE *f) {
             "scripts into RUN_DIR/plots/ and draws with gnuplot (pngcairo, else png):\n"
             "  loss.png         training loss and validation bits/byte against tokens, stage\n"
             "                   boundaries marked\n"
-            "  maxvio.png       maxvio_batch per MoE layer against step\n"
+            "  maxvio.png       maxvio_batch per MoE layer against step (moving average)\n"
             "  expert_load.png  heat map of expert load over steps, one row per (layer, expert)\n"
-            "  passkey.png      passkey accuracy by document length\n"
+            "  passkey.png      passkey accuracy by document length, 95 %% intervals\n"
             "and RUN_DIR/plots/summary.json (plots, data files, points per series, stage\n"
             "boundaries drawn). Needs gnuplot (scripts/install-deps.sh installs it).\n"
             "\n"
@@ -88,7 +97,7 @@ typedef struct {
     double step, tokens, bpb;
     int stage;
     int npk;
-    double *pk_len, *pk_acc; /* [npk] */
+    double *pk_len, *pk_acc, *pk_n; /* [npk]; pk_n: samples (NaN when not logged) */
 } eval_rec;
 
 typedef struct {
@@ -137,6 +146,7 @@ static void evals_free(eval_data *d) {
     for (int64_t i = 0; i < d->n; i++) {
         free(d->r[i].pk_len);
         free(d->r[i].pk_acc);
+        free(d->r[i].pk_n);
     }
     free(d->r);
 }
@@ -311,6 +321,7 @@ static int eval_line(const cJSON *o, const char *path, int line, void *ctx) {
         d->n--;
         free(d->r[d->n].pk_len);
         free(d->r[d->n].pk_acc);
+        free(d->r[d->n].pk_n);
     }
     if (d->n == d->cap) {
         d->cap = d->cap ? d->cap * 2 : 64;
@@ -333,6 +344,7 @@ static int eval_line(const cJSON *o, const char *path, int line, void *ctx) {
     const int n = cJSON_GetArraySize(pk);
     r->pk_len = xrealloc(NULL, (size_t)n * sizeof(double));
     r->pk_acc = xrealloc(NULL, (size_t)n * sizeof(double));
+    r->pk_n = xrealloc(NULL, (size_t)n * sizeof(double));
     const cJSON *it;
     cJSON_ArrayForEach(it, pk) {
         const double len = num(it, "length"), acc = num(it, "accuracy");
@@ -343,6 +355,8 @@ static int eval_line(const cJSON *o, const char *path, int line, void *ctx) {
         }
         r->pk_len[r->npk] = len;
         r->pk_acc[r->npk] = acc;
+        const double ns = num(it, "samples");
+        r->pk_n[r->npk] = isfinite(ns) && ns >= 1 ? ns : NAN;
         r->npk++;
     }
     return 0;
@@ -545,19 +559,48 @@ static int write_maxvio(ctx_t *c, const log_data *lg) {
     FILE *f = open_out(c, "maxvio.dat");
     if (!f)
         return -1;
-    fprintf(f, "# step");
+    /* maxvio_batch jumps from batch to batch (one batch's content): the plot draws each
+     * layer's trailing moving average over W records (the mean of the finite values
+     * among records i-W+1..i), so the layers' trends can be told apart; the raw values
+     * stay in the data file. */
+    const int64_t W = lg->n / MAXVIO_WINDOW_DIV > 1 ? lg->n / MAXVIO_WINDOW_DIV : 1;
+    fprintf(f, "# step, then maxvio_batch of each MoE layer, then its moving average over %lld "
+               "records:\n# step",
+            (long long)W);
     for (int l = 0; l < lg->nl; l++)
         fprintf(f, " maxvio_batch_layer%d", lg->ml[l].layer);
+    for (int l = 0; l < lg->nl; l++)
+        fprintf(f, " mean%lld_layer%d", (long long)W, lg->ml[l].layer);
     fprintf(f, "\n");
-    int64_t *pts = calloc((size_t)lg->nl, sizeof(int64_t));
+    const size_t nl = lg->nl > 0 ? (size_t)lg->nl : 1;
+    int64_t *pts = calloc(nl, sizeof(int64_t));
+    double *wsum = calloc(nl, sizeof(double));
+    int64_t *wcnt = calloc(nl, sizeof(int64_t));
+    if (!pts || !wsum || !wcnt) {
+        fprintf(stderr, PROG ": out of memory\n");
+        exit(LM_EXIT_BAD_INPUT);
+    }
     for (int64_t i = 0; i < lg->n; i++) {
         fprintf(f, "%.17g", lg->step[i]);
         for (int l = 0; l < lg->nl; l++) {
-            fmt_num(f, lg->ml[l].maxvio[i]);
-            pts[l] += isfinite(lg->ml[l].maxvio[i]);
+            const double v = lg->ml[l].maxvio[i];
+            fmt_num(f, v);
+            pts[l] += isfinite(v);
+            if (isfinite(v)) {
+                wsum[l] += v;
+                wcnt[l]++;
+            }
+            if (i >= W && isfinite(lg->ml[l].maxvio[i - W])) {
+                wsum[l] -= lg->ml[l].maxvio[i - W];
+                wcnt[l]--;
+            }
         }
+        for (int l = 0; l < lg->nl; l++)
+            fmt_num(f, wcnt[l] > 0 ? wsum[l] / (double)wcnt[l] : NAN);
         fprintf(f, "\n");
     }
+    free(wsum);
+    free(wcnt);
     if (close_out(f, c, "maxvio.dat")) {
         free(pts);
         return -1;
@@ -579,7 +622,11 @@ static int write_maxvio(ctx_t *c, const log_data *lg) {
         free(pts);
         return -1;
     }
-    gp_header(f, c, "maxvio.png", "MoE balance: maxvio_batch per layer");
+    char title[160];
+    snprintf(title, sizeof title,
+             "MoE balance: maxvio_batch per layer, trailing mean over %lld logged steps",
+             (long long)W);
+    gp_header(f, c, "maxvio.png", title);
     fprintf(f, "set xlabel 'step'\nset ylabel 'maxvio_batch (max load / mean load - 1)'\n"
                "set yrange [0:*]\n");
     gp_stages(f, c, 0, cJSON_GetObjectItem(p, "stage_boundaries"));
@@ -588,8 +635,9 @@ static int write_maxvio(ctx_t *c, const log_data *lg) {
     for (int l = 0; l < lg->nl; l++) {
         if (!pts[l])
             continue;
-        fprintf(f, "%s'maxvio.dat' using 1:%d with lines lw 1.2 title 'layer %d'",
-                first ? "" : ", \\\n     ", l + 2, lg->ml[l].layer);
+        fprintf(f, "%s'maxvio.dat' using 1:%d with lines lw 2.5 lc rgb '%s' title 'layer %d'",
+                first ? "" : ", \\\n     ", 2 + lg->nl + l,
+                k_colors[l % (int)(sizeof k_colors / sizeof k_colors[0])], lg->ml[l].layer);
         first = 0;
     }
     fprintf(f, "\n");
@@ -708,6 +756,26 @@ static int write_heat(ctx_t *c, const log_data *lg) {
     return close_out(f, c, "expert_load.gp");
 }
 
+/* The Wilson score interval at 95 % (z = 1.959964) of a proportion acc of n samples
+ * (Wilson 1927; Brown, Cai & DasGupta 2001 recommend it over the normal interval, which
+ * collapses at 0 and 1): [lo, hi]. n not finite: [acc, acc] (no sample count logged). */
+static void wilson95(double acc, double n, double *lo, double *hi) {
+    if (!isfinite(n) || n < 1) {
+        *lo = *hi = acc;
+        return;
+    }
+    const double z = 1.959964, z2 = z * z;
+    const double den = 1 + z2 / n, mid = (acc + z2 / (2 * n)) / den;
+    const double half = z * sqrt(acc * (1 - acc) / n + z2 / (4 * n * n)) / den;
+    *lo = fmax(0.0, mid - half);
+    *hi = fmin(1.0, mid + half);
+}
+
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
 static int write_passkey(ctx_t *c, const eval_data *ev) {
     cJSON *p = plot_entry(c, "passkey", "length");
     /* candidates: evals with passkey results; the first, the last of each stage */
@@ -743,12 +811,31 @@ static int write_passkey(ctx_t *c, const eval_data *ev) {
         return -1;
     }
     add_data(p, "passkey.dat");
-    fprintf(f, "# blocks (gnuplot index): one per eval; columns: length accuracy\n");
+    /* Points with 95 % intervals at the measured lengths only: no line joins two lengths
+     * (nothing was measured between them), and the series of one length sit side by
+     * side (x_plot: the length times 2^(0.04 (s - (ns-1)/2)) on the log axis) so their
+     * bars do not hide each other. */
+    fprintf(f, "# blocks (gnuplot index): one per eval; columns: length accuracy lo95 hi95 "
+               "samples x_plot\n"
+               "# lo95 / hi95: the Wilson score interval of accuracy = correct / samples at "
+               "95 %% (z = 1.96); equal to accuracy when the eval did not log samples\n");
+    double lens[64];
+    int nlen = 0;
     for (int s = 0; s < ns; s++) {
         const eval_rec *r = &ev->r[sel[s]];
         fprintf(f, "%s# step %.17g stage %d\n", s ? "\n\n" : "", r->step, r->stage);
-        for (int k = 0; k < r->npk; k++)
-            fprintf(f, "%.17g %.9g\n", r->pk_len[k], r->pk_acc[k]);
+        const double shift = exp2(0.04 * (s - (ns - 1) / 2.0));
+        for (int k = 0; k < r->npk; k++) {
+            double lo, hi;
+            wilson95(r->pk_acc[k], r->pk_n[k], &lo, &hi);
+            fprintf(f, "%.17g %.9g %.9g %.9g %.17g %.9g\n", r->pk_len[k], r->pk_acc[k], lo, hi,
+                    r->pk_n[k], r->pk_len[k] * shift);
+            int seen = 0;
+            for (int j = 0; j < nlen; j++)
+                seen |= lens[j] == r->pk_len[k];
+            if (!seen && nlen < 64)
+                lens[nlen++] = r->pk_len[k];
+        }
         char t[96];
         snprintf(t, sizeof t, "step %.0f (stage %d)", r->step, r->stage);
         add_series(p, t, "passkey.dat", r->npk);
@@ -761,15 +848,21 @@ static int write_passkey(ctx_t *c, const eval_data *ev) {
         free(sel);
         return -1;
     }
-    gp_header(f, c, "passkey.png", "Passkey retrieval accuracy by document length");
+    qsort(lens, (size_t)nlen, sizeof lens[0], cmp_double);
+    gp_header(f, c, "passkey.png",
+              "Passkey retrieval accuracy by document length (95 % Wilson intervals)");
     fprintf(f, "set xlabel 'document length (tokens)'\nset ylabel 'accuracy'\n"
-               "set yrange [0:1.05]\nset logscale x 2\nset offsets graph 0.05, graph 0.05, 0, 0\n");
+               "set yrange [0:1.05]\nset logscale x 2\nset offsets graph 0.08, graph 0.08, 0, 0\n"
+               "set xtics (");
+    for (int j = 0; j < nlen; j++)
+        fprintf(f, "%s%.17g", j ? ", " : "", lens[j]);
+    fprintf(f, ")\n");
     fprintf(f, "plot ");
     for (int s = 0; s < ns; s++) {
         const eval_rec *r = &ev->r[sel[s]];
         fprintf(f,
-                "%s'passkey.dat' index %d using 1:2 with linespoints pt 7 lw 2 title "
-                "'step %.0f (stage %d)'",
+                "%s'passkey.dat' index %d using 6:2:3:4 with yerrorbars pt 7 ps 1.3 lw 1.5 "
+                "title 'step %.0f (stage %d)'",
                 s ? ", \\\n     " : "", s, r->step, r->stage);
     }
     fprintf(f, "\n");

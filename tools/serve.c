@@ -112,7 +112,11 @@ int lm_cli_serve_open(const char *prog, const lm_cli_serve_opts *o, lm_engine_co
         lm_set_num_threads((int)o->threads);
     ec->decode_threads = (int)o->decode_threads;
     lm_error err = {0};
-    lm_cli_resolve_ckpt(o->ckpt, s->ckpt, sizeof s->ckpt);
+    char why[4200];
+    if (lm_cli_resolve_ckpt_why(o->ckpt, s->ckpt, sizeof s->ckpt, why, sizeof why) != 0) {
+        fprintf(stderr, "%s: %s\n", prog, why);
+        return LM_EXIT_BAD_INPUT;
+    }
     if (lm_params_load(&s->p, s->ckpt, &err) != LM_OK) {
         fprintf(stderr, "%s: %s\n", prog, err.msg);
         return LM_EXIT_BAD_INPUT;

@@ -226,9 +226,10 @@ int lm_cli_train(int argc, char **argv) {
         return LM_EXIT_OK;
     printf("{\"steps\": %lld, \"steps_run\": %lld, \"tokens\": %lld, \"bad_steps\": %lld, "
            "\"train_seconds\": %.3f, \"tok_per_s\": %.1f, \"mfu\": %.5f, \"sgemm_gflops\": %.2f, "
-           "\"last_loss\": ",
+           "\"mfu_reference\": \"%s\", \"last_loss\": ",
            (long long)s.steps_done, (long long)s.steps_run, (long long)s.tokens,
-           (long long)s.bad_steps, s.train_seconds, s.tokens_per_s, s.mfu, s.ref_flops / 1e9);
+           (long long)s.bad_steps, s.train_seconds, s.tokens_per_s, s.mfu, s.ref_flops / 1e9,
+           s.ref_desc);
     if (isfinite(s.last_loss))
         printf("%.6f", s.last_loss);
     else

@@ -5,7 +5,9 @@
  * validated, and written back (round trip).
  *
  * Layers are 0-based inside linmoe (kinds[i], model.layers.i.*); the JSON lists
- * kda_layers / full_attn_layers are 1-based as in Kimi-Linear's config.
+ * kda_layers / full_attn_layers are 1-based as in Kimi-Linear's config, and so is
+ * every layer number a user sees (messages, logs, `linmoe info`, eval reports, plots:
+ * i + 1). Tensor names keep the 0-based index of Hugging Face's.
  * Sublayers: layer i has sublayer 2i (token mixer) and 2i+1 (FFN);
  * attnres_block_size counts sublayers (reference/attnres_ctx.md §1.3).
  * The FFN of layer i is dense SwiGLU (intermediate_size) when

@@ -249,7 +249,9 @@ typedef struct {
     double train_seconds;  /* wall time in training steps (this call) */
     double tokens_per_s;   /* over this call's steps */
     double mfu;            /* achieved / reference FLOP/s over this call's steps */
-    double ref_flops;      /* reference rate: sgemm FLOP/s measured at start */
+    double ref_flops;      /* reference rate: sgemm FLOP/s measured at start (best of several
+                              calls after a warm-up, on the training threads) */
+    char ref_desc[160];    /* how ref_flops was measured (kernel, size, threads, calls) */
     double bits_per_byte;  /* of the last eval (NaN if none) */
     char checkpoint[4096]; /* the last checkpoint written or resumed from ("" if none) */
     int interrupted;       /* 1: stopped early by options.stop (checkpoint written) */

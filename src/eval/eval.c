@@ -564,7 +564,7 @@ lm_status lm_eval_report(lm_model *m, lm_tokenizer *tok, const lm_shard *val,
         lm_eval_balance(stats.expert_counts + (int64_t)i * stats.n_experts, stats.n_experts,
                         &maxvio, &min_load, &dead, load);
         cJSON *e = cJSON_CreateObject();
-        ok = add_arr_item(a, e) && cJSON_AddNumberToObject(e, "layer", i) &&
+        ok = add_arr_item(a, e) && cJSON_AddNumberToObject(e, "layer", i + 1) &&
              add_num(e, "maxvio", maxvio) && add_num(e, "min_load", min_load) &&
              cJSON_AddNumberToObject(e, "dead", dead);
         cJSON *la = ok ? cJSON_AddArrayToObject(e, "load") : NULL;

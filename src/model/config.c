@@ -796,9 +796,9 @@ void lm_model_config_print(const lm_model_config *c, FILE *f) {
             res_name(c->residual), c->attnres_block_size, (double)c->rms_norm_eps,
             c->tie_word_embeddings ? "true" : "false", (double)c->initializer_range,
             (unsigned long long)c->seed);
-    fprintf(f, "layers:");
+    fprintf(f, "layers (numbered from 1, as in linear_attn_config):");
     for (int i = 0; i < L; i++)
-        fprintf(f, " %d:%s%s/%s", i, c->kinds[i] == LM_LAYER_KDA ? "kda-" : "attn-",
+        fprintf(f, " %d:%s%s/%s", i + 1, c->kinds[i] == LM_LAYER_KDA ? "kda-" : "attn-",
                 c->kinds[i] == LM_LAYER_KDA ? gate_name(c->gate[i]) : pos_name(c->position[i]),
                 lm_model_layer_is_moe(c, i) ? "moe" : "dense");
     fprintf(f, "\n");

@@ -50,10 +50,10 @@ lm_status lm_export_fla_check(const lm_model_config *c, const lm_export_fla_opti
     const int L = c->num_hidden_layers;
     if (c->first_k_dense_replace < L)
         return UNSUP("first_k_dense_replace = %d < num_hidden_layers = %d: layers %d..%d "
-                     "(0-based) have MoE FFNs (num_experts = %d), and fla's KDAForCausalLM has a "
+                     "have MoE FFNs (num_experts = %d), and fla's KDAForCausalLM has a "
                      "dense GatedMLP in every layer (only dense configs, first_k_dense_replace = "
                      "num_hidden_layers, can be exported)",
-                     c->first_k_dense_replace, L, c->first_k_dense_replace, L - 1,
+                     c->first_k_dense_replace, L, c->first_k_dense_replace + 1, L,
                      c->moe.router.num_experts);
     if (c->residual != LM_RES_STANDARD)
         return UNSUP("residual = \"%s\" (attnres_block_size = %d): only the standard pre-norm "
@@ -67,17 +67,17 @@ lm_status lm_export_fla_check(const lm_model_config *c, const lm_export_fla_opti
                 first_kda = i;
             else if (c->gate[i] != c->gate[first_kda])
                 return UNSUP(
-                    "linear_attn_config.gate: layer %d (0-based) is \"%s\" but layer %d is "
+                    "linear_attn_config.gate: layer %d is \"%s\" but layer %d is "
                     "\"%s\": fla's KDAConfig has one gate (safe_gate / lower_bound) for "
                     "every KDA layer",
-                    first_kda, gate_name(c->gate[first_kda]), i, gate_name(c->gate[i]));
+                    first_kda + 1, gate_name(c->gate[first_kda]), i + 1, gate_name(c->gate[i]));
         } else if (c->kinds[i] == LM_LAYER_ATTN) {
             if (first_attn < 0)
                 first_attn = i;
             if (c->position[i] != LM_POS_ROPE)
-                return UNSUP("position of attention layer %d (0-based) is \"nope\": fla's "
+                return UNSUP("position of attention layer %d is \"nope\": fla's "
                              "Attention applies RoPE in every attention layer",
-                             i);
+                             i + 1);
         }
     }
     if (first_kda >= 0) {

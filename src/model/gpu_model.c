@@ -1003,7 +1003,7 @@ static lm_status prefix(lm_status st, int l, const char *what, lm_error *err) {
         return st;
     char buf[sizeof(err->msg)];
     snprintf(buf, sizeof buf, "%s", err ? err->msg : "");
-    return lm_errorf(err, st, "gpu model: layer %d %s %s: %s", l / 2, l % 2 ? "ffn" : "mixer", what,
+    return lm_errorf(err, st, "gpu model: layer %d %s %s: %s", l / 2 + 1, l % 2 ? "ffn" : "mixer", what,
                      buf);
 }
 

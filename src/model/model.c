@@ -788,7 +788,7 @@ static lm_status run_forward(lm_model *m, const fwd_mode *fm, const int32_t *ids
         if (st != LM_OK) {
             char buf[sizeof(err->msg)];
             snprintf(buf, sizeof buf, "%s", err ? err->msg : "");
-            return lm_errorf(err, st, "model: layer %d %s: %s", l / 2, l % 2 ? "ffn" : "mixer",
+            return lm_errorf(err, st, "model: layer %d %s: %s", l / 2 + 1, l % 2 ? "ffn" : "mixer",
                              buf);
         }
         if (attnres) {
@@ -1055,7 +1055,7 @@ lm_status lm_model_backward(lm_model *m, float loss_scale, int accumulate, lm_er
         if (st != LM_OK) {
             char buf[sizeof(err->msg)];
             snprintf(buf, sizeof buf, "%s", err ? err->msg : "");
-            return lm_errorf(err, st, "model: layer %d %s backward: %s", l / 2,
+            return lm_errorf(err, st, "model: layer %d %s backward: %s", l / 2 + 1,
                              l % 2 ? "ffn" : "mixer", buf);
         }
         LM_TRY(lm_rmsnorm_backward_ws(N, (int)d, eps, m->h[l], ly->norm_w[l % 2], m->rstd[l],

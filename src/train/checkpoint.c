@@ -336,9 +336,12 @@ lm_status lm_train_checkpoint_config(const char *ckpt_dir, char **text, lm_error
     return LM_OK;
 }
 
+/* Check every tensor and value of the file (commit = 0), or copy them into a, k, ls and
+ * m's router states (commit = 1, only after a pass with commit = 0 succeeded): a bad file
+ * leaves the trainer as it was, not half-updated. */
 static lm_status load_body(const lm_safetensors *st, const char *path, const lm_params *p,
                            lm_adamw *a, lm_model *m, lm_train_counters *k, lm_loader_state *ls,
-                           lm_error *err) {
+                           int commit, lm_error *err) {
     const char *fmt = lm_st_meta(st, "format");
     if (!fmt || strcmp(fmt, "linmoe-train-state") != 0)
         return lm_errorf(err, LM_ERR_FORMAT, "%s: metadata 'format' is not linmoe-train-state",
@@ -348,37 +351,44 @@ static lm_status load_body(const lm_safetensors *st, const char *path, const lm_
     /* the moments of a's shard [lo, hi) (the whole buffer on one rank) */
     const size_t shard = (size_t)(a->hi - a->lo) * sizeof(float);
     LM_TRY(want(st, path, "adamw.m", LM_F32, 1, shp, &d, err));
-    memcpy(a->m, (const float *)d + a->lo, shard);
+    if (commit)
+        memcpy(a->m, (const float *)d + a->lo, shard);
     LM_TRY(want(st, path, "adamw.v", LM_F32, 1, shp, &d, err));
-    memcpy(a->v, (const float *)d + a->lo, shard);
+    if (commit)
+        memcpy(a->v, (const float *)d + a->lo, shard);
     shp[0] = LM_TRAIN_COUNTERS;
     LM_TRY(want(st, path, "counters", LM_I64, 1, shp, &d, err));
     int64_t c[LM_TRAIN_COUNTERS];
     memcpy(c, d, sizeof c);
-    k->step = c[0];
-    k->opt_step = c[1];
-    k->tokens = c[2];
-    k->bad_streak = c[3];
-    k->bad_total = c[4];
-    k->stage = c[5];
-    k->version = c[6];
-    if (k->version != LM_TRAIN_STATE_VERSION)
+    lm_train_counters kt;
+    kt.step = c[0];
+    kt.opt_step = c[1];
+    kt.tokens = c[2];
+    kt.bad_streak = c[3];
+    kt.bad_total = c[4];
+    kt.stage = c[5];
+    kt.version = c[6];
+    if (kt.version != LM_TRAIN_STATE_VERSION)
         return lm_errorf(err, LM_ERR_FORMAT, "%s: counters version %lld (want %d)", path,
-                         (long long)k->version, LM_TRAIN_STATE_VERSION);
-    if (k->step < 0 || k->opt_step < 0 || k->opt_step > k->step || k->tokens < 0 ||
-        k->bad_streak < 0 || k->bad_total < k->bad_streak || k->stage < -1)
+                         (long long)kt.version, LM_TRAIN_STATE_VERSION);
+    if (kt.step < 0 || kt.opt_step < 0 || kt.opt_step > kt.step || kt.tokens < 0 ||
+        kt.bad_streak < 0 || kt.bad_total < kt.bad_streak || kt.stage < -1)
         return lm_errorf(err, LM_ERR_FORMAT, "%s: tensor 'counters' holds inconsistent values",
                          path);
+    if (commit)
+        *k = kt;
     shp[0] = LM_LOADER_STATE_WORDS;
     LM_TRY(want(st, path, "loader.state", LM_I64, 1, shp, &d, err));
     int64_t lw[LM_LOADER_STATE_WORDS];
     memcpy(lw, d, sizeof lw);
-    ls->rows = (uint64_t)lw[0];
-    ls->passkeys = (uint64_t)lw[1];
-    ls->epoch = (uint64_t)lw[2];
-    ls->doc_pos = (uint64_t)lw[3];
-    ls->doc_off = (uint64_t)lw[4];
-    ls->version = (uint64_t)lw[5];
+    if (commit) {
+        ls->rows = (uint64_t)lw[0];
+        ls->passkeys = (uint64_t)lw[1];
+        ls->epoch = (uint64_t)lw[2];
+        ls->doc_pos = (uint64_t)lw[3];
+        ls->doc_off = (uint64_t)lw[4];
+        ls->version = (uint64_t)lw[5];
+    }
     for (int i = 0; i < p->cfg.num_hidden_layers; i++) {
         lm_router_state *rs = lm_model_router_state(m, i);
         if (!rs)
@@ -387,11 +397,13 @@ static lm_status load_body(const lm_safetensors *st, const char *path, const lm_
         shp[0] = rs->E;
         snprintf(name, sizeof name, "router.%d.prev_delta", i);
         LM_TRY(want(st, path, name, LM_F32, 1, shp, &d, err));
-        memcpy(rs->prev_delta, d, (size_t)rs->E * sizeof(float));
+        if (commit)
+            memcpy(rs->prev_delta, d, (size_t)rs->E * sizeof(float));
         int64_t hs[2] = {LM_ROUTER_HISTORY, rs->E};
         snprintf(name, sizeof name, "router.%d.history", i);
         LM_TRY(want(st, path, name, LM_F64, 2, hs, &d, err));
-        memcpy(rs->history, d, (size_t)LM_ROUTER_HISTORY * rs->E * sizeof(double));
+        if (commit)
+            memcpy(rs->history, d, (size_t)LM_ROUTER_HISTORY * rs->E * sizeof(double));
         shp[0] = 2;
         snprintf(name, sizeof name, "router.%d.history_pos", i);
         LM_TRY(want(st, path, name, LM_I64, 1, shp, &d, err));
@@ -400,10 +412,20 @@ static lm_status load_body(const lm_safetensors *st, const char *path, const lm_
         if (hp[0] < 0 || hp[0] > LM_ROUTER_HISTORY || hp[1] < 0 || hp[1] >= LM_ROUTER_HISTORY)
             return lm_errorf(err, LM_ERR_FORMAT, "%s: tensor '%s' = [%lld, %lld] out of range",
                              path, name, (long long)hp[0], (long long)hp[1]);
-        rs->hist_len = (int)hp[0];
-        rs->hist_pos = (int)hp[1];
+        if (commit) {
+            rs->hist_len = (int)hp[0];
+            rs->hist_pos = (int)hp[1];
+        }
     }
     return LM_OK;
+}
+
+/* Validate the whole file, then commit it. */
+static lm_status load_checked(const lm_safetensors *st, const char *path, const lm_params *p,
+                              lm_adamw *a, lm_model *m, lm_train_counters *k,
+                              lm_loader_state *ls, lm_error *err) {
+    LM_TRY(load_body(st, path, p, a, m, k, ls, 0, err));
+    return load_body(st, path, p, a, m, k, ls, 1, err);
 }
 
 lm_status lm_train_state_load(const char *dir, const lm_params *p, lm_adamw *a, lm_model *m,
@@ -412,7 +434,7 @@ lm_status lm_train_state_load(const char *dir, const lm_params *p, lm_adamw *a, 
     snprintf(path, sizeof path, "%s/train_state.safetensors", dir);
     lm_safetensors st;
     LM_TRY(lm_st_read(path, &st, err));
-    lm_status s = load_body(&st, path, p, a, m, k, ls, err);
+    lm_status s = load_checked(&st, path, p, a, m, k, ls, err);
     lm_st_free(&st);
     return s;
 }
@@ -422,7 +444,7 @@ lm_status lm_train_state_parse(const void *bytes, size_t size, const char *label
                                lm_loader_state *ls, lm_error *err) {
     lm_safetensors st;
     LM_TRY(lm_st_parse(bytes, size, label, &st, err));
-    lm_status s = load_body(&st, label, p, a, m, k, ls, err);
+    lm_status s = load_checked(&st, label, p, a, m, k, ls, err);
     lm_st_free(&st);
     return s;
 }

@@ -108,7 +108,8 @@ lm_status lm_train_ckpt_save(const char *run_dir, const lm_params *p, const lm_a
  * [lo, hi): a checkpoint is one logical file whatever the number of ranks that wrote
  * or read it), m's router states, k,
  * ls; every tensor is checked (name, dtype, shape) against the model of `p`.
- * Errors name the file and the tensor. */
+ * Errors name the file and the tensor; the whole file is checked before anything is
+ * copied, so on an error a, m, k and ls are left as they were. */
 lm_status lm_train_state_load(const char *dir, const lm_params *p, lm_adamw *a, lm_model *m,
                               lm_train_counters *k, lm_loader_state *ls, lm_error *err);
 /* The same from the `size` bytes of a train_state.safetensors in memory (`label`

@@ -5,8 +5,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <unistd.h>
 
+#include "linmoe/kda.h"
 #include "linmoe/model.h"
 #include "linmoe/model_config.h"
 #include "linmoe/params.h"
@@ -316,11 +318,100 @@ static int run_server_request(const uint8_t *d, size_t n) {
     return 0;
 }
 
+/* ---------------------------------------------------------------- op runner */
+
+/* The op runner (`linmoe op ...`, tools/op_*.c): its metadata (keys, numbers, booleans,
+ * names), tensor names, dtypes and shapes, then the op itself on what passed. Byte 0
+ * picks the op (mod 6: kda, gdn, attention, attnres, moe_router, moe); the rest is the
+ * --in safetensors file. The runner takes paths, so the bytes go to a temporary file;
+ * its messages (every bad input has one) go to /dev/null unless LINMOE_FUZZ_VERBOSE is
+ * set. Exit codes other than 0
+ * (ran) and 1 (bad input, said) abort. */
+int lm_cli_op_kda(const char *prog, lm_kda_kind kind, const char *in_path, const char *out_path,
+                  int use_cuda);
+int lm_cli_op_attention(const char *prog, const char *in_path, const char *out_path);
+int lm_cli_op_attnres(const char *prog, const char *in_path, const char *out_path);
+int lm_cli_op_moe_router(const char *prog, const char *in_path, const char *out_path);
+int lm_cli_op_moe(const char *prog, const char *in_path, const char *out_path);
+
+static char g_op_in[64], g_op_out[80];
+static int g_devnull = -1;
+
+static void op_files_remove(void) {
+    unlink(g_op_in);
+    unlink(g_op_out);
+}
+
+static int op_files(void) {
+    if (g_op_in[0])
+        return 1;
+    snprintf(g_op_in, sizeof g_op_in, "/tmp/linmoe-fuzz-op-XXXXXX");
+    const int fd = mkstemp(g_op_in);
+    if (fd < 0) {
+        g_op_in[0] = '\0';
+        return 0;
+    }
+    close(fd);
+    atexit(op_files_remove);
+    snprintf(g_op_out, sizeof g_op_out, "%s.out", g_op_in);
+    g_devnull = open("/dev/null", O_WRONLY);
+    return g_devnull >= 0;
+}
+
+static int run_op_meta(const uint8_t *d, size_t n) {
+    if (n < 1 || !op_files())
+        return 0;
+    FILE *f = fopen(g_op_in, "wb");
+    if (!f)
+        return 0;
+    const size_t w = fwrite(d + 1, 1, n - 1, f);
+    if (fclose(f) != 0 || w != n - 1)
+        return 0;
+    fflush(stderr);
+    const int quiet = getenv("LINMOE_FUZZ_VERBOSE") == NULL; /* set: see the messages */
+    const int saved = quiet ? dup(2) : -1;
+    if (quiet)
+        dup2(g_devnull, 2);
+    int rc;
+    switch (d[0] % 6) {
+    case 0:
+        rc = lm_cli_op_kda("fuzz op kda", LM_KDA, g_op_in, g_op_out, 0);
+        break;
+    case 1:
+        rc = lm_cli_op_kda("fuzz op gdn", LM_GDN, g_op_in, g_op_out, 0);
+        break;
+    case 2:
+        rc = lm_cli_op_attention("fuzz op attention", g_op_in, g_op_out);
+        break;
+    case 3:
+        rc = lm_cli_op_attnres("fuzz op attnres", g_op_in, g_op_out);
+        break;
+    case 4:
+        rc = lm_cli_op_moe_router("fuzz op moe_router", g_op_in, g_op_out);
+        break;
+    default:
+        rc = lm_cli_op_moe("fuzz op moe", g_op_in, g_op_out);
+        break;
+    }
+    fflush(stderr);
+    if (quiet) {
+        dup2(saved, 2);
+        close(saved);
+    } else {
+        fprintf(stderr, "op_meta: op %d, exit code %d\n", d[0] % 6, rc);
+    }
+    unlink(g_op_out);
+    if (rc != 0 && rc != 1)
+        abort();
+    return 0;
+}
+
 const lm_fuzz_target lm_fuzz_targets[] = {
     {"safetensors", run_safetensors, always},   {"model_config", run_model_config, always},
     {"train_config", run_train_config, always}, {"shard", run_shard, always},
     {"tok_byte", run_tok_byte, always},         {"tok_gpt2", run_tok_gpt2, gpt2_available},
     {"train_state", run_train_state, always},   {"server_request", run_server_request, always},
+    {"op_meta", run_op_meta, always},
 };
 const int lm_fuzz_n_targets = (int)(sizeof lm_fuzz_targets / sizeof lm_fuzz_targets[0]);
 

@@ -14,11 +14,14 @@
 /* exp(x) in fp32, written so that loops over it vectorise (no branches, no
  * calls): Cody-Waite reduction by ln2 and a degree-6 polynomial on
  * [-ln2/2, ln2/2] (max rel. error ~2 ulp); returns +inf above 88.72 and 0 below
- * -87.33 (no subnormals). Inputs must not be NaN (the op validates its inputs). */
+ * -87.33 (no subnormals), NaN for NaN. A NaN reaches it from finite inputs too (an
+ * attention score of inf - inf when huge q/k overflow), so it is computed on 0 instead:
+ * converting NaN to int is undefined behaviour. */
 static inline float lm_fexp(float x) {
     const float log2e = 1.44269504088896341f;
     const float ln2_hi = 0.693145751953125f, ln2_lo = 1.42860682030941723e-6f;
-    float xc = x < -87.33f ? -87.33f : x;
+    float xc = x == x ? x : 0.0f;
+    xc = xc < -87.33f ? -87.33f : xc;
     xc = xc > 88.7f ? 88.7f : xc;
     float n = (xc * log2e + 12582912.0f) - 12582912.0f; /* round to nearest */
     float r = (xc - n * ln2_hi) - n * ln2_lo;
@@ -35,6 +38,7 @@ static inline float lm_fexp(float x) {
     float y = p * s;
     y = x < -87.33f ? 0.0f : y;
     y = x > 88.72f ? INFINITY : y;
+    y = x == x ? y : x;
     return y;
 }
 
