@@ -130,8 +130,8 @@ lm_tensor lm_tensor_make(void *data, lm_dtype dt, int ndim, const int64_t *shape
 lm_tensor lm_tensor_make_on(void *data, lm_dtype dt, int ndim, const int64_t *shape,
                             lm_device device);
 /* Index of the first NaN or Inf among x[0 .. n), or -1 when all are finite (x may be NULL
- * for n == 0). A branch-free scan by blocks (vectorised, OpenMP threads for large n), then
- * the first bad element of the first bad block; the ops' input validation uses it. */
+ * for n == 0). A branch-free scan by blocks (vectorised), then the first bad element of the
+ * first bad block; the ops' input validation uses it. */
 int64_t lm_f32_first_nonfinite(const float *x, int64_t n);
 int64_t lm_tensor_numel(const lm_tensor *t);
 int lm_tensor_is_contiguous(const lm_tensor *t);

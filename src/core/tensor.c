@@ -106,12 +106,13 @@ int64_t lm_f32_first_nonfinite(const float *x, int64_t n) {
     if (!x || n <= 0)
         return -1;
     enum { BLK = 8192 };
+    /* serial: an OpenMP region here would allocate inside the training step (test_mem_plan)
+     * and the scan is bound by memory bandwidth anyway */
     const int64_t nb = (n + BLK - 1) / BLK;
     int64_t first_blk = INT64_MAX;
-#pragma omp parallel for schedule(static) reduction(min : first_blk) if (n >= (int64_t)1 << 20)
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0; b < nb && first_blk == INT64_MAX; b++) {
         const int64_t i0 = b * BLK, len = n - i0 < BLK ? n - i0 : BLK;
-        if (b < first_blk && block_has_nonfinite(x + i0, len))
+        if (block_has_nonfinite(x + i0, len))
             first_blk = b;
     }
     if (first_blk == INT64_MAX)
