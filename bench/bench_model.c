@@ -193,7 +193,12 @@ static void relay_stderr(const char *path, char *last, size_t last_size) {
         while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == '\r')) line[--n] = '\0';
         if (n == 0) continue;
         printf("  peer| %s\n", line);
-        snprintf(last, last_size, "%s", line);
+        /* the reason is cut to the caller's buffer on purpose (a line can be longer) */
+        if (last_size > 0) {
+            const size_t k = n < last_size - 1 ? n : last_size - 1;
+            memcpy(last, line, k);
+            last[k] = '\0';
+        }
     }
     fclose(f);
 }

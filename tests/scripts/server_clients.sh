@@ -47,6 +47,10 @@ if [[ ! -f $ckpt/ckpt/latest ]]; then
     ckpt=$tmp/serve-fixture/run
 fi
 
+# the files exist before the server starts: the redirections below happen in the background
+# child, which a loaded machine may not have run yet when the loop first reads serve.out
+: >"$tmp/serve.out"
+: >"$tmp/serve.err"
 "$bin" serve --ckpt "$ckpt" --port 0 --threads 1 >"$tmp/serve.out" 2>"$tmp/serve.err" &
 pid=$!
 port=
