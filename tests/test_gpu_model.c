@@ -576,9 +576,10 @@ static double rel_rms_diff(const float *a, const float *b, int64_t n, int64_t *n
  * step-2 loss 5.536684); the three later runs give 5.532657 and NaN gradients whatever is
  * poisoned (LM_TEST_POISON_BISECT=1 poisons each allocation class and each allocation alone:
  * no change), so it is not a read of unwritten device memory; but a run whose context is
- * created after a second, idle context passes again (LM_TEST_POISON_BISECT=2). A context
- * that reuses the host address (or the stream / library handles) of a freed one fails:
- * something keyed by those outlives its context. */
+ * created after a second, idle context passes again (LM_TEST_POISON_BISECT=2). Holding a
+ * host block (the context lands elsewhere) or a second stream instead does not help, so
+ * what the idle context adds is its cuBLAS / cuBLASLt handles or its cuBLASLt workspace
+ * (which moves every later device address). */
 static void test_ctx_isolation(void **state) {
     (void)state;
     lm_error e = {0};
