@@ -580,8 +580,9 @@ static double rel_rms_diff(const float *a, const float *b, int64_t n, int64_t *n
  * host block (the context lands elsewhere), a second stream, a cuBLAS handle or a 32 MiB
  * device block instead does not help; holding an idle cuBLASLt handle does (losses within
  * 1e-7 of the reference, so cuBLASLt then picks other algorithms). So it follows cuBLASLt's
- * handle: an algorithm chosen on a handle that reuses a freed one's place gives NaN
- * gradients; forbidding split-K reductions (PREF_REDUCTION_SCHEME_MASK) did not help. */
+ * handle, though not its algorithm choice: all 116 cuBLASLt GEMM entries got the same
+ * algorithms in the three contexts. Left: the legacy cublasGemmEx path (gemm.cu run_legacy)
+ * with cuBLAS's default per-stream workspace, or cuBLASLt's own state. */
 static void test_ctx_isolation(void **state) {
     (void)state;
     lm_error e = {0};
