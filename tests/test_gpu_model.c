@@ -572,17 +572,9 @@ static double rel_rms_diff(const float *a, const float *b, int64_t n, int64_t *n
  * did not write: the two-step run of test_recompute on a fresh context is the reference;
  * the same run on a fresh context whose every allocation and scratch request is filled with
  * NaN ("poison"), and two runs in turn on one shared context, must all be bit-identical to
- * it. On the H200 (2026-12-02) it fails: the reference is right (finite step-2 gradients,
- * step-2 loss 5.536684); the three later runs give 5.532657 and NaN gradients whatever is
- * poisoned (LM_TEST_POISON_BISECT=1 poisons each allocation class and each allocation alone:
- * no change), so it is not a read of unwritten device memory; but a run whose context is
- * created after a second, idle context passes again (LM_TEST_POISON_BISECT=2). Holding a
- * host block (the context lands elsewhere), a second stream, a cuBLAS handle or a 32 MiB
- * device block instead does not help; holding an idle cuBLASLt handle does (losses within
- * 1e-7 of the reference, so cuBLASLt then picks other algorithms). So it follows cuBLASLt's
- * handle, though not its algorithm choice: all 116 cuBLASLt GEMM entries got the same
- * algorithms in the three contexts. Left: the legacy cublasGemmEx path (gemm.cu run_legacy)
- * with cuBLAS's default per-stream workspace, or cuBLASLt's own state. */
+ * it. LM_TEST_POISON_BISECT=1 poisons each allocation class and each allocation alone,
+ * =2 holds an idle second context during a run (diagnostics for the known failure on the
+ * H200 that README.md describes). */
 static void test_ctx_isolation(void **state) {
     (void)state;
     lm_error e = {0};
