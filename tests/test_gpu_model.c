@@ -372,6 +372,7 @@ static void test_evals(void **state) {
 typedef struct {
     double loss[4], gnorm[2];
     float *grads, *params;
+    float *grads0, *params0; /* the first step's gradients, the parameters after it */
     float bias[LM_MAX_LAYERS][8];
     int64_t acts;
 } rc_run;
@@ -409,13 +410,17 @@ static void run_steps(lm_cuda_ctx *ctx, const lm_params *p0, const uint8_t *rc, 
         out->loss[2 * step] = loss[0];
         out->loss[2 * step + 1] = loss[1];
         out->gnorm[step] = gn;
-        if (step == 1) {
-            out->grads = malloc(sizeof(float) * (size_t)p.numel);
-            assert_int_equal(lm_gpu_model_get_grads(gm, out->grads, &e), LM_OK);
-        }
+        float **g = step == 1 ? &out->grads : &out->grads0;
+        *g = malloc(sizeof(float) * (size_t)p.numel);
+        assert_int_equal(lm_gpu_model_get_grads(gm, *g, &e), LM_OK);
         if (lm_gpu_model_optim_step(gm, 1e-3, 0.1, 0.9, 0.95, 1e-8, 1.0, step + 1, NULL, NULL,
                                     &e) != LM_OK)
             fail_msg("recompute: optim step: %s", e.msg);
+        if (step == 0) {
+            assert_int_equal(lm_gpu_model_download(gm, &p, &e), LM_OK);
+            out->params0 = malloc(sizeof(float) * (size_t)p.numel);
+            memcpy(out->params0, p.data, sizeof(float) * (size_t)p.numel);
+        }
     }
     assert_int_equal(lm_gpu_model_download(gm, &p, &e), LM_OK);
     out->params = malloc(sizeof(float) * (size_t)p.numel);
@@ -434,15 +439,19 @@ static void run_steps(lm_cuda_ctx *ctx, const lm_params *p0, const uint8_t *rc, 
     lm_params_free(&p);
 }
 
+static void rc_free(rc_run *r) {
+    free(r->grads), free(r->params), free(r->grads0), free(r->params0);
+    r->grads = r->params = r->grads0 = r->params0 = NULL;
+}
+
 /* Activation recompute (gpu_model.h lm_gpu_model_opts) changes memory, not numbers: two
  * training steps with recompute on every layer, and on layers 1 and 4 only (a recomputed
  * layer of each kind beside kept ones), give bit-identical losses, grad norms, gradients,
  * parameters and MoE biases to the run without it, on the MoE + Block AttnRes tiny config,
  * the standard residual, the dense and the aux-loss + capacity variants; and the planned
- * activations shrink. A repeat of the run without recompute is the control (the first run
- * on the H200 found the tiny config's "all" run not bit-identical, without saying where;
- * the control and the per-part report tell recompute's error from the step's own
- * non-determinism). */
+ * activations shrink. A repeat of the run without recompute is the control: it tells
+ * recompute's error from a difference between two models of one process
+ * (test_ctx_isolation). */
 static void test_recompute(void **state) {
     (void)state;
     const variant vs[] = {
@@ -546,8 +555,7 @@ static void test_recompute(void **state) {
             if (k > 0)
                 assert_true(r->acts < r0.acts);
         }
-        free(rw.grads), free(r0.grads), free(r1.grads), free(r2.grads);
-        free(rw.params), free(r0.params), free(r1.params), free(r2.params);
+        rc_free(&rw), rc_free(&r0), rc_free(&r1), rc_free(&r2);
         lm_params_free(&p);
     }
 }
@@ -573,8 +581,8 @@ static double rel_rms_diff(const float *a, const float *b, int64_t n, int64_t *n
  * the same run on a fresh context whose every allocation and scratch request is filled with
  * NaN ("poison"), and two runs in turn on one shared context, must all be bit-identical to
  * it. LM_TEST_POISON_BISECT=1 poisons each allocation class and each allocation alone,
- * =2 holds an idle second context during a run (diagnostics for the known failure on the
- * H200 that README.md describes). */
+ * =2 holds an idle second context during a run, =3 changes one kernel option on a later
+ * context (diagnostics; they found the AdamW moments' unzeroed tail, 2026-12-02). */
 static void test_ctx_isolation(void **state) {
     (void)state;
     lm_error e = {0};
@@ -608,6 +616,30 @@ static void test_ctx_isolation(void **state) {
         printf("isolation reference       grad norms %.9g %.9g, non-finite: %lld gradients, %lld "
                "parameters\n", ref.gnorm[0], ref.gnorm[1], (long long)ng, (long long)np);
     }
+    /* where each run holds non-finite values (the step-1 gradients, the parameters after
+     * step 1, the step-2 gradients) */
+    for (int k = -1; k < 3; k++) {
+        const rc_run *r = k < 0 ? &ref : &runs[k];
+        const float *arr[3] = {r->grads0, r->params0, r->grads};
+        static const char *const what[3] = {"step-1 grads", "params after step 1",
+                                            "step-2 grads"};
+        for (int a = 0; a < 3; a++) {
+            int shown = 0;
+            for (int t = 0; t < p.n && shown < 6; t++) {
+                const lm_param_info *ti = &p.t[t];
+                int64_t nb = 0, first = -1;
+                for (int64_t i = 0; i < ti->numel; i++)
+                    if (!isfinite(arr[a][ti->offset + i]))
+                        nb++, first = first < 0 ? i : first;
+                if (nb) {
+                    printf("nonfinite %-15s %-20s %-50s %lld of %lld, first at %lld\n",
+                           k < 0 ? "reference" : label[k], what[a], ti->name, (long long)nb,
+                           (long long)ti->numel, (long long)first);
+                    shown++;
+                }
+            }
+        }
+    }
     int all_same = 1;
     for (int k = 0; k < 3; k++) {
         const rc_run *r = &runs[k];
@@ -622,6 +654,21 @@ static void test_ctx_isolation(void **state) {
         printf("isolation %-15s losses %.6f %.6f %.6f %.6f (ref %.6f %.6f %.6f %.6f)\n", label[k],
                r->loss[0], r->loss[1], r->loss[2], r->loss[3], ref.loss[0], ref.loss[1],
                ref.loss[2], ref.loss[3]);
+        int shown0 = 0;
+        for (int t = 0; t < p.n && shown0 < 12; t++) {
+            const lm_param_info *ti = &p.t[t];
+            int64_t bg = 0, bp = 0;
+            const double dg = rel_rms_diff(r->grads0 + ti->offset, ref.grads0 + ti->offset,
+                                           ti->numel, &bg);
+            const double dp = rel_rms_diff(r->params0 + ti->offset, ref.params0 + ti->offset,
+                                           ti->numel, &bp);
+            if (dg != 0 || dp != 0 || bg || bp) {
+                same = 0;
+                shown0++;
+                printf("  step 1 %-53s grad %.3g (%lld non-finite), param %.3g (%lld "
+                       "non-finite)\n", ti->name, dg, (long long)bg, dp, (long long)bp);
+            }
+        }
         for (int t = 0; t < p.n; t++) {
             const lm_param_info *ti = &p.t[t];
             int64_t bg = 0, bp = 0;
@@ -654,7 +701,26 @@ static void test_ctx_isolation(void **state) {
         printf("bisect poison mask %d index %d: losses %.6f %.6f, %lld non-finite gradients\n",
                mask, index, r.loss[2], r.loss[3], (long long)ng);
         fflush(stdout);
-        free(r.grads), free(r.params);
+        rc_free(&r);
+    }
+    /* LM_TEST_POISON_BISECT=3: a later fresh context with one kernel option changed at a
+     * time (which kernel path carries the state) */
+    static const char *const opt_name[] = {"kda.pdl", "kda.tma", "kda.wgmma", "kda.bv",
+                                           "deterministic"};
+    static const int opt_val[] = {0, 0, 0, 64, 0};
+    for (int mode = 0; bis && *bis == '3' && mode < 5; mode++) {
+        rc_run r;
+        assert_int_equal(lm_cuda_ctx_new(&c, 0, &e), LM_OK);
+        assert_int_equal(lm_cuda_ctx_set_option(c, opt_name[mode], opt_val[mode], &e), LM_OK);
+        run_steps(c, &p, NULL, &r);
+        lm_cuda_ctx_free(c);
+        int64_t ng = 0;
+        for (int64_t i = 0; i < p.numel; i++)
+            ng += !isfinite(r.grads[i]);
+        printf("bisect option %s = %d: losses %.6f %.6f, %lld non-finite gradients\n",
+               opt_name[mode], opt_val[mode], r.loss[2], r.loss[3], (long long)ng);
+        fflush(stdout);
+        rc_free(&r);
     }
     /* LM_TEST_POISON_BISECT=2: a run whose allocations land on memory no earlier run used
      * (a held block of 256 MiB takes the freed places first) */
@@ -674,13 +740,13 @@ static void test_ctx_isolation(void **state) {
         printf("bisect %s: losses %.6f %.6f, %lld non-finite gradients\n",
                mode ? "256 MiB held" : "nothing held", r.loss[2], r.loss[3], (long long)ng);
         fflush(stdout);
-        free(r.grads), free(r.params);
+        rc_free(&r);
         lm_cuda_ctx_free_mem(side, hold);
         lm_cuda_ctx_free(side);
     }
     for (int k = 0; k < 3; k++)
-        free(runs[k].grads), free(runs[k].params);
-    free(ref.grads), free(ref.params);
+        rc_free(&runs[k]);
+    rc_free(&ref);
     lm_params_free(&p);
     assert_true(all_same);
 }

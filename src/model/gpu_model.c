@@ -692,10 +692,11 @@ lm_status lm_gpu_model_new_opts(lm_gpu_model **out, lm_cuda_ctx *ctx, const lm_p
         st = lm_cuda_adamw_plan_new(ctx, seg, ns, m->numel, &m->opt, err);
         free(seg);
     }
+    /* the whole classes: m2 starts at the 256-byte aligned end of m1, not at numel * 4 */
     if (st == LM_OK)
-        st = lm_cuda_ctx_memset(ctx, m->mem[LM_MEM_GRADS], 0, (size_t)m->numel * 4, err);
+        st = lm_cuda_ctx_memset(ctx, m->mem[LM_MEM_GRADS], 0, cls[LM_MEM_GRADS], err);
     if (st == LM_OK)
-        st = lm_cuda_ctx_memset(ctx, m->mem[LM_MEM_OPTIM], 0, (size_t)m->numel * 8, err);
+        st = lm_cuda_ctx_memset(ctx, m->mem[LM_MEM_OPTIM], 0, cls[LM_MEM_OPTIM], err);
     if (st == LM_OK)
         st = lm_gpu_model_upload(m, p, err);
     if (st == LM_OK)
