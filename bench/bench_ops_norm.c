@@ -10,8 +10,8 @@
  * (the public entry points: the default variants), then the kernel variants side by
  * side (src/ops/cuda/layers_variants.h; no peer rows):
  *   <name>/f<F>b<B>   the same shapes            fwd (forward variant F), fwd+bwd (F, B)
- *                     for (F, B) = (1, 1), (2, 1)
- *   <name>/b<B>       the same shapes            bwd (backward variant B alone, B = 1)
+ *                     for (F, B) = (1, 1), (2, 1), (1, 2)
+ *   <name>/b<B>       the same shapes            bwd (backward variant B alone, B = 1, 2)
  * (the variants were renumbered when the losers of the 2026-12-01 A/B test left:
  * dev/layers_variants.md; today's f1b1 / f2b1 / b1 are the earlier f3b2 / f4b2 / b2)
  * Bytes (each tensor once, bf16 = 2 bytes): rmsnorm forward x, y (+ residual, h) and
@@ -155,7 +155,7 @@ int lm_bench_ops_norm(lm_bench_ops_env *env) {
             /* the public entry points, then every variant */
             rc = norm_row(env, &a, name, shape, 1, 0, 0, 0) ||
                  norm_row(env, &a, name, shape, 1, 1, 0, 0);
-            static const int VP[][2] = {{1, 1}, {2, 1}};
+            static const int VP[][2] = {{1, 1}, {2, 1}, {1, 2}, {1, 3}, {1, 4}};
             for (int v = 0; v < (int)(sizeof VP / sizeof VP[0]) && !rc; v++) {
                 char vname[48];
                 snprintf(vname, sizeof vname, "%s/f%db%d", name, VP[v][0], VP[v][1]);

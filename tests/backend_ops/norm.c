@@ -5,7 +5,7 @@
  *
  * Every case runs through the public entry points (the default variants, op "rmsnorm")
  * and through each kernel variant of src/ops/cuda/layers_variants.h (op
- * "rmsnorm/f<forward variant>b<backward variant>": f1b1, f2b1, so that every forward and
+ * "rmsnorm/f<forward variant>b<backward variant>": f1b1, f2b1, f1b2, so that every forward and
  * every backward variant is covered; the first backward kernels, the fallback of the
  * backward, run the scalar (D = 1000, Dh = 100) and re-read (D = 4096) shapes).
  *
@@ -63,7 +63,7 @@ static void check_same_bits(bo_ctx *c, const char *op, const char *shape, const 
 static float *hbuf(int64_t n) { return LM_CALLOC((size_t)(n > 0 ? n : 1), sizeof(float)); }
 
 /* (forward, backward) variants: 0 = the public entry points */
-static const int VPAIRS[][2] = {{0, 0}, {1, 1}, {2, 1}};
+static const int VPAIRS[][2] = {{0, 0}, {1, 1}, {2, 1}, {1, 2}, {1, 3}, {1, 4}};
 #define NVPAIRS ((int)(sizeof VPAIRS / sizeof VPAIRS[0]))
 
 static void op_name(char *buf, size_t n, const char *base, int vp) {

@@ -46,8 +46,13 @@ extern "C" {
  *      one-wave grid, colsum of 32 warps per 32 columns with 8 loads in flight (was
  *      variant 2). The layouts it does not cover (scalar rows, D > 2048) run the first
  *      kernels (one row per lane group, 2 CTAs of 8 warps per SM, colsum of 8 warps per
- *      32 columns). */
-#define LM_LAYERS_NORM_BWD_VARIANTS 1
+ *      32 columns).
+ *   2  plain and residual rows of 256 <= D <= 2048 (D / 8 a power of two): a CTA's 256
+ *      threads span 256 / (D / 8) rows, each thread 8 fixed columns, 2 rows deep, 4 CTAs
+ *      per SM; the weight gradient in registers (no shared accumulator rows), the row
+ *      statistics summed across warps through shared memory. Other layouts run variant 1.
+ *   3, 4  as 2 with 3 rows deep and 3 CTAs per SM, 4 rows deep and 2 CTAs per SM. */
+#define LM_LAYERS_NORM_BWD_VARIANTS 4
 #define LM_LAYERS_NORM_BWD_DEFAULT 1
 
 lm_status lm_cuda_rmsnorm_forward_v(lm_cuda_ctx *ctx, int variant, int64_t N, int D, float eps,

@@ -972,6 +972,144 @@ __global__ void __launch_bounds__(1024)
     }
 }
 
+
+/* Backward variant 2, for plain and residual rows of D = 8 TPR elements (TPR = 256, 128,
+ * 64 or 32 threads per row: D = 2048 ... 256): the CTA's 256 threads cover RPC = 256 / TPR
+ * rows side by side, thread t the 8 columns (t % TPR) * 8 of its row, U rows deep. A
+ * thread's columns never change, so its share of the weight gradient stays in 8 fp32
+ * registers and its weights in 8 more: no shared accumulator rows (which cap the first
+ * design at 2 CTAs of 8 warps per SM at D = 2048), far fewer registers per thread, and so
+ * more warps with loads in flight. The price: a row's dot product spans TPR / 32 warps,
+ * summed through shared memory (double-buffered, one __syncthreads per U rows) in warp
+ * order. At the end the RPC row groups' gradients are summed in group order into this
+ * CTA's row of partials; colsum2_add adds the partials in CTA order (deterministic). */
+constexpr int BWD3_THREADS = 256;
+
+/* U rows deep, MINB CTAs per SM (the register budget: 4 -> 64, 3 -> 80, 2 -> 128) */
+template <int TPR, int MODE, bool RSTD, int U, int MINB>
+__global__ void __launch_bounds__(BWD3_THREADS, MINB) norm_bwd3(const BwdP p) {
+    constexpr int RPC = BWD3_THREADS / TPR, WPR = TPR / 32, NW = BWD3_THREADS / 32;
+    constexpr bool DRES = MODE == 1;
+    __shared__ float red[2][U][NW][2]; /* per warp: dot, sum x^2 */
+    extern __shared__ float4 sacc4[];  /* [RPC, D] gradient rows of the row groups */
+    const int t = threadIdx.x, rg = t / TPR, v = t % TPR, warp = t >> 5, lane = t & 31;
+    const float invD = 1.0f / (float)p.D;
+    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+    float w[8], acc[8];
+    load_w8(p.w, v, w);
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        acc[i] = 0.0f;
+    int buf = 0;
+    for (int64_t base = (int64_t)blockIdx.x * RPC * U; base < p.R;
+         base += (int64_t)gridDim.x * RPC * U, buf ^= 1) {
+        uint4 xr[U], dr[U], rr[DRES ? U : 1];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int64_t row = base + u * RPC + rg;
+            const bool in = row < p.R;
+            const int64_t e = row * p.D + (int64_t)v * 8;
+            xr[u] = in ? __ldg(reinterpret_cast<const uint4 *>(p.x + e)) : z;
+            dr[u] = in ? __ldg(reinterpret_cast<const uint4 *>(p.dy + e)) : z;
+            if constexpr (DRES) /* plain loads: dres may alias dx */
+                rr[u] = (in && p.dres) ? *reinterpret_cast<const uint4 *>(p.dres + e) : z;
+        }
+        float dot[U], ss[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            float x[8], dy[8];
+            unpack(xr[u], x);
+            unpack(dr[u], dy);
+            dot[u] = 0.0f, ss[u] = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                dot[u] += dy[i] * w[i] * x[i];
+                if constexpr (!RSTD)
+                    ss[u] += x[i] * x[i];
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
+                if constexpr (!RSTD)
+                    ss[u] += __shfl_xor_sync(0xffffffffu, ss[u], o);
+            }
+        if constexpr (WPR > 1) {
+            if (lane == 0)
+#pragma unroll
+                for (int u = 0; u < U; u++)
+                    red[buf][u][warp][0] = dot[u], red[buf][u][warp][1] = ss[u];
+            __syncthreads();
+            const int w0 = rg * WPR;
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                float a = red[buf][u][w0][0], b = red[buf][u][w0][1];
+#pragma unroll
+                for (int j = 1; j < WPR; j++)
+                    a += red[buf][u][w0 + j][0], b += red[buf][u][w0 + j][1];
+                dot[u] = a, ss[u] = b;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int64_t row = base + u * RPC + rg;
+            if (row >= p.R)
+                continue;
+            float rs;
+            if constexpr (RSTD)
+                rs = __ldg(p.rstd + row);
+            else
+                rs = rsqrtf(ss[u] * invD + p.eps);
+            const float rc = rs * (dot[u] * rs * rs * invD); /* rstd * c */
+            float x[8], dy[8], dxv[8];
+            unpack2(xr[u], x);
+            unpack2(dr[u], dy);
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                dxv[i] = rs * (dy[i] * w[i]) - rc * x[i];
+                acc[i] += dy[i] * x[i] * rs; /* the dweight term dy xh */
+            }
+            if (p.dx) {
+                const int64_t e = row * p.D + (int64_t)v * 8;
+                if constexpr (DRES) {
+                    if (p.dres) {
+                        float r[8];
+                        unpack2(rr[u], r);
+#pragma unroll
+                        for (int i = 0; i < 8; i++)
+                            dxv[i] += r[i];
+                    }
+                }
+                uint4 o;
+                pack(dxv, o);
+                *reinterpret_cast<uint4 *>(p.dx + e) = o;
+            }
+        }
+    }
+    if (p.part) {
+        float *const sacc = reinterpret_cast<float *>(sacc4);
+        if constexpr (RPC == 1) {
+            float4 *dst = reinterpret_cast<float4 *>(p.part + (int64_t)blockIdx.x * p.D + v * 8);
+            dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+        } else {
+            float4 *mine = reinterpret_cast<float4 *>(sacc + rg * p.D + v * 8);
+            mine[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            mine[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+            __syncthreads();
+            for (int c = t; c < p.D; c += BWD3_THREADS) {
+                float s = sacc[c];
+#pragma unroll
+                for (int g = 1; g < RPC; g++)
+                    s += sacc[g * p.D + c];
+                p.part[(int64_t)blockIdx.x * p.D + c] = s;
+            }
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- dispatch */
 
 struct Layout {
@@ -1319,11 +1457,70 @@ lm_status run_fwd(lm_cuda_ctx *ctx, int variant, const FwdP &p, bool aligned, lm
     return launch_fwd2(ctx, p, l, err);
 }
 
+/* Backward variant 2 (norm_bwd3): plain and residual rows of 256 <= D <= 2048 elements,
+ * D / 8 a power of two, 16-byte aligned. */
+bool v3_covers(const BwdP &p, bool aligned) {
+    const int nvec = p.D / 8;
+    return aligned && !p.gate && p.D % 8 == 0 && (nvec == 32 || nvec == 64 || nvec == 128 ||
+                                                  nvec == 256);
+}
+
+template <int MODE, bool RSTD, int U, int MINB> BwdK pick_bwd3_m(int nvec) {
+    switch (nvec) {
+    case 32:
+        return norm_bwd3<32, MODE, RSTD, U, MINB>;
+    case 64:
+        return norm_bwd3<64, MODE, RSTD, U, MINB>;
+    case 128:
+        return norm_bwd3<128, MODE, RSTD, U, MINB>;
+    default:
+        return norm_bwd3<256, MODE, RSTD, U, MINB>;
+    }
+}
+
+template <int U, int MINB> BwdK pick_bwd3_u(int nvec, bool dres, bool rstd) {
+    return dres ? (rstd ? pick_bwd3_m<1, true, U, MINB>(nvec) : pick_bwd3_m<1, false, U, MINB>(nvec))
+                : (rstd ? pick_bwd3_m<0, true, U, MINB>(nvec) : pick_bwd3_m<0, false, U, MINB>(nvec));
+}
+
+/* variant 2, 3, 4: (U, MINB) = (2, 4), (3, 3), (4, 2) */
+lm_status launch_bwd3(lm_cuda_ctx *ctx, int variant, BwdP p, float *dweight, lm_error *err) {
+    const int nvec = p.D / 8, rpc = BWD3_THREADS / nvec, U = variant;
+    const bool rstd = p.rstd != nullptr, dres = p.dres != nullptr;
+    const BwdK k = variant == 2   ? pick_bwd3_u<2, 4>(nvec, dres, rstd)
+                   : variant == 3 ? pick_bwd3_u<3, 3>(nvec, dres, rstd)
+                                  : pick_bwd3_u<4, 2>(nvec, dres, rstd);
+    const size_t smem = (dweight && rpc > 1) ? (size_t)rpc * p.D * sizeof(float) : 0;
+    int per_sm = 1;
+    LM_TRY(occupancy(ctx, (const void *)k, BWD3_THREADS, smem, &per_sm, err));
+    const int64_t rows_per_cta = (int64_t)rpc * U;
+    int64_t grid = (p.R + rows_per_cta - 1) / rows_per_cta;
+    const int64_t cap = (int64_t)ctx->sm_count * per_sm;
+    if (grid > cap)
+        grid = cap;
+    p.part = nullptr;
+    p.Dp = p.D;
+    if (dweight) {
+        void *s = nullptr;
+        LM_TRY(lm_cuda_ctx_scratch(ctx, LM_SCRATCH_A, (size_t)grid * p.D * sizeof(float), &s, err));
+        p.part = (float *)s;
+    }
+    k<<<(unsigned)grid, BWD3_THREADS, smem, ctx->stream>>>(p);
+    LM_CK_LAUNCH("norm_bwd3");
+    if (dweight) {
+        colsum2_add<<<(p.D + 31) / 32, 1024, 0, ctx->stream>>>(p.part, (int)grid, p.D, dweight);
+        LM_CK_LAUNCH("norm colsum2_add");
+    }
+    return LM_OK;
+}
+
 lm_status run_bwd(lm_cuda_ctx *ctx, int variant, const char *op, const BwdP &p, bool aligned,
                   float *dweight, lm_error *err) {
     if (p.R == 0 || (!p.dx && !p.dgate && !dweight))
         return LM_OK;
-    (void)variant; /* one variant (LM_LAYERS_NORM_BWD_VARIANTS) */
+    const int v = variant == 0 ? LM_LAYERS_NORM_BWD_DEFAULT : variant;
+    if (v >= 2 && v3_covers(p, aligned))
+        return launch_bwd3(ctx, v, p, dweight, err);
     const Layout l = choose_layout(p.D, aligned);
     if (!v2_covers(l))
         return launch_bwd(ctx, op, p, aligned, dweight, err);
