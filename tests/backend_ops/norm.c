@@ -63,7 +63,7 @@ static void check_same_bits(bo_ctx *c, const char *op, const char *shape, const 
 static float *hbuf(int64_t n) { return LM_CALLOC((size_t)(n > 0 ? n : 1), sizeof(float)); }
 
 /* (forward, backward) variants: 0 = the public entry points */
-static const int VPAIRS[][2] = {{0, 0}, {1, 1}, {2, 1}, {1, 2}, {1, 3}, {1, 4}};
+static const int VPAIRS[][2] = {{0, 0}, {1, 1}, {2, 1}, {1, 2}};
 #define NVPAIRS ((int)(sizeof VPAIRS / sizeof VPAIRS[0]))
 
 static void op_name(char *buf, size_t n, const char *base, int vp) {

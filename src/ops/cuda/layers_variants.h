@@ -50,10 +50,10 @@ extern "C" {
  *   2  plain and residual rows of 256 <= D <= 2048 (D / 8 a power of two): a CTA's 256
  *      threads span 256 / (D / 8) rows, each thread 8 fixed columns, 2 rows deep, 4 CTAs
  *      per SM; the weight gradient in registers (no shared accumulator rows), the row
- *      statistics summed across warps through shared memory. Other layouts run variant 1.
- *   3, 4  as 2 with 3 rows deep and 3 CTAs per SM, 4 rows deep and 2 CTAs per SM. */
-#define LM_LAYERS_NORM_BWD_VARIANTS 4
-#define LM_LAYERS_NORM_BWD_DEFAULT 1
+ *      statistics summed across warps through shared memory. Other layouts (the gated
+ *      norm, short and long rows) run variant 1. */
+#define LM_LAYERS_NORM_BWD_VARIANTS 2
+#define LM_LAYERS_NORM_BWD_DEFAULT 2
 
 lm_status lm_cuda_rmsnorm_forward_v(lm_cuda_ctx *ctx, int variant, int64_t N, int D, float eps,
                                     const void *x, const void *residual, const void *weight,

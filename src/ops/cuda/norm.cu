@@ -1478,18 +1478,17 @@ template <int MODE, bool RSTD, int U, int MINB> BwdK pick_bwd3_m(int nvec) {
     }
 }
 
-template <int U, int MINB> BwdK pick_bwd3_u(int nvec, bool dres, bool rstd) {
-    return dres ? (rstd ? pick_bwd3_m<1, true, U, MINB>(nvec) : pick_bwd3_m<1, false, U, MINB>(nvec))
-                : (rstd ? pick_bwd3_m<0, true, U, MINB>(nvec) : pick_bwd3_m<0, false, U, MINB>(nvec));
-}
+/* 2 rows deep, 4 CTAs per SM (64 registers): as fast as 3 rows / 3 CTAs and faster than
+ * 4 rows / 2 CTAs at D = 1024 and 2048 (dev/layers_variants.md) */
+constexpr int BWD3_U = 2, BWD3_MINB = 4;
 
-/* variant 2, 3, 4: (U, MINB) = (2, 4), (3, 3), (4, 2) */
-lm_status launch_bwd3(lm_cuda_ctx *ctx, int variant, BwdP p, float *dweight, lm_error *err) {
-    const int nvec = p.D / 8, rpc = BWD3_THREADS / nvec, U = variant;
-    const bool rstd = p.rstd != nullptr, dres = p.dres != nullptr;
-    const BwdK k = variant == 2   ? pick_bwd3_u<2, 4>(nvec, dres, rstd)
-                   : variant == 3 ? pick_bwd3_u<3, 3>(nvec, dres, rstd)
-                                  : pick_bwd3_u<4, 2>(nvec, dres, rstd);
+lm_status launch_bwd3(lm_cuda_ctx *ctx, BwdP p, float *dweight, lm_error *err) {
+    const int nvec = p.D / 8, rpc = BWD3_THREADS / nvec, U = BWD3_U;
+    const bool rstd = p.rstd != nullptr;
+    const BwdK k = p.dres ? (rstd ? pick_bwd3_m<1, true, BWD3_U, BWD3_MINB>(nvec)
+                                  : pick_bwd3_m<1, false, BWD3_U, BWD3_MINB>(nvec))
+                          : (rstd ? pick_bwd3_m<0, true, BWD3_U, BWD3_MINB>(nvec)
+                                  : pick_bwd3_m<0, false, BWD3_U, BWD3_MINB>(nvec));
     const size_t smem = (dweight && rpc > 1) ? (size_t)rpc * p.D * sizeof(float) : 0;
     int per_sm = 1;
     LM_TRY(occupancy(ctx, (const void *)k, BWD3_THREADS, smem, &per_sm, err));
@@ -1519,8 +1518,8 @@ lm_status run_bwd(lm_cuda_ctx *ctx, int variant, const char *op, const BwdP &p, 
     if (p.R == 0 || (!p.dx && !p.dgate && !dweight))
         return LM_OK;
     const int v = variant == 0 ? LM_LAYERS_NORM_BWD_DEFAULT : variant;
-    if (v >= 2 && v3_covers(p, aligned))
-        return launch_bwd3(ctx, v, p, dweight, err);
+    if (v == 2 && v3_covers(p, aligned))
+        return launch_bwd3(ctx, p, dweight, err);
     const Layout l = choose_layout(p.D, aligned);
     if (!v2_covers(l))
         return launch_bwd(ctx, op, p, aligned, dweight, err);
