@@ -47,7 +47,8 @@ extern "C" {
  *      variant 2). The layouts it does not cover (scalar rows, D > 2048) run the first
  *      kernels (one row per lane group, 2 CTAs of 8 warps per SM, colsum of 8 warps per
  *      32 columns).
- *   2  plain and residual rows of 256 <= D <= 2048 (D / 8 a power of two): a CTA's 256
+ *   2  plain and residual rows of 256 <= D <= 2048 (D / 8 a power of two) with the
+ *      forward's rstd (without it, variant 1 recomputes the forward's bits): a CTA's 256
  *      threads span 256 / (D / 8) rows, each thread 8 fixed columns, 2 rows deep, 4 CTAs
  *      per SM; the weight gradient in registers (no shared accumulator rows), the row
  *      statistics summed across warps through shared memory. Other layouts (the gated

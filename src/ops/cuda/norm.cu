@@ -1458,11 +1458,14 @@ lm_status run_fwd(lm_cuda_ctx *ctx, int variant, const FwdP &p, bool aligned, lm
 }
 
 /* Backward variant 2 (norm_bwd3): plain and residual rows of 256 <= D <= 2048 elements,
- * D / 8 a power of two, 16-byte aligned. */
+ * D / 8 a power of two, 16-byte aligned, with the forward's rstd. Without it the row
+ * statistic must be recomputed in the forward's summation order (so that a backward with
+ * and one without rstd give the same bits: tests/backend_ops/norm.c "dw rerun"), which
+ * norm_bwd2's lane layout reproduces and this one does not: variant 1 runs it. */
 bool v3_covers(const BwdP &p, bool aligned) {
     const int nvec = p.D / 8;
-    return aligned && !p.gate && p.D % 8 == 0 && (nvec == 32 || nvec == 64 || nvec == 128 ||
-                                                  nvec == 256);
+    return aligned && !p.gate && p.rstd && p.D % 8 == 0 &&
+           (nvec == 32 || nvec == 64 || nvec == 128 || nvec == 256);
 }
 
 template <int MODE, bool RSTD, int U, int MINB> BwdK pick_bwd3_m(int nvec) {
@@ -1484,11 +1487,8 @@ constexpr int BWD3_U = 2, BWD3_MINB = 4;
 
 lm_status launch_bwd3(lm_cuda_ctx *ctx, BwdP p, float *dweight, lm_error *err) {
     const int nvec = p.D / 8, rpc = BWD3_THREADS / nvec, U = BWD3_U;
-    const bool rstd = p.rstd != nullptr;
-    const BwdK k = p.dres ? (rstd ? pick_bwd3_m<1, true, BWD3_U, BWD3_MINB>(nvec)
-                                  : pick_bwd3_m<1, false, BWD3_U, BWD3_MINB>(nvec))
-                          : (rstd ? pick_bwd3_m<0, true, BWD3_U, BWD3_MINB>(nvec)
-                                  : pick_bwd3_m<0, false, BWD3_U, BWD3_MINB>(nvec));
+    const BwdK k = p.dres ? pick_bwd3_m<1, true, BWD3_U, BWD3_MINB>(nvec)
+                          : pick_bwd3_m<0, true, BWD3_U, BWD3_MINB>(nvec);
     const size_t smem = (dweight && rpc > 1) ? (size_t)rpc * p.D * sizeof(float) : 0;
     int per_sm = 1;
     LM_TRY(occupancy(ctx, (const void *)k, BWD3_THREADS, smem, &per_sm, err));
