@@ -1398,6 +1398,11 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
                          "%s: train.expert_parallel = %d needs a number of ranks that is a "
                          "multiple of it (this job has %d; launch with mpirun -np N)",
                          c->source, c->expert_parallel, x->world);
+    if (o->dist_nccl && o->device.type != LM_DEVICE_CUDA)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "train: --dist nccl needs --device cuda (CPU ranks use MPI)");
+    if (o->device.type == LM_DEVICE_CUDA)
+        LM_TRY(gpu_dp_check(x, c, err));
     if (o->resume) {
         LM_TRY(lm_train_latest_checkpoint(x->run, ckdir, sizeof ckdir, err));
     } else {
@@ -1467,11 +1472,6 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
             max_tokens = c->passkey_lengths[i];
     const int on_gpu = o->device.type == LM_DEVICE_CUDA;
     const int gpu_dp = on_gpu && (x->world > 1 || o->dist_nccl);
-    if (o->dist_nccl && !on_gpu)
-        return lm_errorf(err, LM_ERR_INVALID,
-                         "train: --dist nccl needs --device cuda (CPU ranks use MPI)");
-    if (gpu_dp)
-        LM_TRY(gpu_dp_check(x, c, err));
     if (on_gpu) {
         /* the steps and the evals run on the device; the CPU model only holds the router
          * states a checkpoint reads (its activations are planned for one token) */
