@@ -119,8 +119,8 @@ static uint32_t rnd(void) {
 /* ndocs documents of byte tokens drawn from a small word list (the model learns
  * something), each ended by <|endoftext|> = 256 */
 static void write_shard(const char *path, int ndocs) {
-    static const char *const words[] = {"one", "two", "three", "four", "five", "six", "seven",
-                                        "eight", "nine", "ten", "red", "green", "blue", "and"};
+    static const char *const words[] = {"one",   "two",  "three", "four", "five",  "six",  "seven",
+                                        "eight", "nine", "ten",   "red",  "green", "blue", "and"};
     const int nw = (int)(sizeof words / sizeof words[0]);
     int64_t n = 0, cap = (int64_t)ndocs * 1700;
     int32_t *t = malloc(sizeof(int32_t) * (size_t)cap);

@@ -750,7 +750,6 @@ static void e_eps_inf(cJSON *j) {
     cJSON_ReplaceItemInObject(obj(j, "model"), "rms_norm_eps", cJSON_CreateNumber(1e39));
 }
 
-
 /* The NCCL path (train.h dist_nccl) is for --device cuda only: on cpu it is bad input,
  * said before anything is loaded, and no run directory is left behind. */
 static void test_dist_nccl_cpu(void **state) {

@@ -122,7 +122,8 @@ int lm_cli_train(int argc, char **argv) {
         const char *val = NULL;
         static const char *const with_value[] = {
             "--config", "--run-dir",    "--max-steps",    "--threads", "--fail-checkpoint-at",
-            "--device", "--diverge-at", "--dist-timeout", "--dist", "--bucket-mb", NULL};
+            "--device", "--diverge-at", "--dist-timeout", "--dist",    "--bucket-mb",
+            NULL};
         const char *flag = NULL;
         for (const char *const *f = with_value; *f && !flag; f++) {
             size_t n = strlen(*f);
