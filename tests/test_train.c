@@ -750,6 +750,27 @@ static void e_eps_inf(cJSON *j) {
     cJSON_ReplaceItemInObject(obj(j, "model"), "rms_norm_eps", cJSON_CreateNumber(1e39));
 }
 
+/* The NCCL path (train.h dist_nccl) is for --device cuda only: on cpu it is bad input,
+ * said before anything is loaded, and no run directory is left behind. */
+static void test_dist_nccl_cpu(void **state) {
+    (void)state;
+    lm_train_config c;
+    load_cfg(&c);
+    lm_train_options o;
+    lm_train_options_default(&o);
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s/NC", g_dir);
+    o.run_dir = dir;
+    o.quiet = 1;
+    o.dist_nccl = 1;
+    lm_error err = {0};
+    assert_int_equal(lm_train_run(&c, &o, NULL, &err), LM_ERR_INVALID);
+    fprintf(stderr, "expected error: %s\n", err.msg);
+    assert_non_null(strstr(err.msg, "--dist nccl needs --device cuda"));
+    struct stat sb;
+    assert_int_not_equal(stat(dir, &sb), 0);
+    lm_train_config_free(&c);
+}
 /* The bad-step guard goes by status: a forward that fails with LM_ERR_NONFINITE (the
  * numbers blew up) is a skipped step, and max_bad_steps of them stop the run; a
  * non-finite configuration scalar is bad input (LM_ERR_INVALID), never a bad step. */
@@ -1000,6 +1021,7 @@ int main(void) {
         cmocka_unit_test(test_resume_changed_config),
         cmocka_unit_test(test_nan_guard),
         cmocka_unit_test(test_nonfinite_status),
+        cmocka_unit_test(test_dist_nccl_cpu),
         cmocka_unit_test(test_interrupt_and_resume),
         cmocka_unit_test(test_live_lines),
         cmocka_unit_test(test_cli),

@@ -59,7 +59,9 @@ void lm_cli_train_usage(FILE *f) {
             "model data-parallel on N ranks: every global batch is split over the ranks (the\n"
             "same batches, losses and checkpoints as one process, up to fp32 summation order),\n"
             "the AdamW state is sharded (ZeRO-1); rank 0 prints and writes DIR. A run resumes\n"
-            "on any number of ranks. docs/distributed.md.\n"
+            "on any number of ranks. With --device cuda, one GPU per rank (its index on the\n"
+            "host): the gradients are all-reduced over NCCL, overlapped with the backward,\n"
+            "and every rank runs the whole AdamW. docs/distributed.md.\n"
             "\n"
             "options:\n"
             "  --config FILE        training config (JSON); optional with --resume (the\n"
@@ -79,6 +81,11 @@ void lm_cli_train_usage(FILE *f) {
             "                       outlast rank 0's checkpoint writes; 0 = off)\n"
             "  --diverge-at STEP    test hook (several ranks): rank 1 perturbs an MoE bias\n"
             "                       after STEP; the next checkpoint's replica check fails\n"
+            "  --dist B             auto (default): GPU ranks (--device cuda, several ranks)\n"
+            "                       reduce over NCCL, CPU ranks over MPI; nccl: the NCCL path\n"
+            "                       even on one GPU (the same results as without it)\n"
+            "  --bucket-mb X        NCCL gradient buckets: whole layers, at least X MiB each\n"
+            "                       (default 25; 0 = one bucket per layer)\n"
             "  --help               this help\n"
             "\n"
             "exit status: 0 success, 1 bad input or failure, 2 usage error\n");
@@ -115,7 +122,8 @@ int lm_cli_train(int argc, char **argv) {
         const char *val = NULL;
         static const char *const with_value[] = {
             "--config", "--run-dir",    "--max-steps",    "--threads", "--fail-checkpoint-at",
-            "--device", "--diverge-at", "--dist-timeout", NULL};
+            "--device", "--diverge-at", "--dist-timeout", "--dist",    "--bucket-mb",
+            NULL};
         const char *flag = NULL;
         for (const char *const *f = with_value; *f && !flag; f++) {
             size_t n = strlen(*f);
@@ -169,6 +177,25 @@ int lm_cli_train(int argc, char **argv) {
             if (parse_i64(flag, val, 0, &v))
                 return LM_EXIT_USAGE;
             dist_timeout = v;
+        } else if (strcmp(flag, "--dist") == 0) {
+            if (strcmp(val, "nccl") == 0) {
+                o.dist_nccl = 1;
+            } else if (strcmp(val, "auto") != 0) {
+                fprintf(stderr, "linmoe train: --dist = '%s' (want auto or nccl)\n", val);
+                return LM_EXIT_USAGE;
+            }
+        } else if (strcmp(flag, "--bucket-mb") == 0) {
+            char *end = NULL;
+            errno = 0;
+            const double mb = strtod(val, &end);
+            if (errno || !end || *end || end == val || !(mb >= 0) || mb > 1e6) {
+                fprintf(stderr, "linmoe train: --bucket-mb = '%s' is not a number in [0, 1e6]\n",
+                        val);
+                return LM_EXIT_USAGE;
+            }
+            o.bucket_bytes = mb > 0 ? (int64_t)(mb * (1 << 20)) : 1;
+            if (o.bucket_bytes < 1)
+                o.bucket_bytes = 1;
         } else if (strcmp(flag, "--diverge-at") == 0) {
             if (parse_i64(flag, val, 1, &v))
                 return LM_EXIT_USAGE;

@@ -106,6 +106,9 @@ int lm_comm_size(const lm_comm *c);
 /* Ranks of this communicator on this host (MPI_COMM_TYPE_SHARED; 1 for self): the
  * trainer divides the cores among them. */
 int lm_comm_local_size(const lm_comm *c);
+/* This rank's index among the ranks on its host (0 .. local_size - 1; 0 for self): the
+ * GPU trainer's CUDA device. */
+int lm_comm_local_rank(const lm_comm *c);
 /* "self" or "mpi". */
 const char *lm_comm_backend(const lm_comm *c);
 

@@ -10,10 +10,23 @@
  *
  * Streams: the communicator owns one non-blocking CUDA stream; every collective is
  * enqueued on it and returns when enqueued (NCCL semantics); lm_nccl_sync waits for
- * them. Ordering against the caller's compute stream is the caller's (events, or
- * lm_nccl_sync): the trainer would record an event after a layer's backward and make
- * this stream wait on it, so the reduction of that layer overlaps the backward of the
- * layers below (not wired into the trainer yet).
+ * them. Ordering against the caller's compute stream is the caller's: lm_nccl_wait_for
+ * (this stream waits for what the compute stream has enqueued so far: a CUDA event
+ * recorded there) and lm_nccl_join (the compute stream waits for the collectives
+ * enqueued so far), or lm_nccl_sync. The GPU trainer calls wait_for after a layer's
+ * backward and enqueues that layer's gradient all-reduce, so the reduction overlaps the
+ * backward of the layers below (docs/distributed.md "GPU ranks"). Neither call blocks
+ * the host.
+ *
+ * Statistics (as dist.h's lm_comm_stats, per collective kind): calls and bytes are
+ * counted when a collective is enqueued; its time comes from a pair of CUDA timing
+ * events around it on this stream (the first LM_NCCL_MAX_TIMED collectives after
+ * lm_nccl_reset_stats are timed, later ones counted only), read by lm_nccl_get_stats,
+ * which waits for the events (cudaEventSynchronize): call it once the collectives are
+ * complete (after a host synchronisation that follows lm_nccl_join or lm_nccl_sync),
+ * where that wait returns at once, so the statistics add no synchronisation. Marks
+ * (lm_nccl_mark) are LM_NCCL_MARKS more timing events the caller records on either
+ * stream, read the same way (lm_nccl_mark_ms): the trainer's overlap measurement.
  *
  * Dtypes: LM_F32, LM_F64, LM_BF16, LM_F16, LM_I32, LM_I64, LM_U8. Counts are elements.
  * Reduce-scatter and all-gather take equal blocks per rank (NCCL's: pad the buffer to
@@ -21,8 +34,9 @@
  * peer, contiguous blocks in peer order as in dist.h.
  *
  * Status: compiled in CUDA + NCCL builds; its world-size-1 path is exercised by
- * tests/test_dist_nccl.c on a GPU machine; multi-GPU runs are not tested (no machine
- * with several GPUs was used). Errors: CHECK_NCCL / CHECK_CUDA turn a failing call
+ * tests/test_dist_nccl.c on a GPU machine (the collectives, and the trainer's NCCL path
+ * against the plain GPU run); multi-GPU runs are not tested (no machine with several
+ * GPUs was used). Errors: CHECK_NCCL / CHECK_CUDA turn a failing call
  * into LM_ERR_IO naming the call and NCCL's / CUDA's error string. */
 #ifndef LINMOE_DIST_NCCL_H
 #define LINMOE_DIST_NCCL_H
@@ -63,6 +77,25 @@ lm_status lm_nccl_broadcast(lm_nccl_comm *c, void *buf, int64_t n, lm_dtype dt, 
                             lm_error *err);
 /* Wait for every collective enqueued so far (cudaStreamSynchronize). */
 lm_status lm_nccl_sync(lm_nccl_comm *c, lm_error *err);
+
+/* The communicator's stream waits (on the device) for the work enqueued on `stream` (a
+ * cudaStream_t as a pointer) so far: collectives enqueued next see its results. */
+lm_status lm_nccl_wait_for(lm_nccl_comm *c, void *stream, lm_error *err);
+/* `stream` waits (on the device) for the collectives enqueued so far. */
+lm_status lm_nccl_join(lm_nccl_comm *c, void *stream, lm_error *err);
+
+#define LM_NCCL_MAX_TIMED 256
+#define LM_NCCL_MARKS 4
+/* Per-kind calls, bytes (this rank's send payload) and seconds since the last reset
+ * (see "Statistics" above: waits for the timed collectives when they are not complete). */
+lm_status lm_nccl_get_stats(lm_nccl_comm *c, lm_comm_stats *out, lm_error *err);
+void lm_nccl_reset_stats(lm_nccl_comm *c);
+/* Record timing mark k in [0, LM_NCCL_MARKS) on `stream` (NULL: the communicator's
+ * stream); a mark recorded again replaces the earlier record. */
+lm_status lm_nccl_mark(lm_nccl_comm *c, int k, void *stream, lm_error *err);
+/* Milliseconds from mark a to mark b (both recorded; waits for them as get_stats does;
+ * negative when b ran first). */
+lm_status lm_nccl_mark_ms(lm_nccl_comm *c, int a, int b, double *ms, lm_error *err);
 
 #ifdef __cplusplus
 }

@@ -25,7 +25,8 @@
  * before anything is allocated.
  *
  * Asynchrony: every call enqueues work on the context's stream; only
- * lm_gpu_model_read_step, _download and _new synchronise.
+ * lm_gpu_model_read_step, _download, _new and _optim_step with metrics (its one download)
+ * synchronise.
  *
  * Determinism: every op in the step is deterministic (fixed-order reductions, no float
  * atomics: kda_cuda.h "Reproducibility", the attention backward with the context's
@@ -118,6 +119,38 @@ lm_status lm_gpu_model_set_rope_theta(lm_gpu_model *m, double theta, lm_error *e
 lm_status lm_gpu_model_micro_step(lm_gpu_model *m, const lm_model_batch *b, const int32_t *ids,
                                   const int32_t *labels, float loss_scale, int accumulate, int slot,
                                   lm_error *err);
+
+/* Data parallelism (the GPU trainer's gradient reduction over NCCL; docs/distributed.md
+ * "GPU ranks"). The model calls the hooks from the host thread that enqueues its work;
+ * each hook enqueues work of its own (on another stream, ordered with the model's stream
+ * lm_cuda_ctx_stream by events) and must not synchronise the host.
+ *   grads_ready: during the backward of a micro-step run with reduce = 1
+ *     (lm_gpu_model_micro_step_ex), the gradient elements [lo, hi) of g (the device
+ *     gradient buffer, fp32 [numel]) are final for the step: every op that writes them
+ *     has been enqueued on the model's stream, no later op of the step writes them.
+ *     The calls tile [0, numel) in decreasing order (each hi is the previous lo; the
+ *     first has hi = numel): the tail tensors (final norm, AttnRes final vectors,
+ *     lm_head) after the final norm's backward, then decoder layer L-1 .. 0, each after
+ *     its mixer's backward (the layer's tensors are contiguous in the params.h layout:
+ *     one range per layer), then the embedding (lo = 0) after the embedding backward,
+ *     the step's last op. A parameter layout where a layer's tensors are not one range
+ *     (expert-sharded tables) gets one call [0, numel) at the end.
+ *   router_sums: in lm_gpu_model_optim_step, before the bias updates: the step
+ *     accumulators of every MoE layer (acc[j], fp64 [n] each, cuda_router.h
+ *     LM_CUDA_ROUTER_ACC_LEN(E), for `count` layers in layer order) must be summed over
+ *     the ranks in place; the model's stream must wait for that before going on.
+ * NULL (or zeroed hooks): one process, nothing is called. */
+typedef struct {
+    lm_status (*grads_ready)(void *arg, float *g, int64_t lo, int64_t hi, lm_error *err);
+    lm_status (*router_sums)(void *arg, double *const *acc, int n, int count, lm_error *err);
+    void *arg;
+} lm_gpu_model_dp;
+lm_status lm_gpu_model_set_dp(lm_gpu_model *m, const lm_gpu_model_dp *dp, lm_error *err);
+/* lm_gpu_model_micro_step with reduce = 1: the step's last micro-batch, whose backward
+ * calls dp's grads_ready (reduce = 0: the same as lm_gpu_model_micro_step). */
+lm_status lm_gpu_model_micro_step_ex(lm_gpu_model *m, const lm_model_batch *b, const int32_t *ids,
+                                     const int32_t *labels, float loss_scale, int accumulate,
+                                     int slot, int reduce, lm_error *err);
 
 /* Evaluation forward (dropless routing, nothing saved, no gradient): the loss sum and
  * count into slot, and, when nll_host is not NULL, the per-token nll [B*T] in nats

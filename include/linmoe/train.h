@@ -234,8 +234,23 @@ typedef struct {
                                    update. Rank 0 alone writes the run directory
                                    (logs, evals, checkpoints: one logical checkpoint,
                                    resumable on any number of ranks) and prints.
-                                   CPU only (cuda with more than one rank:
+                                   With --device cuda (one GPU per rank: device
+                                   index + the rank's index on its host) the
+                                   gradients are all-reduced over NCCL, overlapped
+                                   with the backward, and every rank runs the whole
+                                   AdamW (no ZeRO); dropless aux-free / none routing
+                                   and expert_parallel 1 only (else
                                    LM_ERR_UNSUPPORTED). docs/distributed.md. */
+    int dist_nccl;              /* --device cuda: 1 = train through the NCCL path even on
+                                   one rank (the same bucketed, overlapped gradient
+                                   all-reduce as N GPU ranks; one rank's all-reduce is a
+                                   copy, so the run is the plain GPU run's, bit for bit);
+                                   0 = NCCL when there are several ranks. With cpu:
+                                   LM_ERR_INVALID. */
+    int64_t bucket_bytes;       /* the NCCL path's gradient buckets: contiguous layer
+                                   ranges of the gradient buffer of at least this many
+                                   bytes are all-reduced as one (0: 25 MiB; 1: every
+                                   layer its own bucket) */
 } lm_train_options;
 
 void lm_train_options_default(lm_train_options *o);

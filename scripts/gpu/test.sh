@@ -4,7 +4,10 @@
 # on two threads, no allocation in steady state), the GPU model against the CPU model
 # (test_gpu_model) and test_backend_ops (every op against
 # the CPU reference; its table goes to $OUT/backend_ops.txt when $OUT is set) and the NCCL
-# communicator on world size 1 (test_dist_nccl).
+# communicator on world size 1 (test_dist_nccl: the collectives, and the trainer's NCCL
+# path, `--dist nccl`, against the plain GPU run, bit for bit; it reads
+# configs/tiny-train.json from the repository root). One test alone:
+# LM_TEST_FILTER=test_train_world1 "$LINMOE_GPU_DIR/test_dist_nccl".
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 source scripts/gpu/libpath.sh # $LINMOE_GPU_DIR/lib, cuBLAS / cuDNN (pip wheels, /usr/local/cuda)

@@ -32,7 +32,7 @@ typedef struct {
 struct lm_comm {
     lm_watch *watch; /* shared with the groups split from this one */
     int owns_watch;
-    int rank, size, local_size;
+    int rank, size, local_size, local_rank;
     int is_world;     /* from lm_comm_world_new */
     int owns_mpi;     /* it initialised MPI: finalise at free */
     lm_comm_stats st; /* per collective kind */
@@ -148,6 +148,7 @@ void lm_comm_reset_stats(lm_comm *c) {
 int lm_comm_rank(const lm_comm *c) { return c ? c->rank : 0; }
 int lm_comm_size(const lm_comm *c) { return c ? c->size : 1; }
 int lm_comm_local_size(const lm_comm *c) { return c ? c->local_size : 1; }
+int lm_comm_local_rank(const lm_comm *c) { return c ? c->local_rank : 0; }
 
 const char *lm_comm_backend(const lm_comm *c) {
 #ifdef LM_HAVE_MPI
@@ -234,6 +235,7 @@ static lm_status mpi_setup(lm_comm *c, MPI_Comm comm, lm_error *err) {
     MPI_Comm node;
     CHECK_MPI(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
     CHECK_MPI(MPI_Comm_size(node, &c->local_size));
+    CHECK_MPI(MPI_Comm_rank(node, &c->local_rank));
     CHECK_MPI(MPI_Comm_free(&node));
     c->ic = LM_MALLOC(sizeof(int) * 4 * (size_t)c->size);
     return LM_OK;

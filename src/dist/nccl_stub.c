@@ -2,6 +2,8 @@
  * LM_ERR_UNSUPPORTED (src/dist/nccl/comm_nccl.c is the backend). */
 #include "linmoe/dist_nccl.h"
 
+#include <string.h>
+
 #ifndef LM_HAVE_NCCL
 static lm_status no_nccl(lm_error *err) {
     return lm_errorf(err, LM_ERR_UNSUPPORTED,
@@ -47,6 +49,31 @@ lm_status lm_nccl_broadcast(lm_nccl_comm *c, void *buf, int64_t n, lm_dtype dt, 
 }
 lm_status lm_nccl_sync(lm_nccl_comm *c, lm_error *err) {
     (void)c;
+    return no_nccl(err);
+}
+lm_status lm_nccl_wait_for(lm_nccl_comm *c, void *stream, lm_error *err) {
+    (void)c, (void)stream;
+    return no_nccl(err);
+}
+lm_status lm_nccl_join(lm_nccl_comm *c, void *stream, lm_error *err) {
+    (void)c, (void)stream;
+    return no_nccl(err);
+}
+lm_status lm_nccl_get_stats(lm_nccl_comm *c, lm_comm_stats *out, lm_error *err) {
+    (void)c;
+    if (out)
+        memset(out, 0, sizeof *out);
+    return no_nccl(err);
+}
+void lm_nccl_reset_stats(lm_nccl_comm *c) { (void)c; }
+lm_status lm_nccl_mark(lm_nccl_comm *c, int k, void *stream, lm_error *err) {
+    (void)c, (void)k, (void)stream;
+    return no_nccl(err);
+}
+lm_status lm_nccl_mark_ms(lm_nccl_comm *c, int a, int b, double *ms, lm_error *err) {
+    (void)c, (void)a, (void)b;
+    if (ms)
+        *ms = 0;
     return no_nccl(err);
 }
 #endif

@@ -124,6 +124,12 @@ struct lm_gpu_model {
     /* profiling (lm_gpu_model_set_profile): GPU ms per op class */
     lm_cuda_timer *timer;
     double prof[LM_GPU_PROF_N];
+    /* data parallelism (lm_gpu_model_set_dp): the hooks; reduce: the running micro-step
+     * calls grads_ready; the gradient ranges: layer i's tensors are [lay_lo[i],
+     * lay_lo[i + 1]) with lay_lo[L] the tail's start (ranges_ok: the layout is so) */
+    lm_gpu_model_dp dp;
+    int reduce, ranges_ok;
+    int64_t lay_lo[LM_MAX_LAYERS + 1];
 };
 
 /* Runs `call` (an lm_status expression); with profiling on, timed with the context's
@@ -142,6 +148,8 @@ struct lm_gpu_model {
     } while (0)
 
 /* ---------------------------------------------------------------- helpers */
+
+static void grad_ranges(lm_gpu_model *m);
 
 static const lm_param_info *find_info(const lm_gpu_model *m, const char *name) {
     for (int i = 0; i < m->n_info; i++)
@@ -644,6 +652,7 @@ lm_status lm_gpu_model_new_opts(lm_gpu_model **out, lm_cuda_ctx *ctx, const lm_p
     m->info = LM_MALLOC(sizeof(lm_param_info) * (size_t)p->n);
     memcpy(m->info, p->t, sizeof(lm_param_info) * (size_t)p->n);
     plan_fill(m, &m->plan);
+    grad_ranges(m);
     lm_status st = LM_OK;
     size_t dev_mem = 0;
     if (lm_cuda_device_info(NULL, 0, NULL, &dev_mem, err) == LM_OK && dev_mem > 0 &&
@@ -1084,6 +1093,67 @@ static void ce_cfg(const lm_gpu_model *m, lm_cuda_ce_config *cc, float dloss) {
     cc->mean = 1;
 }
 
+/* The parameter ranges of grads_ready (gpu_model.h): [0, lay_lo[0]) the embedding (and
+ * any model-level tensor before layer 0), [lay_lo[i], lay_lo[i + 1]) decoder layer i,
+ * [lay_lo[L], numel) the tail. ranges_ok = 0 when some tensor lies outside its range
+ * (an expert-sharded table puts the routed experts behind everything). */
+static void grad_ranges(lm_gpu_model *m) {
+    const int L = m->L;
+    m->ranges_ok = 0;
+    if (L < 1)
+        return;
+    for (int i = 0; i <= L; i++)
+        m->lay_lo[i] = -1;
+    int64_t tail = m->numel;
+    for (int t = 0; t < m->n_info; t++) {
+        const lm_param_info *e = &m->info[t];
+        if (e->layer >= 0 && e->layer < L &&
+            (m->lay_lo[e->layer] < 0 || e->offset < m->lay_lo[e->layer]))
+            m->lay_lo[e->layer] = e->offset;
+    }
+    int ok = 1;
+    for (int i = 0; i < L; i++)
+        ok &= m->lay_lo[i] >= 0 && (i == 0 || m->lay_lo[i] > m->lay_lo[i - 1]);
+    for (int t = 0; ok && t < m->n_info; t++) {
+        const lm_param_info *e = &m->info[t];
+        if (e->layer < 0 && e->offset > m->lay_lo[L - 1] && e->offset < tail)
+            tail = e->offset;
+    }
+    m->lay_lo[L] = tail;
+    for (int t = 0; ok && t < m->n_info; t++) {
+        const lm_param_info *e = &m->info[t];
+        const int64_t lo = e->offset, hi = e->offset + e->numel;
+        if (e->layer >= 0 && e->layer < L)
+            ok = lo >= m->lay_lo[e->layer] && hi <= m->lay_lo[e->layer + 1];
+        else
+            ok = hi <= m->lay_lo[0] || lo >= m->lay_lo[L];
+    }
+    m->ranges_ok = ok;
+}
+
+/* grads_ready for [lo, hi) when the running micro-step reduces. */
+static lm_status ready(lm_gpu_model *m, int64_t lo, int64_t hi, lm_error *err) {
+    if (!m->reduce || !m->dp.grads_ready || hi <= lo)
+        return LM_OK;
+    return m->dp.grads_ready(m->dp.arg, m->g32, lo, hi, err);
+}
+
+/* The backward of sublayer l is done (its norm and AttnRes vectors too): layer l / 2's
+ * gradients are final once its mixer (the even sublayer, the layer's last) is done. */
+static lm_status ready_sub(lm_gpu_model *m, int l, lm_error *err) {
+    if (l % 2 != 0 || !m->ranges_ok)
+        return LM_OK;
+    return ready(m, m->lay_lo[l / 2], m->lay_lo[l / 2 + 1], err);
+}
+
+static lm_status ready_tail(lm_gpu_model *m, lm_error *err) {
+    return m->ranges_ok ? ready(m, m->lay_lo[m->L], m->numel, err) : LM_OK;
+}
+
+static lm_status ready_head(lm_gpu_model *m, lm_error *err) {
+    return ready(m, 0, m->ranges_ok ? m->lay_lo[0] : m->numel, err);
+}
+
 static lm_status run_backward(lm_gpu_model *m, lm_error *err) {
     const int64_t N = m->b.N, Nd = N * m->d;
     const int d = m->d;
@@ -1096,6 +1166,7 @@ static lm_status run_backward(lm_gpu_model *m, lm_error *err) {
         PROF(m, LM_GPU_PROF_NORM,
              lm_cuda_rmsnorm_backward(m->ctx, N, d, eps, m->hfin, m->norm_fin, m->rstd_fin,
                                       m->dxfin, NULL, m->G16, m->g_norm_fin, err));
+        LM_TRY(ready_tail(m, err));
         for (int l = m->nsub - 1; l >= 0; l--) {
             gpu_layer *ly = &m->ly[l / 2];
             PROF(m, sub_class(m, l),
@@ -1104,10 +1175,11 @@ static lm_status run_backward(lm_gpu_model *m, lm_error *err) {
                  lm_cuda_rmsnorm_backward(m->ctx, N, d, eps, m->hp[l], ly->norm_w[l % 2],
                                           m->rstd[l], m->dxn, m->G16, m->G16, ly->norm_g[l % 2],
                                           err));
+            LM_TRY(ready_sub(m, l, err));
         }
         PROF(m, LM_GPU_PROF_EMBED,
              lm_cuda_embedding_backward(m->ctx, N, m->V, d, m->ids, m->G16, m->g_emb, err));
-        return LM_OK;
+        return ready_head(m, err);
     }
     PROF(m, LM_GPU_PROF_NORM,
          lm_cuda_rmsnorm_backward(m->ctx, N, d, eps, m->hfin, m->norm_fin, m->rstd_fin, m->dxfin,
@@ -1132,6 +1204,7 @@ static lm_status run_backward(lm_gpu_model *m, lm_error *err) {
     PROF(m, LM_GPU_PROF_ATTNRES,
          lm_cuda_attnres_backward_ptrs(m->ctx, &ac, srcs, m->arq_fin, m->arn_fin, m->dh, dsrc,
                                        LM_BF16, m->arq_fin_g, m->arn_fin_g, err));
+    LM_TRY(ready_tail(m, err));
     for (int l = m->nsub - 1; l >= 0; l--) {
         gpu_layer *ly = &m->ly[l / 2];
         /* a block's last sublayer (not the model's last) takes its block's gradient */
@@ -1144,6 +1217,7 @@ static lm_status run_backward(lm_gpu_model *m, lm_error *err) {
         ns = ar_sources(m, l, sidx);
         if (ns == 1) {
             PROF(m, LM_GPU_PROF_ATTNRES, lm_cuda_add_bf16(m->ctx, Nd, m->dE16, m->dh, m->dE16, err));
+            LM_TRY(ready_sub(m, l, err));
             continue;
         }
         for (int j = 0; j < ns; j++) {
@@ -1157,10 +1231,11 @@ static lm_status run_backward(lm_gpu_model *m, lm_error *err) {
         PROF(m, LM_GPU_PROF_ATTNRES,
              lm_cuda_attnres_backward_ptrs(m->ctx, &ac, srcs, ly->arq[l % 2], ly->arn[l % 2], m->dh,
                                            dsrc, LM_BF16, ly->arq_g[l % 2], ly->arn_g[l % 2], err));
+        LM_TRY(ready_sub(m, l, err));
     }
     PROF(m, LM_GPU_PROF_EMBED,
          lm_cuda_embedding_backward(m->ctx, N, m->V, d, m->ids, m->dE16, m->g_emb, err));
-    return LM_OK;
+    return ready_head(m, err);
 }
 
 static lm_status check_slot(int slot, lm_error *err) {
@@ -1173,6 +1248,21 @@ static lm_status check_slot(int slot, lm_error *err) {
 lm_status lm_gpu_model_micro_step(lm_gpu_model *m, const lm_model_batch *b, const int32_t *ids,
                                   const int32_t *labels, float loss_scale, int accumulate, int slot,
                                   lm_error *err) {
+    return lm_gpu_model_micro_step_ex(m, b, ids, labels, loss_scale, accumulate, slot, 0, err);
+}
+
+lm_status lm_gpu_model_set_dp(lm_gpu_model *m, const lm_gpu_model_dp *dp, lm_error *err) {
+    if (!m)
+        return lm_errorf(err, LM_ERR_INVALID, "gpu model: NULL model");
+    memset(&m->dp, 0, sizeof m->dp);
+    if (dp)
+        m->dp = *dp;
+    return LM_OK;
+}
+
+lm_status lm_gpu_model_micro_step_ex(lm_gpu_model *m, const lm_model_batch *b, const int32_t *ids,
+                                     const int32_t *labels, float loss_scale, int accumulate,
+                                     int slot, int reduce, lm_error *err) {
     if (!m || !labels)
         return lm_errorf(err, LM_ERR_INVALID, "gpu model: micro_step needs a model and labels");
     if (!isfinite(loss_scale))
@@ -1190,9 +1280,11 @@ lm_status lm_gpu_model_micro_step(lm_gpu_model *m, const lm_model_batch *b, cons
     lm_cuda_ce_outputs co = {m->loss_sum + slot, m->count + slot, NULL, m->dxfin, m->g_head};
     PROF(m, LM_GPU_PROF_CE,
          lm_cuda_ce_forward_backward(m->ctx, &cc, m->xfin, m->W_head, m->labels, &co, err));
-    LM_TRY(run_backward(m, err));
+    m->reduce = reduce != 0;
+    const lm_status st = run_backward(m, err);
+    m->reduce = 0;
     /* the buffers (MoE biases' slots of the gradient) carry no gradient: never written */
-    return LM_OK;
+    return st;
 }
 
 lm_status lm_gpu_model_eval(lm_gpu_model *m, const lm_model_batch *b, const int32_t *ids,
@@ -1281,6 +1373,17 @@ lm_status lm_gpu_model_optim_step(lm_gpu_model *m, double lr, double weight_deca
                             err));
     int any = 0;
     const int E = m->cfg.moe.router.num_experts;
+    if (m->dp.router_sums) {
+        /* data parallel: the step's balance sums over the ranks ("all-reduce here",
+         * cuda_router.h), so every rank applies the same bias update */
+        double *acc[LM_MAX_LAYERS];
+        int n = 0;
+        for (int i = 0; i < m->L; i++)
+            if (m->ly[i].ml)
+                acc[n++] = lm_gpu_moe_layer_router(m->ly[i].ml)->acc;
+        if (n > 0)
+            LM_TRY(m->dp.router_sums(m->dp.arg, acc, LM_CUDA_ROUTER_ACC_LEN(E), n, err));
+    }
     for (int i = 0; i < m->L; i++) {
         if (!m->ly[i].ml)
             continue;

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "linmoe/cuda_bench.h"
+#include "linmoe/dist_nccl.h"
 #include "linmoe/eval.h"
 #include "linmoe/gpu_model.h"
 #include "linmoe/loader.h"
@@ -100,6 +101,13 @@ typedef struct {
     int bias_layer; /* the layer whose router reduce is running (reduce_demand) */
     lm_status reduce_st;
     lm_error reduce_err;
+    /* --device cuda over NCCL (several GPU ranks, or options.dist_nccl; docs/
+     * distributed.md "GPU ranks"): nc's stream all-reduces the gradient in buckets of
+     * whole layer ranges [pend_lo, pend_hi) of at least bucket_elems elements while the
+     * backward goes on; n_buckets of the running step */
+    lm_nccl_comm *nc;
+    int64_t bucket_elems, pend_lo, pend_hi;
+    int n_buckets;
 } ctx;
 
 /* ---------------------------------------------------------------- output helpers */
@@ -344,6 +352,10 @@ static lm_status run_eval_on(ctx *x, lm_model *em, lm_error *err) {
         for (int i = 0; i < c->n_passkey_lengths; i++)
             LM_TRY(lm_eval_passkey_gpu(x->gm, x->tok, &x->val, c->passkey_lengths[i],
                                        c->passkey_samples, c->passkey_seed, &pk[i], err));
+        /* GPU ranks: each ran the whole evals on its replica (the same weights, the
+         * same results; not split over the ranks); rank 0 logs */
+        if (x->rank != 0)
+            return LM_OK;
     } else if (x->world == 1) {
         LM_TRY(lm_eval_bpb(x->m, x->tok, &x->val_sub, c->eval_seq_len, &r, err));
         for (int i = 0; i < c->n_passkey_lengths; i++)
@@ -456,6 +468,12 @@ typedef struct {
     int skipped;
     int n_passkey, n_long, n_repeat;
     lm_comm_stats comm; /* the step's collectives (world > 1) */
+    /* the NCCL path: the step's device collectives, and the gradient reduction's span
+     * (first bucket's start to last bucket's end), the part of it before the backward's
+     * end and the part after (GPU clocks, CUDA events) */
+    lm_comm_stats nccl;
+    int n_buckets;
+    double red_ms, red_overlap_ms, red_exposed_ms;
 } step_result;
 
 /* lm_router_update_bias's reduce hook: the step's router sums (demand [E] first)
@@ -651,6 +669,79 @@ static lm_status train_step(ctx *x, int s, step_result *res, lm_error *err) {
     return LM_OK;
 }
 
+/* ---------------------------------------------------------------- GPU data parallel */
+
+/* The NCCL path's timing marks (dist_nccl.h lm_nccl_mark): the first bucket's start and
+ * the last one's end on the communicator's stream, the backward's end on the model's. */
+enum { MARK_RED_START = 0, MARK_RED_END = 1, MARK_BWD_END = 2 };
+
+/* All-reduce the pending range [pend_lo, pend_hi) of the gradient g on the NCCL stream,
+ * after the work the model's stream has enqueued so far (that range's backward). */
+static lm_status dp_flush(ctx *x, float *g, lm_error *err) {
+    const int64_t lo = x->pend_lo, n = x->pend_hi - x->pend_lo;
+    x->pend_hi = x->pend_lo;
+    if (n <= 0)
+        return LM_OK;
+    void *cs = lm_cuda_ctx_stream(x->cuda);
+    LM_TRY(lm_nccl_wait_for(x->nc, cs, err));
+    /* recorded at every bucket: the last record (after the embedding backward, the
+     * step's last op) is the backward's end */
+    LM_TRY(lm_nccl_mark(x->nc, MARK_BWD_END, cs, err));
+    if (x->n_buckets == 0)
+        LM_TRY(lm_nccl_mark(x->nc, MARK_RED_START, NULL, err));
+    LM_TRY(lm_nccl_allreduce(x->nc, g + lo, n, LM_F32, LM_DIST_SUM, err));
+    LM_TRY(lm_nccl_mark(x->nc, MARK_RED_END, NULL, err));
+    x->n_buckets++;
+    return LM_OK;
+}
+
+/* gpu_model.h grads_ready: [lo, hi) joins the pending range (the calls come in
+ * decreasing order, each hi the previous lo), which goes out once it holds
+ * bucket_elems elements, and at the last call (lo = 0). */
+static lm_status dp_grads_ready(void *arg, float *g, int64_t lo, int64_t hi, lm_error *err) {
+    ctx *x = arg;
+    if (x->pend_hi == x->pend_lo)
+        x->pend_hi = hi;
+    else if (hi != x->pend_lo)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "train: gradient range [%lld, %lld) does not end where the pending "
+                         "bucket [%lld, %lld) starts",
+                         (long long)lo, (long long)hi, (long long)x->pend_lo,
+                         (long long)x->pend_hi);
+    x->pend_lo = lo;
+    if (x->pend_hi - x->pend_lo >= x->bucket_elems || lo == 0)
+        return dp_flush(x, g, err);
+    return LM_OK;
+}
+
+/* gpu_model.h router_sums: the MoE layers' step accumulators summed over the ranks
+ * before the bias update (the CPU path's reduce_demand), between the model's stream's
+ * work so far and what it enqueues next. */
+static lm_status dp_router_sums(void *arg, double *const *acc, int n, int count, lm_error *err) {
+    ctx *x = arg;
+    void *cs = lm_cuda_ctx_stream(x->cuda);
+    LM_TRY(lm_nccl_wait_for(x->nc, cs, err));
+    for (int j = 0; j < count; j++)
+        LM_TRY(lm_nccl_allreduce(x->nc, acc[j], n, LM_F64, LM_DIST_SUM, err));
+    return lm_nccl_join(x->nc, cs, err);
+}
+
+/* The step's NCCL statistics and the reduction's overlap with the backward, read after
+ * the step's synchronisations (the events are complete: no wait). */
+static lm_status dp_step_stats(ctx *x, step_result *res, lm_error *err) {
+    LM_TRY(lm_nccl_get_stats(x->nc, &res->nccl, err));
+    res->n_buckets = x->n_buckets;
+    if (x->n_buckets > 0) {
+        double end = 0, bwd = 0;
+        LM_TRY(lm_nccl_mark_ms(x->nc, MARK_RED_START, MARK_RED_END, &end, err));
+        LM_TRY(lm_nccl_mark_ms(x->nc, MARK_RED_START, MARK_BWD_END, &bwd, err));
+        res->red_ms = end;
+        res->red_overlap_ms = bwd < 0 ? 0 : bwd < end ? bwd : end;
+        res->red_exposed_ms = end - bwd > 0 ? end - bwd : 0;
+    }
+    return LM_OK;
+}
+
 /* train_step on the device: the micro-batches, the grad norm, one read of the step's
  * losses and norm (the host's only wait before the update), then AdamW and the bias
  * updates, or the skip. A non-finite loss or norm is a skipped step, as on the CPU. */
@@ -664,14 +755,39 @@ static lm_status train_step_gpu(ctx *x, int s, step_result *res, lm_error *err) 
                          c->source, M, LM_GPU_MODEL_MAX_MICRO);
     res->n_passkey = res->n_long = res->n_repeat = 0;
     res->lr = lm_train_lr(c, x->k.step);
+    /* the NCCL path (x->nc): this rank's share of each global micro-batch, its CE mean
+     * weighted n_r / N as on the CPU ranks; the last micro-batch's backward all-reduces
+     * the gradient in buckets (dp_grads_ready) */
+    const int W = x->world, dp = x->nc != NULL;
+    double share[LM_GPU_MODEL_MAX_MICRO];
+    if (dp) {
+        lm_comm_reset_stats(x->comm);
+        lm_nccl_reset_stats(x->nc);
+        x->n_buckets = 0;
+        x->pend_lo = x->pend_hi = 0;
+    }
     for (int mi = 0; mi < M; mi++) {
-        LM_TRY(lm_loader_next(x->ld, st->rows_per_micro, &x->b, err));
+        LM_TRY(lm_loader_next(x->ld, st->rows_per_micro, W > 1 ? &x->gb : &x->b, err));
+        if (W > 1)
+            LM_TRY(lm_loader_batch_shard(&x->gb, x->rank, W, &x->b, err));
         res->n_passkey += x->b.n_passkey;
         res->n_long += x->b.n_long;
         res->n_repeat += x->b.n_repeat;
-        LM_TRY(lm_gpu_model_micro_step(x->gm, &x->b.batch, x->b.ids, x->b.labels, 1.0f / (float)M,
-                                       mi > 0, mi, err));
+        float scale = 1.0f / (float)M;
+        share[mi] = 1.0;
+        if (dp) {
+            /* exactly 1 on one rank: the scale is the plain path's 1 / M */
+            int64_t N = x->b.n_labels;
+            LM_TRY(lm_comm_allreduce(x->comm, &N, 1, LM_I64, LM_DIST_SUM, err));
+            share[mi] = N > 0 ? (double)x->b.n_labels / (double)N : 0.0;
+            scale = (float)share[mi] / (float)M;
+        }
+        LM_TRY(lm_gpu_model_micro_step_ex(x->gm, &x->b.batch, x->b.ids, x->b.labels, scale, mi > 0,
+                                          mi, dp && mi == M - 1, err));
     }
+    /* the model's stream waits for the reduced gradient (no host wait) */
+    if (dp)
+        LM_TRY(lm_nccl_join(x->nc, lm_cuda_ctx_stream(x->cuda), err));
     const int64_t nan_at = x->o->nan_at, nan_n = x->o->nan_count > 0 ? x->o->nan_count : 1;
     if (nan_at > 0 && x->k.step + 1 >= nan_at && x->k.step + 1 < nan_at + nan_n)
         LM_TRY(lm_gpu_model_poke_grad(x->gm, x->opt.blk_off[0], NAN, err)); /* test hook */
@@ -680,10 +796,20 @@ static lm_status train_step_gpu(ctx *x, int s, step_result *res, lm_error *err) 
     LM_TRY(lm_gpu_model_read_step(x->gm, M, losses, NULL, &gnorm, err));
     double loss_sum = 0;
     for (int mi = 0; mi < M; mi++)
-        loss_sum += losses[mi];
+        loss_sum += dp ? losses[mi] * share[mi] : losses[mi];
+    int any_bad = 0;
+    if (dp) {
+        /* the step's loss over the ranks, and whether any rank saw a non-finite norm
+         * (the norms are equal: the same reduced gradient on every rank, unless a test
+         * hook poked one rank's): all skip, or none */
+        double agg[2] = {loss_sum, isfinite(gnorm) ? 0.0 : 1.0};
+        LM_TRY(lm_comm_allreduce(x->comm, agg, 2, LM_F64, LM_DIST_SUM, err));
+        loss_sum = agg[0];
+        any_bad = agg[1] > 0;
+    }
     res->loss = loss_sum / M;
     res->gnorm = gnorm;
-    const int bad = !isfinite(res->loss) || !isfinite(res->gnorm);
+    const int bad = !isfinite(res->loss) || !isfinite(res->gnorm) || any_bad;
     const int L = x->p.cfg.num_hidden_layers;
     if (bad) {
         LM_TRY(lm_gpu_model_skip_step(x->gm, err));
@@ -705,12 +831,32 @@ static lm_status train_step_gpu(ctx *x, int s, step_result *res, lm_error *err) 
         }
         x->k.bad_streak = 0;
     }
+    if (dp) {
+        LM_TRY(dp_step_stats(x, res, err));
+        lm_comm_get_stats(x->comm, &res->comm);
+    }
     x->host_stale = 1;
     res->skipped = bad;
     x->k.tokens += st->step_tokens;
     x->k.step++;
     res->seconds = lm_time_sec() - t0;
     return LM_OK;
+}
+
+/* {"kind": {"calls": n, "bytes": b, "ms": t}, ...} of the kinds called. */
+static void log_comm(FILE *f, const lm_comm_stats *st) {
+    fputc('{', f);
+    int first = 1;
+    for (int k = 0; k < LM_COLL_N; k++) {
+        if (!st->calls[k])
+            continue;
+        fprintf(f, "%s\"%s\": {\"calls\": %lld, \"bytes\": %lld, \"ms\": ", first ? "" : ", ",
+                lm_coll_name((lm_coll_kind)k), (long long)st->calls[k], (long long)st->bytes[k]);
+        jnum(f, st->seconds[k] * 1e3, 4);
+        fputc('}', f);
+        first = 0;
+    }
+    fputc('}', f);
 }
 
 static void log_step(ctx *x, int s, const step_result *r, double tok_s, double mfu) {
@@ -731,21 +877,26 @@ static void log_step(ctx *x, int s, const step_result *r, double tok_s, double m
     jnum(f, mfu, 6);
     fprintf(f, ", \"skipped\": %d, \"bad_total\": %lld, \"passkey_rows\": %d, \"long_rows\": %d, ",
             r->skipped, (long long)x->k.bad_total, r->n_passkey, r->n_long);
-    if (x->world > 1) {
+    if (x->world > 1 || x->nc) {
         /* this rank's (rank 0's) collectives of the step: calls, bytes sent, ms */
-        fprintf(f, "\"ranks\": %d, \"comm\": {", x->world);
-        int first = 1;
-        for (int k = 0; k < LM_COLL_N; k++) {
-            if (!r->comm.calls[k])
-                continue;
-            fprintf(f, "%s\"%s\": {\"calls\": %lld, \"bytes\": %lld, \"ms\": ", first ? "" : ", ",
-                    lm_coll_name((lm_coll_kind)k), (long long)r->comm.calls[k],
-                    (long long)r->comm.bytes[k]);
-            jnum(f, r->comm.seconds[k] * 1e3, 4);
+        fprintf(f, "\"ranks\": %d, \"comm\": ", x->world);
+        log_comm(f, &r->comm);
+        if (x->nc) {
+            /* the device collectives (NCCL, GPU time), and the gradient reduction against
+             * the backward: its span from the first bucket's start to the last one's
+             * end, the part of it before the backward's end (overlapped) and after
+             * (exposed) */
+            fputs(", \"nccl\": ", f);
+            log_comm(f, &r->nccl);
+            fprintf(f, ", \"overlap\": {\"buckets\": %d, \"reduce_ms\": ", r->n_buckets);
+            jnum(f, r->red_ms, 4);
+            fputs(", \"overlapped_ms\": ", f);
+            jnum(f, r->red_overlap_ms, 4);
+            fputs(", \"exposed_ms\": ", f);
+            jnum(f, r->red_exposed_ms, 4);
             fputc('}', f);
-            first = 0;
         }
-        fputs("}, ", f);
+        fputs(", ", f);
     }
     fputs("\"moe\": ", f);
     if (r->skipped) {
@@ -819,6 +970,7 @@ static void ctx_free(ctx *x) {
     if (x->have_opt)
         lm_adamw_free(&x->opt);
     lm_gpu_model_free(x->gm);
+    lm_nccl_comm_free(x->nc);
     lm_cuda_ctx_free(x->cuda);
     lm_model_free(x->m);
     if (x->have_p)
@@ -1111,6 +1263,8 @@ static lm_status save_checkpoint_sharded(ctx *x, const lm_loader_state *ls, int 
     return lm_comm_agree(x->comm, st, err);
 }
 
+static lm_status check_replicas(ctx *x, lm_error *err);
+
 /* A checkpoint of a data-parallel run: the replicas must hold bitwise the same
  * parameters (MoE biases included: each rank updates them from the all-reduced
  * load), checked by a hash per rank; rank 0 gathers the AdamW shards and writes the
@@ -1124,6 +1278,36 @@ static lm_status save_checkpoint(ctx *x, const lm_loader_state *ls, lm_error *er
                                   fail, x->last_ckpt, sizeof x->last_ckpt, err);
     if (x->sharded)
         return save_checkpoint_sharded(x, ls, fail, err);
+    LM_TRY(check_replicas(x, err));
+    if (x->gm) {
+        /* GPU ranks: every rank holds the whole AdamW state (no ZeRO on the device);
+         * rank 0 writes its own copy, as one process */
+        lm_status st = LM_OK;
+        if (x->rank == 0)
+            st = lm_train_ckpt_save(x->run, &x->p, &x->opt, x->m, &x->k, ls, c->text, c->keep_last,
+                                    fail, x->last_ckpt, sizeof x->last_ckpt, err);
+        return lm_comm_agree(x->comm, st, err);
+    }
+    LM_TRY(lm_comm_gather(x->comm, x->opt.m, x->full_mv, x->shard, LM_F32, 0, err));
+    LM_TRY(lm_comm_gather(x->comm, x->opt.v, x->rank == 0 ? x->full_mv + x->p.numel : NULL,
+                          x->shard, LM_F32, 0, err));
+    lm_status st = LM_OK;
+    if (x->rank == 0) {
+        lm_adamw full = x->opt;
+        full.m = x->full_mv;
+        full.v = x->full_mv + x->p.numel;
+        full.lo = 0;
+        full.hi = x->p.numel;
+        st = lm_train_ckpt_save(x->run, &x->p, &full, x->m, &x->k, ls, c->text, c->keep_last, fail,
+                                x->last_ckpt, sizeof x->last_ckpt, err);
+    }
+    return lm_comm_agree(x->comm, st, err);
+}
+
+/* The data-parallel replicas must hold bitwise the same parameters (MoE biases
+ * included: each rank updates them from the all-reduced load): a hash per rank,
+ * all-gathered. */
+static lm_status check_replicas(ctx *x, lm_error *err) {
     int64_t *h = LM_MALLOC(sizeof(int64_t) * (size_t)x->world), ones_buf[64];
     int64_t *ones = x->world <= 64 ? ones_buf : LM_MALLOC(sizeof(int64_t) * (size_t)x->world);
     for (int q = 0; q < x->world; q++)
@@ -1140,21 +1324,7 @@ static lm_status save_checkpoint(ctx *x, const lm_loader_state *ls, lm_error *er
     if (ones != ones_buf)
         free(ones);
     free(h);
-    LM_TRY(st);
-    LM_TRY(lm_comm_gather(x->comm, x->opt.m, x->full_mv, x->shard, LM_F32, 0, err));
-    LM_TRY(lm_comm_gather(x->comm, x->opt.v, x->rank == 0 ? x->full_mv + x->p.numel : NULL,
-                          x->shard, LM_F32, 0, err));
-    st = LM_OK;
-    if (x->rank == 0) {
-        lm_adamw full = x->opt;
-        full.m = x->full_mv;
-        full.v = x->full_mv + x->p.numel;
-        full.lo = 0;
-        full.hi = x->p.numel;
-        st = lm_train_ckpt_save(x->run, &x->p, &full, x->m, &x->k, ls, c->text, c->keep_last, fail,
-                                x->last_ckpt, sizeof x->last_ckpt, err);
-    }
-    return lm_comm_agree(x->comm, st, err);
+    return st;
 }
 
 /* Whether the MoE layers route the world's micro-batch (moe_ep.h's routing
@@ -1177,6 +1347,39 @@ static int route_world(const ctx *x, const lm_train_config *c) {
                    r->balance == LM_BAL_QUANTILE);
 }
 
+/* What the GPU ranks do not run (several ranks; one rank over NCCL is the plain run):
+ * expert parallelism, and routing that depends on the whole micro-batch (capacity, the
+ * aux loss, quantile balancing), which the CPU ranks route over the world
+ * (route_world) and the GPU MoE layer cannot yet: each GPU rank routes its own share,
+ * which is one process's result only for per-token (dropless aux-free / none) routing. */
+static lm_status gpu_dp_check(const ctx *x, const lm_train_config *c, lm_error *err) {
+    if (x->world == 1)
+        return LM_OK;
+    if (c->expert_parallel > 1)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "%s: train.expert_parallel = %d with --device cuda: expert parallelism "
+                         "runs on CPU ranks only (GPU ranks are data-parallel)",
+                         c->source, c->expert_parallel);
+    int moe = 0;
+    for (int i = 0; i < c->model.num_hidden_layers; i++)
+        moe |= lm_model_layer_is_moe(&c->model, i);
+    const lm_router_config *r = &c->model.moe.router;
+    if (moe && r->capacity_factor > 0)
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "%s: model capacity_factor = %g with --device cuda on %d ranks: capacity "
+                         "is per expert over the whole micro-batch, which GPU ranks do not route "
+                         "together yet (use 0, dropless, or CPU ranks)",
+                         c->source, (double)r->capacity_factor, x->world);
+    if (moe && (r->balance == LM_BAL_AUX_LOSS || r->balance == LM_BAL_QUANTILE))
+        return lm_errorf(err, LM_ERR_UNSUPPORTED,
+                         "%s: model balance = %s with --device cuda on %d ranks: it depends on the "
+                         "whole micro-batch, which GPU ranks do not route together yet (use "
+                         "aux_free or none, or CPU ranks)",
+                         c->source, r->balance == LM_BAL_AUX_LOSS ? "aux_loss" : "quantile",
+                         x->world);
+    return LM_OK;
+}
+
 static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm_error *err) {
     const lm_train_options *o = x->o;
     char ckdir[PATHMAX + 64] = "";
@@ -1195,6 +1398,11 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
                          "%s: train.expert_parallel = %d needs a number of ranks that is a "
                          "multiple of it (this job has %d; launch with mpirun -np N)",
                          c->source, c->expert_parallel, x->world);
+    if (o->dist_nccl && o->device.type != LM_DEVICE_CUDA)
+        return lm_errorf(err, LM_ERR_INVALID,
+                         "train: --dist nccl needs --device cuda (CPU ranks use MPI)");
+    if (o->device.type == LM_DEVICE_CUDA)
+        LM_TRY(gpu_dp_check(x, c, err));
     if (o->resume) {
         LM_TRY(lm_train_latest_checkpoint(x->run, ckdir, sizeof ckdir, err));
     } else {
@@ -1263,12 +1471,7 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         if (c->passkey_lengths[i] > max_tokens)
             max_tokens = c->passkey_lengths[i];
     const int on_gpu = o->device.type == LM_DEVICE_CUDA;
-    if (on_gpu && x->world > 1)
-        return lm_errorf(
-            err, LM_ERR_UNSUPPORTED,
-            "train: --device cuda with %d ranks: multi-GPU training (the NCCL backend) "
-            "is not wired into the trainer yet; run on cpu or with one rank",
-            x->world);
+    const int gpu_dp = on_gpu && (x->world > 1 || o->dist_nccl);
     if (on_gpu) {
         /* the steps and the evals run on the device; the CPU model only holds the router
          * states a checkpoint reads (its activations are planned for one token) */
@@ -1286,12 +1489,24 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
                 max_seqs = docs > (1 << 20) ? (1 << 20) : (int)docs;
         }
         LM_TRY(lm_gpu_model_supports(&x->p.cfg, err));
-        LM_TRY(lm_cuda_ctx_new(&x->cuda, o->device.index, err));
+        /* several ranks: one GPU each, the rank's index on its host after device.index */
+        const int dev = o->device.index + (x->world > 1 ? lm_comm_local_rank(x->comm) : 0);
+        LM_TRY(lm_cuda_ctx_new(&x->cuda, dev, err));
         const lm_gpu_model_opts go = {c->n_recompute ? c->recompute : NULL};
-        x->gpu_tokens = max_micro > eval_tokens ? max_micro : eval_tokens;
+        /* the model trains on this rank's share (the whole micro-batch on one rank) */
+        x->gpu_tokens = max_share > eval_tokens ? max_share : eval_tokens;
         x->gpu_seqs = max_seqs;
         LM_TRY(lm_gpu_model_new_opts(&x->gm, x->cuda, &x->p, x->gpu_tokens, max_seqs, &go, err));
         max_tokens = 1;
+        if (gpu_dp) {
+            /* collective over the host communicator (the NCCL id goes over it) */
+            LM_TRY(lm_nccl_comm_new(&x->nc, x->comm, dev, err));
+            x->bucket_elems = (o->bucket_bytes > 0 ? o->bucket_bytes : (int64_t)25 << 20) / 4;
+            if (x->bucket_elems < 1)
+                x->bucket_elems = 1;
+            const lm_gpu_model_dp hooks = {dp_grads_ready, dp_router_sums, x};
+            LM_TRY(lm_gpu_model_set_dp(x->gm, &hooks, err));
+        }
     }
     LM_TRY(lm_model_new(&x->m, &x->p, max_tokens, err));
     x->rcomm = x->comm;
@@ -1332,20 +1547,26 @@ static lm_status run(ctx *x, const lm_train_config *c, lm_train_summary *out, lm
         x->gshardx = LM_MALLOC(sizeof(float) * (size_t)(x->shardx[x->dp_rank] + 1));
         x->normbuf =
             LM_MALLOC(sizeof(double) * (size_t)(x->opt.nblk + (int64_t)x->ep * x->optx.nblk + 1));
+    } else if (x->gm) {
+        /* GPU ranks: the whole AdamW state on every rank (the host copy of the device's,
+         * for checkpoints) */
+        lm_adamw_init_shard(&x->opt, &x->p, 0, 1);
     } else {
         lm_adamw_init_shard(&x->opt, &x->p, x->rank, x->world);
     }
     x->have_opt = 1;
     if (x->world > 1) {
-        x->shard = LM_MALLOC(sizeof(int64_t) * (size_t)x->world);
-        for (int q = 0; q < x->world; q++) {
-            int64_t lo, hi;
-            lm_adamw_shard_range(&x->opt, q, x->world, &lo, &hi);
-            x->shard[q] = hi - lo;
+        if (!x->gm) {
+            x->shard = LM_MALLOC(sizeof(int64_t) * (size_t)x->world);
+            for (int q = 0; q < x->world; q++) {
+                int64_t lo, hi;
+                lm_adamw_shard_range(&x->opt, q, x->world, &lo, &hi);
+                x->shard[q] = hi - lo;
+            }
+            x->gshard = LM_MALLOC(sizeof(float) * (size_t)(x->shard[x->rank] + 1));
+            if (x->rank == 0 && !x->sharded)
+                x->full_mv = LM_MALLOC(sizeof(float) * 2 * (size_t)x->p.numel);
         }
-        x->gshard = LM_MALLOC(sizeof(float) * (size_t)(x->shard[x->rank] + 1));
-        if (x->rank == 0 && !x->sharded)
-            x->full_mv = LM_MALLOC(sizeof(float) * 2 * (size_t)x->p.numel);
         LM_TRY(lm_loader_batch_init(&x->gb, 1, (int)max_micro, err));
         x->have_gb = 1;
     }

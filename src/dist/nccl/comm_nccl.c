@@ -29,6 +29,16 @@ struct lm_nccl_comm {
     ncclComm_t comm;
     cudaStream_t stream;
     int rank, size, device;
+    cudaEvent_t order; /* wait_for / join (no timing): a wait uses the record current at
+                          the call, so one event serves every wait */
+    /* statistics: per kind calls and bytes; ev[2i], ev[2i+1] bracket timed collective i
+     * (kind kinds[i]); the events are made on first use (n_ev of them exist) */
+    lm_comm_stats st;
+    int n_timed, n_ev;
+    unsigned char kinds[LM_NCCL_MAX_TIMED];
+    cudaEvent_t ev[2 * LM_NCCL_MAX_TIMED];
+    cudaEvent_t mark[LM_NCCL_MARKS];
+    int have_mark[LM_NCCL_MARKS];
 };
 
 int lm_dist_have_nccl(void) { return 1; }
@@ -90,10 +100,19 @@ lm_status lm_nccl_comm_new(lm_nccl_comm **out, lm_comm *host, int device, lm_err
         return lm_errorf(err, LM_ERR_IO, "dist: nccl: rank %d device %d: %s", rank, device,
                          cudaGetErrorString(ce));
     }
+    ce = cudaEventCreateWithFlags(&c->order, cudaEventDisableTiming);
+    for (int k = 0; k < LM_NCCL_MARKS && ce == cudaSuccess; k++)
+        ce = cudaEventCreate(&c->mark[k]);
+    if (ce != cudaSuccess) {
+        c->comm = NULL;
+        lm_nccl_comm_free(c);
+        return lm_errorf(err, LM_ERR_IO, "dist: nccl: rank %d device %d: events: %s", rank, device,
+                         cudaGetErrorString(ce));
+    }
     const ncclResult_t nr = ncclCommInitRank(&c->comm, size, id, rank);
     if (nr != ncclSuccess) {
-        cudaStreamDestroy(c->stream);
-        free(c);
+        c->comm = NULL;
+        lm_nccl_comm_free(c);
         return lm_errorf(err, LM_ERR_IO, "dist: ncclCommInitRank (rank %d of %d) failed: %s", rank,
                          size, ncclGetErrorString(nr));
     }
@@ -104,9 +123,110 @@ lm_status lm_nccl_comm_new(lm_nccl_comm **out, lm_comm *host, int device, lm_err
 void lm_nccl_comm_free(lm_nccl_comm *c) {
     if (!c)
         return;
-    ncclCommDestroy(c->comm);
+    if (c->comm)
+        ncclCommDestroy(c->comm);
+    for (int i = 0; i < c->n_ev; i++)
+        cudaEventDestroy(c->ev[i]);
+    for (int k = 0; k < LM_NCCL_MARKS; k++)
+        if (c->mark[k])
+            cudaEventDestroy(c->mark[k]);
+    if (c->order)
+        cudaEventDestroy(c->order);
     cudaStreamDestroy(c->stream);
     free(c);
+}
+
+/* ---------------------------------------------------------------- statistics */
+
+/* Counts a collective of `kind` moving `bytes` and records the start event of its
+ * timing pair (when one is left); *slot: the pair's index, or -1. */
+static lm_status timed_begin(lm_nccl_comm *c, lm_coll_kind kind, int64_t bytes, int *slot,
+                             lm_error *err) {
+    c->st.calls[kind]++;
+    c->st.bytes[kind] += bytes;
+    *slot = -1;
+    if (c->n_timed >= LM_NCCL_MAX_TIMED)
+        return LM_OK;
+    const int i = c->n_timed;
+    while (c->n_ev < 2 * (i + 1)) {
+        CHECK_CUDA(cudaEventCreate(&c->ev[c->n_ev]));
+        c->n_ev++;
+    }
+    CHECK_CUDA(cudaEventRecord(c->ev[2 * i], c->stream));
+    c->kinds[i] = (unsigned char)kind;
+    c->n_timed++;
+    *slot = i;
+    return LM_OK;
+}
+
+static lm_status timed_end(lm_nccl_comm *c, int slot, lm_error *err) {
+    if (slot >= 0)
+        CHECK_CUDA(cudaEventRecord(c->ev[2 * slot + 1], c->stream));
+    return LM_OK;
+}
+
+lm_status lm_nccl_get_stats(lm_nccl_comm *c, lm_comm_stats *out, lm_error *err) {
+    if (!c || !out)
+        return lm_errorf(err, LM_ERR_INVALID, "dist: nccl get_stats: NULL argument");
+    *out = c->st;
+    for (int k = 0; k < LM_COLL_N; k++)
+        out->seconds[k] = 0;
+    /* complete already after the caller's synchronisation: these return at once */
+    if (c->n_timed > 0)
+        CHECK_CUDA(cudaEventSynchronize(c->ev[2 * c->n_timed - 1]));
+    for (int i = 0; i < c->n_timed; i++) {
+        float ms = 0;
+        CHECK_CUDA(cudaEventSynchronize(c->ev[2 * i + 1]));
+        CHECK_CUDA(cudaEventElapsedTime(&ms, c->ev[2 * i], c->ev[2 * i + 1]));
+        out->seconds[c->kinds[i]] += (double)ms * 1e-3;
+    }
+    return LM_OK;
+}
+
+void lm_nccl_reset_stats(lm_nccl_comm *c) {
+    if (!c)
+        return;
+    memset(&c->st, 0, sizeof c->st);
+    c->n_timed = 0;
+}
+
+lm_status lm_nccl_mark(lm_nccl_comm *c, int k, void *stream, lm_error *err) {
+    if (!c || k < 0 || k >= LM_NCCL_MARKS)
+        return lm_errorf(err, LM_ERR_INVALID, "dist: nccl mark %d (want 0 .. %d)", k,
+                         LM_NCCL_MARKS - 1);
+    CHECK_CUDA(cudaEventRecord(c->mark[k], stream ? (cudaStream_t)stream : c->stream));
+    c->have_mark[k] = 1;
+    return LM_OK;
+}
+
+lm_status lm_nccl_mark_ms(lm_nccl_comm *c, int a, int b, double *ms, lm_error *err) {
+    if (!c || !ms || a < 0 || a >= LM_NCCL_MARKS || b < 0 || b >= LM_NCCL_MARKS ||
+        !c->have_mark[a] || !c->have_mark[b])
+        return lm_errorf(err, LM_ERR_INVALID, "dist: nccl mark_ms %d -> %d: not recorded", a, b);
+    float f = 0;
+    CHECK_CUDA(cudaEventSynchronize(c->mark[a]));
+    CHECK_CUDA(cudaEventSynchronize(c->mark[b]));
+    CHECK_CUDA(cudaEventElapsedTime(&f, c->mark[a], c->mark[b]));
+    *ms = f;
+    return LM_OK;
+}
+
+/* ---------------------------------------------------------------- ordering */
+
+lm_status lm_nccl_wait_for(lm_nccl_comm *c, void *stream, lm_error *err) {
+    if (!c)
+        return lm_errorf(err, LM_ERR_INVALID, "dist: nccl wait_for: NULL communicator");
+    CHECK_CUDA(cudaEventRecord(c->order, (cudaStream_t)stream));
+    CHECK_CUDA(cudaStreamWaitEvent(c->stream, c->order, 0));
+    return LM_OK;
+}
+
+lm_status lm_nccl_join(lm_nccl_comm *c, void *stream, lm_error *err) {
+    if (!c)
+        return lm_errorf(err, LM_ERR_INVALID, "dist: nccl join: NULL communicator");
+    CHECK_CUDA(cudaEventRecord(c->order, c->stream));
+    CHECK_CUDA(cudaStreamWaitEvent((cudaStream_t)stream, c->order, 0));
+    return LM_OK;
 }
 
 int lm_nccl_comm_rank(const lm_nccl_comm *c) { return c ? c->rank : 0; }
@@ -119,9 +239,11 @@ lm_status lm_nccl_allreduce(lm_nccl_comm *c, void *buf, int64_t n, lm_dtype dt, 
     LM_TRY(nccl_type(dt, &t, err));
     if (!c || n < 0)
         return lm_errorf(err, LM_ERR_INVALID, "dist: nccl allreduce: bad arguments");
+    int slot = -1;
+    LM_TRY(timed_begin(c, LM_COLL_ALLREDUCE, n * (int64_t)lm_dtype_size(dt), &slot, err));
     CHECK_NCCL(ncclAllReduce(buf, buf, (size_t)n, t, op == LM_DIST_MAX ? ncclMax : ncclSum, c->comm,
                              c->stream));
-    return LM_OK;
+    return timed_end(c, slot, err);
 }
 
 lm_status lm_nccl_reduce_scatter(lm_nccl_comm *c, const void *send, void *recv, int64_t n,
@@ -130,8 +252,11 @@ lm_status lm_nccl_reduce_scatter(lm_nccl_comm *c, const void *send, void *recv, 
     LM_TRY(nccl_type(dt, &t, err));
     if (!c || n < 0)
         return lm_errorf(err, LM_ERR_INVALID, "dist: nccl reduce_scatter: bad arguments");
+    int slot = -1;
+    LM_TRY(timed_begin(c, LM_COLL_REDUCE_SCATTER, n * c->size * (int64_t)lm_dtype_size(dt), &slot,
+                       err));
     CHECK_NCCL(ncclReduceScatter(send, recv, (size_t)n, t, ncclSum, c->comm, c->stream));
-    return LM_OK;
+    return timed_end(c, slot, err);
 }
 
 lm_status lm_nccl_allgather(lm_nccl_comm *c, const void *send, void *recv, int64_t n, lm_dtype dt,
@@ -140,8 +265,10 @@ lm_status lm_nccl_allgather(lm_nccl_comm *c, const void *send, void *recv, int64
     LM_TRY(nccl_type(dt, &t, err));
     if (!c || n < 0)
         return lm_errorf(err, LM_ERR_INVALID, "dist: nccl allgather: bad arguments");
+    int slot = -1;
+    LM_TRY(timed_begin(c, LM_COLL_ALLGATHER, n * (int64_t)lm_dtype_size(dt), &slot, err));
     CHECK_NCCL(ncclAllGather(send, recv, (size_t)n, t, c->comm, c->stream));
-    return LM_OK;
+    return timed_end(c, slot, err);
 }
 
 lm_status lm_nccl_alltoallv(lm_nccl_comm *c, const void *send, const int64_t *send_counts,
@@ -152,6 +279,11 @@ lm_status lm_nccl_alltoallv(lm_nccl_comm *c, const void *send, const int64_t *se
         return lm_errorf(err, LM_ERR_INVALID, "dist: nccl alltoallv: NULL argument");
     const size_t es = lm_dtype_size(dt);
     size_t so = 0, ro = 0;
+    int64_t sent = 0;
+    for (int q = 0; q < c->size; q++)
+        sent += send_counts[q] > 0 ? send_counts[q] : 0;
+    int slot = -1;
+    LM_TRY(timed_begin(c, LM_COLL_ALLTOALLV, sent * (int64_t)es, &slot, err));
     CHECK_NCCL(ncclGroupStart());
     for (int q = 0; q < c->size; q++) {
         if (send_counts[q] > 0) {
@@ -176,7 +308,7 @@ lm_status lm_nccl_alltoallv(lm_nccl_comm *c, const void *send, const int64_t *se
         ro += (size_t)recv_counts[q];
     }
     CHECK_NCCL(ncclGroupEnd());
-    return LM_OK;
+    return timed_end(c, slot, err);
 }
 
 lm_status lm_nccl_broadcast(lm_nccl_comm *c, void *buf, int64_t n, lm_dtype dt, int root,
@@ -185,8 +317,11 @@ lm_status lm_nccl_broadcast(lm_nccl_comm *c, void *buf, int64_t n, lm_dtype dt, 
     LM_TRY(nccl_type(dt, &t, err));
     if (!c || n < 0 || root < 0 || root >= c->size)
         return lm_errorf(err, LM_ERR_INVALID, "dist: nccl broadcast: bad arguments");
+    int slot = -1;
+    LM_TRY(timed_begin(c, LM_COLL_BROADCAST, c->rank == root ? n * (int64_t)lm_dtype_size(dt) : 0,
+                       &slot, err));
     CHECK_NCCL(ncclBroadcast(buf, buf, (size_t)n, t, root, c->comm, c->stream));
-    return LM_OK;
+    return timed_end(c, slot, err);
 }
 
 lm_status lm_nccl_sync(lm_nccl_comm *c, lm_error *err) {
